@@ -1,0 +1,37 @@
+"""Exception types of the coordinator (re-exports the common ones)."""
+
+from __future__ import annotations
+
+from device_communicators.errors import (
+    BackendUnavailableError,
+    ClosedError,
+    GroupcoordError,
+    GroupcoordTimeoutError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+    NotSupportedError,
+    PeerDiedError,
+    ProtocolError,
+)
+
+__all__ = [
+    "AlreadyInitializedError",
+    "BackendUnavailableError",
+    "ClosedError",
+    "GroupcoordError",
+    "GroupcoordTimeoutError",
+    "GroupcoordTypeError",
+    "GroupcoordValueError",
+    "NotInitializedError",
+    "NotSupportedError",
+    "PeerDiedError",
+    "ProtocolError",
+]
+
+
+class AlreadyInitializedError(GroupcoordError, RuntimeError):
+    """A second initialisation that disagrees with the first."""
+
+
+class NotInitializedError(GroupcoordError, RuntimeError):
+    """A group or state was used before it was initialised."""

@@ -1,0 +1,124 @@
+"""groupcoord's one configuration object.
+
+Every setting is read once from a ``GROUPCOORD_*`` environment variable and can
+be replaced in code with :func:`set_config` or, for a block, :func:`override`.
+No other module reads ``os.environ`` for our settings. It lives in the lowest
+package (``shm_broadcast``) so every layer above can import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+ENV_PREFIX = "GROUPCOORD_"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupcoordConfig:
+    """Effective settings; field ``x`` is read from ``GROUPCOORD_X``."""
+
+    # Default deadline of every blocking wait (queue, collective, barrier), seconds.
+    timeout_s: float = 300.0
+    # How often a waiting side checks that its peers are still alive, seconds.
+    peer_check_interval_s: float = 0.5
+    # A remote peer whose heartbeat is older than this is taken as dead, seconds.
+    heartbeat_timeout_s: float = 5.0
+    # Message queue ring geometry.
+    mq_max_chunk_bytes: int = 4 * 1024 * 1024
+    mq_max_chunks: int = 10
+    # Where POSIX shared memory lives (Linux: a tmpfs at /dev/shm).
+    shm_dir: str = "/dev/shm"
+    # CPU shared-memory all-reduce.
+    disable_shm_all_reduce: bool = False
+    shm_all_reduce_max_bytes: int = 16 * 1024 * 1024
+    # CUDA path.
+    disable_custom_all_reduce: bool = False
+    custom_all_reduce_max_bytes: int = 8 * 1024 * 1024
+    custom_all_reduce_algo: str = "auto"  # auto | oneshot | twoshot
+    disable_pynccl: bool = False
+    nccl_so_path: str = ""
+    kernel_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "groupcoord")
+    # Expert-parallel all2all manager: naive | allgather_reducescatter.
+    all2all_backend: str = "allgather_reducescatter"
+    # Log level of the ``groupcoord`` loggers.
+    log_level: str = "WARNING"
+
+    def env_names(self) -> dict[str, str]:
+        """Map each field to the environment variable that sets it."""
+        return {f.name: ENV_PREFIX + f.name.upper() for f in dataclasses.fields(self)}
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse(name: str, kind: type, raw: str) -> Any:
+    if kind is bool:
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: expected a {kind.__name__}") from exc
+
+
+_FIELD_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> GroupcoordConfig:
+    """Build a config from ``GROUPCOORD_*`` variables (defaults for the rest)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(GroupcoordConfig):
+        env_name = ENV_PREFIX + field.name.upper()
+        if env_name in environ:
+            kind = _FIELD_TYPES[str(field.type)]
+            values[field.name] = _parse(env_name, kind, environ[env_name])
+    return GroupcoordConfig(**values)
+
+
+_config: GroupcoordConfig | None = None
+
+
+def get_config() -> GroupcoordConfig:
+    """The effective config, read from the environment on first use."""
+    global _config
+    if _config is None:
+        _config = from_env()
+    return _config
+
+
+def set_config(config: GroupcoordConfig | None = None, **changes: Any) -> GroupcoordConfig:
+    """Replace the effective config (or change some fields of it) in code."""
+    global _config
+    base = config if config is not None else get_config()
+    _config = dataclasses.replace(base, **changes)
+    return _config
+
+
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[GroupcoordConfig]:
+    """Change some settings for the duration of a ``with`` block."""
+    global _config
+    previous = get_config()
+    try:
+        yield set_config(previous, **changes)
+    finally:
+        _config = previous
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """A caller's timeout, or the configured default; refuses non-positive values."""
+    if timeout is None:
+        return get_config().timeout_s
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)

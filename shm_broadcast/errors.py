@@ -1,0 +1,89 @@
+"""Exception types shared by every groupcoord package.
+
+All derive from :class:`GroupcoordError`; each also derives from the built-in
+exception a caller would naturally catch (``TimeoutError``, ``ConnectionError``,
+``ValueError`` ...). ``device_communicators.errors`` and ``coordinator.errors``
+re-export these and add their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class GroupcoordError(Exception):
+    """Base of every exception groupcoord raises on purpose."""
+
+
+class GroupcoordTimeoutError(GroupcoordError, TimeoutError):
+    """A bounded wait passed its deadline.
+
+    ``what`` names the queue or group, ``operation`` the call, ``role`` the side
+    that waited and ``missing`` the ranks that did not arrive (read, write, join).
+    """
+
+    def __init__(
+        self,
+        what: str,
+        operation: str,
+        timeout_s: float,
+        missing: Iterable[int] = (),
+        role: str = "",
+        detail: str = "",
+    ) -> None:
+        self.what = what
+        self.operation = operation
+        self.timeout_s = timeout_s
+        self.missing = sorted(missing)
+        self.role = role
+        parts = [f"{what}: {operation} timed out after {timeout_s:g} s"]
+        if role:
+            parts.append(f"as {role}")
+        if self.missing:
+            parts.append(f"waiting for ranks {self.missing}")
+        message = " ".join(parts)
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)
+
+
+class PeerDiedError(GroupcoordError, ConnectionError):
+    """A peer process this side was waiting on is gone (pid or heartbeat)."""
+
+    def __init__(self, what: str, operation: str, dead: Iterable[int], detail: str = "") -> None:
+        self.what = what
+        self.operation = operation
+        self.dead = sorted(dead)
+        message = f"{what}: {operation} failed: peer rank(s) {self.dead} died"
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)
+
+
+class ProtocolError(GroupcoordError):
+    """Bytes that do not decode, or a peer that broke the protocol."""
+
+
+class GroupcoordValueError(GroupcoordError, ValueError):
+    """An argument with a bad value (shape, size, rank, dim ...)."""
+
+
+class GroupcoordTypeError(GroupcoordError, TypeError):
+    """An argument of a type that cannot work (dtype, object kind ...)."""
+
+
+class ShmSpaceError(GroupcoordError, OSError):
+    """Shared memory cannot hold the segment asked for."""
+
+
+class BackendUnavailableError(GroupcoordError, RuntimeError):
+    """A back end cannot run here; ``reason`` says why (no GPU, no library ...)."""
+
+    def __init__(self, backend: str, reason: str) -> None:
+        self.backend = backend
+        self.reason = reason
+        super().__init__(f"{backend} is unavailable: {reason}")
+
+
+class ClosedError(GroupcoordError, RuntimeError):
+    """The object was shut down or destroyed and cannot be used any more."""

@@ -1,0 +1,188 @@
+"""POSIX shared-memory segments that are never left behind.
+
+Every segment groupcoord creates is named ``groupcoord_<pid>_<tag>_<token>`` in
+the configured shm directory (``/dev/shm`` on Linux). The creator unlinks it on
+``unlink()``, on error and at interpreter exit; :func:`cleanup_stale_segments`
+removes those whose creator pid is gone (a SIGKILLed writer, say).
+
+We do not use ``multiprocessing.shared_memory``: its resource tracker unlinks
+segments when an *attaching* process exits, and it cannot reserve the pages up
+front. Here creation reserves every page with ``posix_fallocate`` so a full
+tmpfs is refused at creation with a clear message instead of a SIGBUS later.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import re
+import secrets
+import threading
+
+from .config import get_config
+from .errors import GroupcoordValueError, ShmSpaceError
+
+SEGMENT_PREFIX = "groupcoord_"
+_NAME_RE = re.compile(r"^groupcoord_(\d+)_[A-Za-z0-9]+_[0-9a-f]+$")
+
+_owned_lock = threading.Lock()
+_owned: dict[str, int] = {}  # segment name -> creating pid
+
+
+def shm_path(name: str) -> str:
+    return os.path.join(get_config().shm_dir, name)
+
+
+def shm_free_bytes() -> int:
+    """Bytes free in the shm directory right now."""
+    st = os.statvfs(get_config().shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+class ShmSegment:
+    """One mapped segment; ``buf`` is a writable memoryview over all of it."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, created: bool) -> None:
+        self.name = name
+        self.size = len(mapping)
+        self.created = created
+        self.views_outstanding = False
+        self._mmap: mmap.mmap | None = mapping
+        self.buf: memoryview = memoryview(mapping)
+
+    @classmethod
+    def create(cls, nbytes: int, tag: str = "seg") -> ShmSegment:
+        """Create, reserve and map a new segment of ``nbytes`` bytes."""
+        if nbytes <= 0:
+            raise GroupcoordValueError(f"segment size must be positive, got {nbytes}")
+        if not tag.isalnum():
+            raise GroupcoordValueError(f"segment tag must be alphanumeric, got {tag!r}")
+        free = shm_free_bytes()
+        if nbytes > free:
+            raise ShmSpaceError(
+                f"cannot create a {nbytes} byte shared-memory segment: "
+                f"{get_config().shm_dir} has only {free} bytes free "
+                "(enlarge it, e.g. docker --shm-size, or ask for a smaller buffer)"
+            )
+        name = f"{SEGMENT_PREFIX}{os.getpid()}_{tag}_{secrets.token_hex(6)}"
+        path = shm_path(name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        with _owned_lock:
+            _owned[name] = os.getpid()
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise ShmSpaceError(
+                    f"cannot reserve {nbytes} bytes of shared memory in "
+                    f"{get_config().shm_dir}: {exc.strerror}"
+                ) from exc
+            mapping = mmap.mmap(fd, nbytes)
+        except BaseException:
+            _unlink_name(name)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, mapping, created=True)
+
+    @classmethod
+    def attach(cls, name: str) -> ShmSegment:
+        """Map an existing segment by name."""
+        if not _NAME_RE.match(name):
+            raise GroupcoordValueError(f"not a groupcoord segment name: {name!r}")
+        fd = os.open(shm_path(name), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, mapping, created=False)
+
+    def close(self) -> None:
+        """Unmap (idempotent). Views exported from ``buf`` must be gone first."""
+        if self._mmap is None:
+            return
+        self.buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A numpy/torch view still points into the mapping; the OS unmaps
+            # it when the last view dies. Unlinking does not depend on it.
+            self.views_outstanding = True
+        self._mmap = None
+
+    def unlink(self) -> None:
+        """Remove the name (creator only; idempotent)."""
+        _unlink_name(self.name)
+
+    def __enter__(self) -> ShmSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self.created:
+            self.unlink()
+
+
+def _unlink_name(name: str) -> None:
+    with _owned_lock:
+        _owned.pop(name, None)
+    try:
+        os.unlink(shm_path(name))
+    except FileNotFoundError:
+        return
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment by name, e.g. one a dead writer left (idempotent)."""
+    if not _NAME_RE.match(name):
+        raise GroupcoordValueError(f"not a groupcoord segment name: {name!r}")
+    _unlink_name(name)
+
+
+def cleanup_owned_segments() -> int:
+    """Unlink every segment this process created and still holds; returns how many."""
+    pid = os.getpid()
+    with _owned_lock:
+        names = [n for n, owner in _owned.items() if owner == pid]
+    for name in names:
+        _unlink_name(name)
+    return len(names)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale_segments() -> list[str]:
+    """Unlink our segments whose creating process no longer exists."""
+    removed: list[str] = []
+    try:
+        entries = os.listdir(get_config().shm_dir)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        match = _NAME_RE.match(entry)
+        if match and not _pid_alive(int(match.group(1))):
+            _unlink_name(entry)
+            removed.append(entry)
+    return removed
+
+
+def list_segments() -> list[str]:
+    """Names of all groupcoord segments present now (any creator)."""
+    try:
+        entries = os.listdir(get_config().shm_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(e for e in entries if _NAME_RE.match(e))
+
+
+atexit.register(cleanup_owned_segments)

@@ -1,0 +1,51 @@
+"""The multi-rank harness itself: results, failures, hangs and kills are reported."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from multiproc import run_ranks, start_ranks
+
+
+def _rank_pid(rank: int, world_size: int) -> tuple[int, int, int]:
+    return rank, world_size, int(os.environ["RANK"])
+
+
+def test_results_come_back_in_rank_order() -> None:
+    assert run_ranks(_rank_pid, 3) == [(0, 3, 0), (1, 3, 1), (2, 3, 2)]
+
+
+def _raise_on_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("boom from rank one")
+
+
+def test_a_raising_rank_fails_with_its_traceback() -> None:
+    with pytest.raises(AssertionError, match="(?s)rank 1 raised.*boom from rank one"):
+        run_ranks(_raise_on_one, 2)
+
+
+def _hang_on_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(60)
+
+
+def test_a_hung_rank_fails_fast_and_is_killed() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 0 did not finish"):
+        run_ranks(_hang_on_zero, 2, timeout=2.0)
+    assert time.monotonic() - start < 10
+
+
+def _sleep(rank: int, world_size: int) -> int:
+    time.sleep(0.5 if rank == 0 else 30)
+    return rank
+
+
+def test_a_killed_rank_is_excused_when_expected() -> None:
+    group = start_ranks(_sleep, 2, timeout=10.0)
+    group.kill(1)
+    assert group.collect(killed=[1]) == [0, None]
+    assert not any(p.is_alive() for p in group.procs)

@@ -1,0 +1,83 @@
+"""Shared-memory segments: created reserved, named for clean-up, never left behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from multiproc import start_ranks
+
+from shm_broadcast import ShmSpaceError, override
+from shm_broadcast.segments import (
+    ShmSegment,
+    cleanup_owned_segments,
+    cleanup_stale_segments,
+    list_segments,
+    shm_path,
+)
+
+
+def test_create_attach_share_bytes_and_unlink() -> None:
+    seg = ShmSegment.create(4096, tag="t")
+    try:
+        assert seg.name.startswith(f"groupcoord_{os.getpid()}_t_")
+        other = ShmSegment.attach(seg.name)
+        seg.buf[:5] = b"hello"
+        assert bytes(other.buf[:5]) == b"hello"
+        other.close()
+    finally:
+        seg.close()
+        seg.unlink()
+    assert not os.path.exists(shm_path(seg.name))
+
+
+def test_oversize_segment_is_refused_with_the_free_space() -> None:
+    with pytest.raises(ShmSpaceError, match="has only .* bytes free"):
+        ShmSegment.create(1 << 60, tag="huge")
+
+
+def test_full_tmpfs_is_refused_at_creation(tmp_path) -> None:
+    # A plain directory stands in for a tiny shm dir: statvfs reports its disk,
+    # so ask for more than that disk has free.
+    with override(shm_dir=str(tmp_path)):
+        st = os.statvfs(tmp_path)
+        with pytest.raises(ShmSpaceError):
+            ShmSegment.create(st.f_bavail * st.f_frsize + (1 << 30), tag="big")
+        assert os.listdir(tmp_path) == []
+
+
+def test_owned_segments_are_cleaned_up() -> None:
+    seg = ShmSegment.create(1024, tag="own")
+    seg.close()
+    assert cleanup_owned_segments() == 1
+    assert seg.name not in list_segments()
+
+
+def _create_and_wait(rank: int, world_size: int) -> None:
+    ShmSegment.create(1024, tag="orphan")
+    import time
+
+    time.sleep(30)
+
+
+def test_segments_of_a_killed_creator_are_removed_by_stale_cleanup() -> None:
+    group = start_ranks(_create_and_wait, 1, timeout=10.0)
+    pid = group.pid(0)
+    for _ in range(200):
+        if any(n.startswith(f"groupcoord_{pid}_") for n in list_segments()):
+            break
+        import time
+
+        time.sleep(0.01)
+    group.kill(0)
+    group.collect(killed=[0])
+    removed = cleanup_stale_segments()
+    assert any(n.startswith(f"groupcoord_{pid}_orphan_") for n in removed)
+    assert not any(n.startswith(f"groupcoord_{pid}_") for n in list_segments())
+
+
+def test_bad_names_and_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="segment size"):
+        ShmSegment.create(0)
+    with pytest.raises(ValueError, match="not a groupcoord segment"):
+        ShmSegment.attach("../etc/passwd")
