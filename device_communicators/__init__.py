@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
+from .base_device_communicator import DeviceCommunicatorBase
 from .errors import NotSupportedError
 
-__all__ = ["NotSupportedError"]
+__all__ = [
+    "AllReduceBackend",
+    "AllReduceChain",
+    "DeviceCommunicatorBase",
+    "NotSupportedError",
+    "TorchDistributedAllReduce",
+]

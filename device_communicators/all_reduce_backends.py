@@ -1,0 +1,122 @@
+"""All-reduce back ends as an ordered list: the first that can take a tensor runs.
+
+A communicator holds an :class:`AllReduceChain`, e.g. ``[ShmAllReduce,
+TorchDistributedAllReduce]`` on CPU or ``[custom, pynccl, torch]`` on CUDA.
+Each back end says whether it can take a given tensor and op, and if not,
+why (the reason is logged and shown by ``describe``). The last entry is always
+a back end that takes everything, so selection needs no if-chain and no
+fallback logic in the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from .errors import GroupcoordValueError
+
+logger = logging.getLogger("groupcoord.device_communicators")
+
+# The reduce ops groupcoord's own back ends implement; torch.distributed takes more.
+SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
+
+
+class AllReduceBackend(ABC):
+    """One way to all-reduce a tensor across a group.
+
+    ``all_reduce`` is out-of-place: it returns a new tensor and leaves its
+    argument unchanged. It is only called after ``refusal`` returned None for
+    the same tensor and op. ``refusal`` must depend only on what every rank
+    of a collective agrees on (dtype, shape, op, configuration), never on
+    local state such as contiguity, or ranks would pick different back ends
+    and wait on each other forever.
+    """
+
+    name: str = "backend"
+
+    @abstractmethod
+    def refusal(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> str | None:
+        """None when this back end can take ``tensor``; otherwise the reason it cannot."""
+
+    def can_handle(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> bool:
+        return self.refusal(tensor, op) is None
+
+    @abstractmethod
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Reduce ``tensor`` over the group; returns the result as a new tensor."""
+
+    def close(self) -> None:
+        """Release what the back end holds (idempotent)."""
+        return None
+
+
+class TorchDistributedAllReduce(AllReduceBackend):
+    """``torch.distributed.all_reduce`` on a process group: takes everything."""
+
+    name = "torch.distributed"
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.name = f"torch.distributed({dist.get_backend(group)})"
+
+    def refusal(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> str | None:
+        return None
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+    ) -> torch.Tensor:
+        # clone(contiguous) so the caller's tensor is untouched and c10d gets dense memory.
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=op, group=self.group)
+        return out
+
+
+class AllReduceChain:
+    """An ordered list of back ends; ``all_reduce`` runs the first that can."""
+
+    def __init__(self, backends: Sequence[AllReduceBackend], owner: str = "") -> None:
+        if not backends:
+            raise GroupcoordValueError("backends: an all-reduce chain needs at least one back end")
+        self.backends: list[AllReduceBackend] = list(backends)
+        self.owner = owner
+        logger.info("%s all-reduce back ends, in order: %s", owner or "communicator", self.names())
+
+    def names(self) -> list[str]:
+        return [b.name for b in self.backends]
+
+    def select(
+        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+    ) -> AllReduceBackend:
+        """The first back end that can take ``tensor`` and ``op``."""
+        reasons = []
+        for backend in self.backends:
+            reason = backend.refusal(tensor, op)
+            if reason is None:
+                return backend
+            reasons.append(f"{backend.name}: {reason}")
+        raise GroupcoordValueError(
+            f"no all-reduce back end of {self.owner or 'this communicator'} takes a "
+            f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}: " + "; ".join(reasons)
+        )
+
+    def explain(
+        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+    ) -> list[tuple[str, str | None]]:
+        """(back end, reason it refuses or None) for each entry, for logs and ``info``."""
+        return [(b.name, b.refusal(tensor, op)) for b in self.backends]
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+    ) -> torch.Tensor:
+        return self.select(tensor, op).all_reduce(tensor, op)
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()

@@ -1,0 +1,331 @@
+"""The device communicator base: vLLM's collective API over ``torch.distributed``.
+
+``DeviceCommunicatorBase`` keeps vLLM's constructor, members and method
+signatures; every ``src``/``dst`` is an index within the group. Its defaults
+are plain ``torch.distributed`` calls on the device group (Gloo on CPU), and
+subclasses put faster all-reduce back ends in front of the torch one (see
+``all_reduce_backends``). Arguments are checked before anything is sent, so
+a bad call raises on the caller and leaves the group usable.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
+from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
+
+
+class DeviceCommunicatorBase:
+    """Collectives of one group on one device kind.
+
+    ``cpu_group`` is a Gloo group used for control; ``device_group`` carries
+    the tensors (it defaults to ``cpu_group``, right for CPU tensors).
+    """
+
+    def __init__(
+        self,
+        cpu_group: ProcessGroup,
+        device: torch.device | None = None,
+        device_group: ProcessGroup | None = None,
+        unique_name: str = "",
+    ) -> None:
+        self.cpu_group = cpu_group
+        self.device = device if device is not None else torch.device("cpu")
+        self.device_group = device_group if device_group is not None else cpu_group
+        self.unique_name = unique_name
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size(cpu_group)
+        self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
+        self.rank_in_group = self.ranks.index(self.rank)
+        self.all2all_manager: Any = None
+        self.all_reduce_chain = AllReduceChain(
+            [*self._fast_all_reduce_backends(), TorchDistributedAllReduce(self.device_group)],
+            owner=f"{type(self).__name__}({unique_name or 'unnamed'})",
+        )
+
+    # ---- hooks for subclasses -------------------------------------------------
+
+    def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
+        """Back ends tried before ``torch.distributed``, in order (none here)."""
+        return []
+
+    @property
+    def backend_name(self) -> str:
+        return type(self).__name__
+
+    def set_all2all_manager(self, manager: Any) -> None:
+        """Attach the manager that ``dispatch``/``combine`` delegate to."""
+        self.all2all_manager = manager
+
+    # ---- collectives ------------------------------------------------------------
+
+    def all_reduce(
+        self, input_: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Reduce over the group; returns a new tensor, ``input_`` is unchanged."""
+        self._check_tensor(input_, "input_")
+        return self.all_reduce_chain.all_reduce(input_, op)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's equally shaped ``input_`` along ``dim``."""
+        self._check_tensor(input_, "input_")
+        dim = self._check_dim(input_, dim, "dim")
+        parts = [
+            torch.empty_like(input_, memory_format=torch.contiguous_format) for _ in self.ranks
+        ]
+        dist.all_gather(parts, input_.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | list[torch.Tensor],
+        dim: int = 0,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """All-gather where ranks may hold different lengths along ``dim``.
+
+        ``sizes[i]`` is rank i's length along ``dim``; when None the lengths are
+        discovered with one small all-gather. The result is exact (no padding).
+        A list of tensors gathers each and returns a list.
+        """
+        tensors = input_ if isinstance(input_, list) else [input_]
+        if not tensors:
+            raise GroupcoordValueError("input_: all_gatherv needs at least one tensor")
+        dims = []
+        for i, t in enumerate(tensors):
+            name = f"input_[{i}]" if isinstance(input_, list) else "input_"
+            self._check_tensor(t, name)
+            dims.append(self._check_dim(t, dim, "dim"))
+        if sizes is not None:
+            self._check_sizes(sizes, "sizes")
+            for t, d in zip(tensors, dims):
+                if t.shape[d] != sizes[self.rank_in_group]:
+                    raise GroupcoordValueError(
+                        f"sizes[{self.rank_in_group}]={sizes[self.rank_in_group]} but this "
+                        f"rank's input_ has {t.shape[d]} along dim {dim}"
+                    )
+            per_tensor_sizes = [list(sizes) for _ in tensors]
+        else:
+            per_tensor_sizes = self._discover_sizes(tensors, dims)
+        out = [
+            self._gather_padded(t, d, s, dst=None)
+            for t, d, s in zip(tensors, dims, per_tensor_sizes)
+        ]
+        result = [o for o in out if o is not None]
+        return result if isinstance(input_, list) else result[0]
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Sum over the group, then keep this rank's equal 1/world slice along ``dim``."""
+        self._check_tensor(input_, "input_")
+        dim = self._check_dim(input_, dim, "dim")
+        if input_.shape[dim] % self.world_size:
+            raise GroupcoordValueError(
+                f"input_ has {input_.shape[dim]} along dim {dim}, not divisible by the "
+                f"group's world size {self.world_size}"
+            )
+        chunk = input_.shape[dim] // self.world_size
+        return self._reduce_then_slice(input_, dim, chunk * self.rank_in_group, chunk)
+
+    def reduce_scatterv(
+        self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    ) -> torch.Tensor:
+        """Like ``reduce_scatter`` with rank i keeping ``sizes[i]`` rows along ``dim``."""
+        if sizes is None:
+            return self.reduce_scatter(input_, dim)
+        self._check_tensor(input_, "input_")
+        dim = self._check_dim(input_, dim, "dim")
+        self._check_sizes(sizes, "sizes")
+        if sum(sizes) != input_.shape[dim]:
+            raise GroupcoordValueError(
+                f"sizes sum to {sum(sizes)} but input_ has {input_.shape[dim]} along dim {dim}"
+            )
+        start = sum(sizes[: self.rank_in_group])
+        return self._reduce_then_slice(input_, dim, start, sizes[self.rank_in_group])
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere.
+
+        Ranks may hold different lengths along ``dim`` (discovered, exact result).
+        """
+        self._check_tensor(input_, "input_")
+        dim = self._check_dim(input_, dim, "dim")
+        self._check_peer(dst, "dst", allow_self=True)
+        (sizes,) = self._discover_sizes([input_], [dim])
+        return self._gather_padded(input_, dim, sizes, dst=dst)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``input_`` on every rank with ``src``'s; returns ``input_``."""
+        self._check_tensor(input_, "input_")
+        self._check_peer(src, "src", allow_self=True)
+        if self.world_size == 1:
+            return input_
+        work = input_ if input_.is_contiguous() else input_.contiguous()
+        dist.broadcast(work, src=self.ranks[src], group=self.device_group)
+        if work is not input_:
+            input_.copy_(work)
+        return input_
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Send ``tensor`` to in-group rank ``dst`` (default: the next rank)."""
+        self._check_tensor(tensor, "tensor")
+        if dst is None:
+            dst = (self.rank_in_group + 1) % self.world_size
+        self._check_peer(dst, "dst", allow_self=False)
+        dist.send(tensor.contiguous(), dst=self.ranks[dst], group=self.device_group)
+
+    def recv(
+        self,
+        size: torch.Size | tuple[int, ...] | list[int],
+        dtype: torch.dtype,
+        src: int | None = None,
+    ) -> torch.Tensor:
+        """Receive a tensor of ``size`` and ``dtype`` from ``src`` (default: the previous rank)."""
+        if not isinstance(dtype, torch.dtype):
+            raise GroupcoordTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        try:
+            shape = torch.Size(size)
+        except TypeError as exc:
+            raise GroupcoordTypeError(f"size must be a sequence of ints, got {size!r}") from exc
+        if any(s < 0 for s in shape):
+            raise GroupcoordValueError(f"size must not be negative, got {tuple(shape)}")
+        if src is None:
+            src = (self.rank_in_group - 1) % self.world_size
+        self._check_peer(src, "src", allow_self=False)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(out, src=self.ranks[src], group=self.device_group)
+        return out
+
+    # ---- expert parallelism -----------------------------------------------------
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> Any:
+        if self.all2all_manager is None:
+            raise NotSupportedError("dispatch (no all2all manager set)", self.backend_name)
+        return self.all2all_manager.dispatch(
+            hidden_states, router_logits, is_sequence_parallel, extra_tensors
+        )
+
+    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+        if self.all2all_manager is None:
+            raise NotSupportedError("combine (no all2all manager set)", self.backend_name)
+        return self.all2all_manager.combine(hidden_states, is_sequence_parallel)
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        if self.all2all_manager is not None:
+            self.all2all_manager.prepare_communication_buffer_for_model(model)
+
+    def destroy(self) -> None:
+        """Release back ends and the all2all manager (idempotent)."""
+        self.all_reduce_chain.close()
+        if self.all2all_manager is not None:
+            self.all2all_manager.destroy()
+            self.all2all_manager = None
+
+    # ---- helpers ------------------------------------------------------------------
+
+    def _check_tensor(self, tensor: object, name: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise GroupcoordTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != self.device.type:
+            raise GroupcoordValueError(
+                f"{name} is on {tensor.device} but this communicator works on {self.device}"
+            )
+
+    @staticmethod
+    def _check_dim(tensor: torch.Tensor, dim: int, name: str) -> int:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise GroupcoordTypeError(f"{name} must be an int, got {dim!r}")
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise GroupcoordValueError(
+                f"{name}={dim} is out of range for a tensor with {tensor.dim()} dims"
+            )
+        return dim % tensor.dim()
+
+    def _check_peer(self, index: int, name: str, allow_self: bool) -> None:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise GroupcoordTypeError(f"{name} must be an int in-group rank, got {index!r}")
+        if not 0 <= index < self.world_size:
+            raise GroupcoordValueError(
+                f"{name}={index} is not a rank of this group (world size {self.world_size})"
+            )
+        if not allow_self and index == self.rank_in_group:
+            raise GroupcoordValueError(f"{name}={index} is this rank itself")
+
+    def _check_sizes(self, sizes: list[int], name: str) -> None:
+        if not isinstance(sizes, (list, tuple)) or len(sizes) != self.world_size:
+            raise GroupcoordValueError(
+                f"{name} must list one size per rank ({self.world_size}), got {sizes!r}"
+            )
+        for s in sizes:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise GroupcoordValueError(f"{name} must hold non-negative ints, got {sizes!r}")
+
+    def _discover_sizes(self, tensors: list[torch.Tensor], dims: list[int]) -> list[list[int]]:
+        """Each tensor's length along its dim on every rank, in one small all-gather.
+
+        A fingerprint of the dtype and of the other dims travels along, so ranks
+        whose tensors cannot be concatenated all raise the same clear error.
+        """
+        rows = []
+        for t, d in zip(tensors, dims):
+            others = [s for i, s in enumerate(t.shape) if i != d]
+            # crc32, not hash(): str hashes differ between processes (PYTHONHASHSEED).
+            fingerprint = zlib.crc32(f"{t.dtype}|{t.dim()}|{others}".encode())
+            rows.append([t.shape[d], fingerprint])
+        mine = torch.tensor(rows, dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in self.ranks]
+        dist.all_gather(everyone, mine, group=self.cpu_group)
+        table = torch.stack(everyone).tolist()  # [rank][tensor][length, fingerprint]
+        out = []
+        for i, t in enumerate(tensors):
+            prints = {table[r][i][1] for r in range(self.world_size)}
+            if len(prints) != 1:
+                raise GroupcoordValueError(
+                    f"input_ ranks disagree on dtype or on the dims other than {dims[i]} "
+                    f"(this rank: {t.dtype}, shape {tuple(t.shape)}); cannot concatenate"
+                )
+            out.append([table[r][i][0] for r in range(self.world_size)])
+        return out
+
+    def _gather_padded(
+        self, tensor: torch.Tensor, dim: int, sizes: list[int], dst: int | None
+    ) -> torch.Tensor | None:
+        """Gather (to ``dst``, or to all when None) tensors whose lengths along ``dim`` are ``sizes``.
+
+        c10d's Gloo collectives need equal shapes, so each part travels padded
+        to the longest and is cut back to its true length on arrival.
+        """
+        longest = max(sizes)
+        moved = tensor.movedim(dim, 0)
+        padded = moved.new_zeros((longest, *moved.shape[1:]))
+        padded[: moved.shape[0]] = moved
+        if dst is None:
+            parts: list[torch.Tensor] | None = [torch.empty_like(padded) for _ in self.ranks]
+            dist.all_gather(parts, padded, group=self.device_group)
+        else:
+            mine = self.rank_in_group == dst
+            parts = [torch.empty_like(padded) for _ in self.ranks] if mine else None
+            dist.gather(padded, parts, dst=self.ranks[dst], group=self.device_group)
+        if parts is None:
+            return None
+        joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+        return joined.movedim(0, dim).contiguous()
+
+    def _reduce_then_slice(
+        self, input_: torch.Tensor, dim: int, start: int, length: int
+    ) -> torch.Tensor:
+        # Gloo has no reduce-scatter; a (fast, shm-backed) all-reduce then a slice
+        # moves more bytes but is exact and uses the best all-reduce we have.
+        total = self.all_reduce(input_)
+        return total.narrow(dim, start, length).contiguous()
