@@ -1,0 +1,356 @@
+"""Expert-parallel all2all managers: move tokens to the expert owners and back.
+
+A mixture-of-experts layer whose experts are split over the ranks of the EP
+group needs, on every rank, the tokens of all ranks (``dispatch``) and, after
+the local experts ran, each token's partial outputs summed back on the rank
+that owns the token (``combine``). Two managers do this over a device
+communicator:
+
+* ``naive``: each rank broadcasts its own tokens in turn; combine all-reduces
+  the full expert output and keeps its own rows. Simple, W broadcasts.
+* ``allgather_reducescatter``: one grouped ``all_gatherv`` of the hidden
+  states, router logits and any extra tensors with per-rank token counts;
+  combine is one ``reduce_scatterv``. Less traffic than naive on combine.
+
+Ranks may hold different token counts, including zero. The counts are found
+with one small all-gather per dispatch and kept for the matching combine,
+unless the caller states them for a block with :meth:`All2AllManagerBase.token_counts`
+(an engine that already knows them, like vLLM's DP metadata, saves that call).
+Dispatch gathers over the whole EP group in both the sequence-parallel and the
+plain case; see ``docs/demo.md`` for what that means for TP ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .errors import ClosedError, GroupcoordTypeError, GroupcoordValueError
+
+__all__ = [
+    "AllGatherReduceScatterAll2AllManager",
+    "All2AllManagerBase",
+    "HasMoEBufferSpec",
+    "MoEBufferSpec",
+    "NaiveAll2AllManager",
+    "create_all2all_manager",
+    "known_all2all_backends",
+]
+
+
+class All2AllCommunicator(Protocol):
+    """What a manager needs from its device communicator (``DeviceCommunicatorBase``)."""
+
+    world_size: int
+    rank_in_group: int
+    unique_name: str
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | list[torch.Tensor],
+        dim: int = 0,
+        sizes: list[int] | None = None,
+    ) -> Any: ...
+
+    def reduce_scatterv(
+        self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    ) -> torch.Tensor: ...
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEBufferSpec:
+    """What an MoE layer tells a manager so it can size buffers ahead of the first step.
+
+    A model module exposing ``moe_buffer_spec() -> MoEBufferSpec`` is found by
+    :meth:`All2AllManagerBase.prepare_communication_buffer_for_model`.
+    """
+
+    max_tokens_per_rank: int
+    hidden_size: int
+    num_experts: int
+    dtype: torch.dtype
+
+
+@runtime_checkable
+class HasMoEBufferSpec(Protocol):
+    """A model module that announces its MoE buffer needs."""
+
+    def moe_buffer_spec(self) -> MoEBufferSpec: ...
+
+
+DispatchResult = (
+    tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
+)
+
+
+class All2AllManagerBase:
+    """Common bookkeeping: argument checks, token counts, the dispatch/combine pairing."""
+
+    name = "base"
+
+    def __init__(self, communicator: All2AllCommunicator) -> None:
+        self.communicator = communicator
+        self.world_size = int(communicator.world_size)
+        self.rank = int(communicator.rank_in_group)
+        self.buffer_spec: MoEBufferSpec | None = None
+        self._stated_counts: list[int] | None = None
+        # Counts of the last dispatch, waiting for their combine.
+        self._pending_counts: list[int] | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------- public API
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: Sequence[torch.Tensor] | None = None,
+    ) -> DispatchResult:
+        """Gather every rank's tokens; returns (hidden, logits[, extras]) in rank order."""
+        self._check_open("dispatch")
+        extras = self._check_dispatch_args(hidden_states, router_logits, extra_tensors)
+        counts = self._counts_for(hidden_states.shape[0])
+        tensors = [hidden_states, router_logits, *extras]
+        if sum(counts) == 0:
+            # No rank has a token; every rank knows it, so all skip the collective.
+            gathered = [t.new_empty(t.shape) for t in tensors]
+        else:
+            gathered = self._dispatch(tensors, counts)
+        self._pending_counts = counts
+        if extra_tensors is None:
+            return gathered[0], gathered[1]
+        return gathered[0], gathered[1], gathered[2:]
+
+    def combine(
+        self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
+        """Sum every rank's expert output and return this rank's own rows."""
+        self._check_open("combine")
+        counts = self._stated_counts or self._pending_counts
+        if counts is None:
+            raise GroupcoordValueError(
+                f"{self.name} all2all: combine needs the token counts of a preceding dispatch "
+                "(or a token_counts() block); none is pending"
+            )
+        if not isinstance(hidden_states, torch.Tensor):
+            raise GroupcoordTypeError(
+                f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}"
+            )
+        if hidden_states.dim() < 1 or hidden_states.shape[0] != sum(counts):
+            raise GroupcoordValueError(
+                f"hidden_states must have {sum(counts)} rows (all ranks' tokens {counts}), "
+                f"got shape {tuple(hidden_states.shape)}"
+            )
+        if sum(counts) == 0:
+            out = hidden_states.new_empty(hidden_states.shape)
+        else:
+            out = self._combine(hidden_states.contiguous(), counts)
+        self._pending_counts = None
+        return out
+
+    @contextlib.contextmanager
+    def token_counts(self, counts: Sequence[int]) -> Iterator[None]:
+        """State every rank's token count for a block (skips the per-dispatch count gather)."""
+        checked = [int(c) for c in counts]
+        if len(checked) != self.world_size or any(c < 0 for c in checked):
+            raise GroupcoordValueError(
+                f"counts must hold {self.world_size} non-negative token counts, got {list(counts)}"
+            )
+        previous = self._stated_counts
+        self._stated_counts = checked
+        try:
+            yield
+        finally:
+            self._stated_counts = previous
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        """Size buffers from the model's MoE layers (modules with ``moe_buffer_spec()``)."""
+        self._check_open("prepare_communication_buffer_for_model")
+        specs = [m.moe_buffer_spec() for m in model.modules() if isinstance(m, HasMoEBufferSpec)]
+        if not specs:
+            return
+        dtypes = {s.dtype for s in specs}
+        if len(dtypes) != 1:
+            raise GroupcoordValueError(
+                f"model: MoE layers disagree on dtype: {sorted(map(str, dtypes))}"
+            )
+        spec = MoEBufferSpec(
+            max_tokens_per_rank=max(s.max_tokens_per_rank for s in specs),
+            hidden_size=max(s.hidden_size for s in specs),
+            num_experts=max(s.num_experts for s in specs),
+            dtype=specs[0].dtype,
+        )
+        self.buffer_spec = spec
+        self._allocate(spec)
+
+    def destroy(self) -> None:
+        """Release buffers; the manager refuses further calls."""
+        self._release()
+        self._pending_counts = None
+        self._closed = True
+
+    # ----------------------------------------------------------- for subclasses
+    def _dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _combine(self, hidden_states: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _allocate(self, spec: MoEBufferSpec) -> None:
+        """Hook: reserve buffers for ``spec`` (default: nothing to reserve)."""
+
+    def _release(self) -> None:
+        """Hook: drop buffers."""
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self, operation: str) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.name} all2all manager: {operation} after destroy()")
+
+    def _check_dispatch_args(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        extra_tensors: Sequence[torch.Tensor] | None,
+    ) -> list[torch.Tensor]:
+        named = [("hidden_states", hidden_states), ("router_logits", router_logits)]
+        extras = list(extra_tensors) if extra_tensors is not None else []
+        named += [(f"extra_tensors[{i}]", t) for i, t in enumerate(extras)]
+        for arg, tensor in named:
+            if not isinstance(tensor, torch.Tensor):
+                raise GroupcoordTypeError(
+                    f"{arg} must be a torch.Tensor, got {type(tensor).__name__}"
+                )
+        if hidden_states.dim() != 2:
+            raise GroupcoordValueError(
+                f"hidden_states must be 2-D [tokens, hidden], got shape {tuple(hidden_states.shape)}"
+            )
+        tokens = hidden_states.shape[0]
+        for arg, tensor in named[1:]:
+            if tensor.dim() < 1 or tensor.shape[0] != tokens:
+                raise GroupcoordValueError(
+                    f"{arg} must have {tokens} rows like hidden_states, got shape {tuple(tensor.shape)}"
+                )
+            if tensor.device != hidden_states.device:
+                raise GroupcoordValueError(
+                    f"{arg} is on {tensor.device}, hidden_states on {hidden_states.device}"
+                )
+        spec = self.buffer_spec
+        if spec is not None and hidden_states.shape[1] > spec.hidden_size:
+            raise GroupcoordValueError(
+                f"hidden_states has hidden size {hidden_states.shape[1]}, more than the "
+                f"{spec.hidden_size} the model's MoE layers announced"
+            )
+        return extras
+
+    def _counts_for(self, local_tokens: int) -> list[int]:
+        if self._stated_counts is not None:
+            if self._stated_counts[self.rank] != local_tokens:
+                raise GroupcoordValueError(
+                    f"hidden_states has {local_tokens} rows but token_counts() states "
+                    f"{self._stated_counts[self.rank]} for rank {self.rank}"
+                )
+            return list(self._stated_counts)
+        # One small all-gather: every rank learns every rank's token count.
+        mine = torch.tensor([local_tokens], dtype=torch.int64)
+        return [int(c) for c in self.communicator.all_gather(mine, dim=0).tolist()]
+
+    @staticmethod
+    def _offsets(counts: list[int]) -> list[int]:
+        return [0, *itertools.accumulate(counts)]
+
+
+class NaiveAll2AllManager(All2AllManagerBase):
+    """Each rank broadcasts its tokens in turn; combine = all-reduce, then own rows."""
+
+    name = "naive"
+
+    def __init__(self, communicator: All2AllCommunicator) -> None:
+        super().__init__(communicator)
+        # Reused receive buffers, keyed by (trailing shape, dtype); filled by _allocate.
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _allocate(self, spec: MoEBufferSpec) -> None:
+        rows = spec.max_tokens_per_rank * self.world_size
+        for width in (spec.hidden_size, spec.num_experts):
+            key = ((width,), spec.dtype, torch.device("cpu"))
+            self._buffers[key] = torch.empty((rows, width), dtype=spec.dtype)
+
+    def _release(self) -> None:
+        self._buffers.clear()
+
+    def _receive_buffer(self, like: torch.Tensor, rows: int) -> torch.Tensor:
+        key = (tuple(like.shape[1:]), like.dtype, like.device)
+        buffer = self._buffers.get(key)
+        if buffer is not None and buffer.shape[0] >= rows:
+            # Valid until the next dispatch, which is after the matching combine.
+            return buffer[:rows]
+        return torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+
+    def _dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+        offsets = self._offsets(counts)
+        out = []
+        for tensor in tensors:
+            buffer = self._receive_buffer(tensor, offsets[-1])
+            buffer[offsets[self.rank] : offsets[self.rank + 1]].copy_(tensor)
+            for src, count in enumerate(counts):
+                if count == 0:
+                    continue  # every rank knows the counts, so all skip the same broadcasts
+                piece = buffer[offsets[src] : offsets[src + 1]]
+                received = self.communicator.broadcast(piece, src=src)
+                if received.data_ptr() != piece.data_ptr():
+                    piece.copy_(received)
+            out.append(buffer)
+        return out
+
+    def _combine(self, hidden_states: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        offsets = self._offsets(counts)
+        summed = self.communicator.all_reduce(hidden_states)
+        return summed[offsets[self.rank] : offsets[self.rank + 1]].contiguous()
+
+
+class AllGatherReduceScatterAll2AllManager(All2AllManagerBase):
+    """One grouped all_gatherv on dispatch, one reduce_scatterv on combine."""
+
+    name = "allgather_reducescatter"
+
+    def _dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+        gathered = self.communicator.all_gatherv(
+            [t.contiguous() for t in tensors], dim=0, sizes=counts
+        )
+        return list(gathered)
+
+    def _combine(self, hidden_states: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self.communicator.reduce_scatterv(hidden_states, dim=0, sizes=counts)
+
+
+_MANAGERS: dict[str, type[All2AllManagerBase]] = {
+    NaiveAll2AllManager.name: NaiveAll2AllManager,
+    AllGatherReduceScatterAll2AllManager.name: AllGatherReduceScatterAll2AllManager,
+}
+
+
+def known_all2all_backends() -> list[str]:
+    """Names accepted by :func:`create_all2all_manager` (and ``GROUPCOORD_ALL2ALL_BACKEND``)."""
+    return sorted(_MANAGERS)
+
+
+def create_all2all_manager(name: str, communicator: All2AllCommunicator) -> All2AllManagerBase:
+    """The all2all manager called ``name`` over ``communicator`` (the EP group's)."""
+    cls = _MANAGERS.get(name)
+    if cls is None:
+        raise GroupcoordValueError(
+            f"all2all backend {name!r} is unknown; known backends: {', '.join(known_all2all_backends())}"
+        )
+    return cls(communicator)

@@ -1,0 +1,212 @@
+"""Expert-parallel dispatch/combine over real forked ranks.
+
+Each rank holds its own tokens (uneven counts, some zero), the experts are
+split over the ranks, and dispatch -> local experts -> combine must give every
+rank the same output a single process computes with all experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+
+HIDDEN = 8
+EXPERTS = 4
+TOP_K = 2
+
+
+def _expert_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    router = torch.randn(HIDDEN, EXPERTS, generator=gen)
+    experts = torch.randn(EXPERTS, HIDDEN, HIDDEN, generator=gen) / HIDDEN**0.5
+    return router, experts
+
+
+def _tokens(rank: int, count: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(count, HIDDEN, generator=gen)
+
+
+def _moe(
+    hidden: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor, owned: range
+) -> torch.Tensor:
+    """Top-k MoE output of ``hidden`` using only the experts in ``owned``."""
+    weights, ids = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
+    out = torch.zeros_like(hidden)
+    for e in owned:
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        if rows.numel():
+            out.index_add_(0, rows, (hidden[rows] @ experts[e]) * weights[rows, slot, None])
+    return out
+
+
+def _communicator(world_size: int):
+    import torch.distributed as dist
+
+    from device_communicators.base_device_communicator import DeviceCommunicatorBase
+
+    return DeviceCommunicatorBase(dist.group.WORLD, unique_name="ep")
+
+
+def _dispatch_combine_rank(rank: int, world_size: int, backend: str, counts: list[int]):
+    from device_communicators.all2all import create_all2all_manager
+
+    init_gloo(rank, world_size)
+    manager = create_all2all_manager(backend, _communicator(world_size))
+    router, experts = _expert_weights()
+    per_rank = EXPERTS // world_size
+    owned = range(rank * per_rank, (rank + 1) * per_rank)
+    outputs = []
+    for step in range(2):  # twice: buffers and pending counts are reused cleanly
+        mine = _tokens(rank, counts[rank]) * (step + 1)
+        logits = mine @ router
+        ids = torch.arange(counts[rank], dtype=torch.int64) + 1000 * rank
+        hidden, all_logits, extras = manager.dispatch(mine, logits, extra_tensors=[ids])
+        expected_ids = torch.cat(
+            [torch.arange(c, dtype=torch.int64) + 1000 * r for r, c in enumerate(counts)]
+        )
+        assert torch.equal(extras[0], expected_ids), (extras[0], expected_ids)
+        partial = _moe(hidden, all_logits, experts, owned)
+        outputs.append(manager.combine(partial))
+    manager.destroy()
+    return [o.tolist() for o in outputs]
+
+
+CASES = [
+    (2, [3, 5]),
+    (2, [0, 4]),
+    (4, [2, 0, 7, 1]),
+    (4, [0, 0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
+@pytest.mark.parametrize("world_size,counts", CASES)
+def test_dispatch_combine_equals_single_process_moe(backend, world_size, counts):
+    results = run_ranks(_dispatch_combine_rank, world_size, backend, counts, timeout=90)
+    router, experts = _expert_weights()
+    for rank, outputs in enumerate(results):
+        for step, got in enumerate(outputs):
+            mine = _tokens(rank, counts[rank]) * (step + 1)
+            want = _moe(mine, mine @ router, experts, range(EXPERTS))
+            got_t = torch.tensor(got, dtype=torch.float32).reshape(counts[rank], HIDDEN)
+            torch.testing.assert_close(got_t, want, rtol=1e-5, atol=1e-5)
+
+
+def _misuse_rank(rank: int, world_size: int, backend: str):
+    from device_communicators.all2all import create_all2all_manager
+    from device_communicators.errors import (
+        ClosedError,
+        GroupcoordTypeError,
+        GroupcoordValueError,
+    )
+
+    init_gloo(rank, world_size)
+    manager = create_all2all_manager(backend, _communicator(world_size))
+    messages = []
+    bad_calls = [
+        lambda: manager.dispatch(torch.zeros(3), torch.zeros(3, 2)),
+        lambda: manager.dispatch(torch.zeros(3, 4), torch.zeros(2, 2)),
+        lambda: manager.dispatch(torch.zeros(3, 4), "logits"),
+        lambda: manager.dispatch(
+            torch.zeros(3, 4), torch.zeros(3, 2), extra_tensors=[torch.zeros(5)]
+        ),
+        lambda: manager.combine(torch.zeros(3, 4)),  # no dispatch pending
+    ]
+    for call in bad_calls:
+        try:
+            call()
+        except (GroupcoordValueError, GroupcoordTypeError) as exc:
+            messages.append(str(exc))
+        else:
+            raise AssertionError("bad call did not raise")
+    # The group is still usable: a good pair right after the bad calls.
+    n = rank + 1
+    hidden, logits = manager.dispatch(torch.full((n, 4), float(rank)), torch.zeros(n, 2))
+    assert hidden.shape == (sum(range(1, world_size + 1)), 4)
+    try:
+        manager.combine(torch.zeros(n, 4))  # wrong row count: needs all ranks' tokens
+    except GroupcoordValueError as exc:
+        messages.append(str(exc))
+    out = manager.combine(hidden)
+    assert torch.equal(out, torch.full((n, 4), float(rank) * world_size))
+    # Stated counts skip discovery and are checked against the local rows.
+    counts = list(range(1, world_size + 1))
+    with manager.token_counts(counts):
+        hidden, _ = manager.dispatch(torch.ones(n, 4), torch.zeros(n, 2))
+        assert hidden.shape[0] == sum(counts)
+        assert torch.equal(manager.combine(hidden), torch.full((n, 4), float(world_size)))
+        try:
+            manager.dispatch(torch.ones(n + 1, 4), torch.zeros(n + 1, 2))
+        except GroupcoordValueError as exc:
+            messages.append(str(exc))
+    manager.destroy()
+    try:
+        manager.dispatch(torch.ones(n, 4), torch.zeros(n, 2))
+    except ClosedError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
+def test_bad_calls_raise_and_leave_manager_usable(backend):
+    results = run_ranks(_misuse_rank, 2, backend, timeout=60)
+    for messages in results:
+        assert len(messages) == 8, messages
+        assert "hidden_states must be 2-D" in messages[0]
+        assert "router_logits must have 3 rows" in messages[1]
+        assert "router_logits must be a torch.Tensor" in messages[2]
+        assert "extra_tensors[0] must have 3 rows" in messages[3]
+        assert "preceding dispatch" in messages[4]
+        assert "must have 3 rows" in messages[5]
+        assert "token_counts() states" in messages[6]
+        assert "after destroy()" in messages[7]
+
+
+def _prepared_rank(rank: int, world_size: int):
+    from device_communicators.all2all import MoEBufferSpec, create_all2all_manager
+
+    class TinyMoE(torch.nn.Module):
+        def moe_buffer_spec(self) -> MoEBufferSpec:
+            return MoEBufferSpec(
+                max_tokens_per_rank=4, hidden_size=6, num_experts=3, dtype=torch.float32
+            )
+
+    init_gloo(rank, world_size)
+    comm = _communicator(world_size)
+    manager = create_all2all_manager("naive", comm)
+    comm.set_all2all_manager(manager)
+    comm.prepare_communication_buffer_for_model(
+        torch.nn.Sequential(torch.nn.Linear(2, 2), TinyMoE())
+    )
+    assert manager.buffer_spec is not None and manager.buffer_spec.hidden_size == 6
+    hidden, logits = comm.dispatch(torch.full((rank + 1, 6), float(rank)), torch.zeros(rank + 1, 3))
+    reused = hidden.untyped_storage().nbytes() == 4 * world_size * 6 * 4
+    out = comm.combine(hidden)
+    try:
+        comm.dispatch(torch.zeros(1, 7), torch.zeros(1, 3))
+        too_wide = ""
+    except ValueError as exc:
+        too_wide = str(exc)
+    comm.destroy()
+    return reused, out.tolist(), too_wide
+
+
+def test_prepare_buffers_from_model_moe_layers():
+    results = run_ranks(_prepared_rank, 2, timeout=60)
+    for rank, (reused, out, too_wide) in enumerate(results):
+        assert reused, "naive dispatch did not use the buffer sized by prepare"
+        assert out == [[float(rank) * 2] * 6] * (rank + 1)
+        assert "hidden size 7" in too_wide
+
+
+def test_unknown_backend_lists_known_ones():
+    from device_communicators.all2all import create_all2all_manager, known_all2all_backends
+    from device_communicators.errors import GroupcoordValueError
+
+    assert known_all2all_backends() == ["allgather_reducescatter", "naive"]
+    with pytest.raises(
+        GroupcoordValueError, match="known backends: allgather_reducescatter, naive"
+    ):
+        create_all2all_manager("deepep", object())  # type: ignore[arg-type]
