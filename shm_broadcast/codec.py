@@ -1,0 +1,519 @@
+"""msgspec msgpack codec for everything groupcoord sends: plain data and tensors, no pickle.
+
+Supported, round-tripping exactly: None, bool, int (any size), float, str,
+bytes, list, tuple (stays a tuple), dict (any supported hashable keys),
+msgspec Structs, torch tensors (every dtype, any shape, non-contiguous),
+torch dtypes / devices / ``torch.Size``, numpy arrays and numpy scalars.
+Anything else raises :class:`GroupcoordTypeError` naming the type, unless the
+caller passes ``allow_pickle=True`` on both sides.
+
+An encoded message is a small msgpack *header* plus *frames*: the raw bytes of
+each tensor / array / large bytes value, which :func:`write_message` copies
+straight from the tensor's memory into the destination (a shared-memory chunk,
+say) without an intermediate buffer. Decoding copies frame bytes into fresh
+tensors, so decoded values stay valid after the source buffer is reused.
+
+Wire layout of one message (``write_message`` / ``read_message``; ``dumps``
+/ ``loads`` use the same layout in a single ``bytes``)::
+
+    u32 header_len | u32 n_frames | u64 frame_len * n_frames | header | pad | frame0 | pad | frame1 ...
+
+Frames start at multiples of :data:`FRAME_ALIGN` from the message start, so a
+frame in a page-aligned chunk is aligned for every dtype.
+
+torch is imported only when a tensor is encoded or decoded, so a pure-Python
+scheduler can use this module without paying for torch.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import sys
+import threading
+from collections.abc import Sequence
+from itertools import islice
+from typing import Any
+
+import msgspec
+
+from .errors import GroupcoordTypeError, ProtocolError
+
+__all__ = [
+    "FRAME_ALIGN",
+    "Codec",
+    "EncodedMessage",
+    "dumps",
+    "loads",
+    "read_message",
+    "write_message",
+]
+
+FRAME_ALIGN = 64
+# bytes values at least this large travel as their own frame (one copy on
+# each side instead of two through the msgpack header).
+BYTES_FRAME_THRESHOLD = 32 * 1024
+
+_PREFIX = struct.Struct("<II")
+_FRAME_LEN = struct.Struct("<Q")
+
+# Ext type codes (msgpack allows 0..127 for applications).
+_EXT_TUPLE = 1
+_EXT_STRUCT = 2
+_EXT_TENSOR = 3
+_EXT_NDARRAY = 4
+_EXT_NPSCALAR = 5
+_EXT_BIGINT = 6
+_EXT_PAIRS = 7  # a dict whose keys msgpack maps cannot hold directly (tuples ...)
+_EXT_BYTES_FRAME = 8
+_EXT_TORCH_DTYPE = 9
+_EXT_TORCH_DEVICE = 10
+_EXT_TORCH_SIZE = 11
+_EXT_PICKLE = 12
+
+_Ext = msgspec.msgpack.Ext
+_SIMPLE = frozenset({type(None), bool, int, float, str})
+_SIMPLE_KEYS = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _align(n: int) -> int:
+    return (n + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+
+
+class EncodedMessage:
+    """Header plus frames of one encoded object; ``nbytes`` is its wire size."""
+
+    __slots__ = ("header", "frames", "frame_lens", "nbytes")
+
+    def __init__(self, header: bytes, frames: list[Any], frame_lens: list[int]) -> None:
+        self.header = header
+        # Each frame is a contiguous uint8 memoryview, or a (non-contiguous)
+        # tensor / ndarray that write_message copies strided into place.
+        self.frames = frames
+        self.frame_lens = frame_lens
+        size = _PREFIX.size + _FRAME_LEN.size * len(frames) + len(header)
+        for n in frame_lens:
+            size = _align(size) + n
+        self.nbytes = size
+
+
+class Codec:
+    """Encoder/decoder pair; one instance per thread (it keeps per-call state)."""
+
+    def __init__(self, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
+        self._frames: list[Any] = []
+        self._frame_lens: list[int] = []
+        self._in_frames: Sequence[memoryview] = ()
+        self._bigints = False
+
+    # -- encoding ---------------------------------------------------------
+
+    def encode(self, obj: Any) -> EncodedMessage:
+        """Encode ``obj`` into a header and zero-copy frames."""
+        self._frames = []
+        self._frame_lens = []
+        self._bigints = False
+        try:
+            try:
+                header = self._enc.encode(self._walk(obj))
+            except OverflowError:
+                # An int beyond 64 bits: redo the (rare) slow walk that wraps them.
+                self._frames = []
+                self._frame_lens = []
+                self._bigints = True
+                header = self._enc.encode(self._walk(obj))
+            return EncodedMessage(header, self._frames, self._frame_lens)
+        finally:
+            self._frames = []
+            self._frame_lens = []
+
+    def _walk(self, obj: Any) -> Any:
+        """Return ``obj`` with every non-msgpack value replaced by an Ext (lazy copy)."""
+        t = type(obj)
+        if t in _SIMPLE:
+            if t is int and self._bigints and not (-(2**63) <= obj < 2**64):
+                return _Ext(_EXT_BIGINT, str(obj).encode())
+            return obj
+        if t is dict:
+            return self._walk_dict(obj)
+        if t is list:
+            return self._walk_list(obj)
+        if t is tuple:
+            return _Ext(_EXT_TUPLE, self._enc.encode(self._walk_list(list(obj))))
+        if t is bytes:
+            if len(obj) >= BYTES_FRAME_THRESHOLD:
+                idx = self._add_frame(memoryview(obj), len(obj))
+                return _Ext(_EXT_BYTES_FRAME, self._enc.encode(idx))
+            return obj
+        if isinstance(obj, msgspec.Struct):
+            return self._walk_struct(obj)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            if isinstance(obj, torch.Tensor):
+                return self._walk_tensor(obj)
+            if t is torch.dtype:
+                return _Ext(_EXT_TORCH_DTYPE, str(obj).encode())
+            if t is torch.device:
+                return _Ext(_EXT_TORCH_DEVICE, str(obj).encode())
+            if t is torch.Size:
+                return _Ext(_EXT_TORCH_SIZE, self._enc.encode(list(obj)))
+        np = sys.modules.get("numpy")
+        if np is not None:
+            if isinstance(obj, np.ndarray):
+                return self._walk_ndarray(obj)
+            if isinstance(obj, np.generic):
+                return self._walk_npscalar(obj)
+        if self.allow_pickle:
+            return _Ext(_EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        raise GroupcoordTypeError(
+            f"cannot encode an object of type {t.__module__}.{t.__qualname__} without pickle; "
+            "supported: None, bool, int, float, str, bytes, list, tuple, dict, msgspec.Struct, "
+            "torch.Tensor, numpy.ndarray (or create the queue with allow_pickle=True)"
+        )
+
+    def _walk_dict(self, d: dict[Any, Any]) -> Any:
+        new: dict[Any, Any] | None = None
+        simple_keys = _SIMPLE_KEYS
+        for i, (k, v) in enumerate(d.items()):
+            if type(k) not in simple_keys:
+                return self._walk_pairs(d)
+            v2 = v if type(v) in _SIMPLE and not self._bigints else self._walk(v)
+            k2 = k if not self._bigints else self._walk(k)
+            if new is None:
+                if v2 is v and k2 is k:
+                    continue
+                new = dict(islice(d.items(), i))
+            new[k2] = v2
+        return d if new is None else new
+
+    def _walk_pairs(self, d: dict[Any, Any]) -> Any:
+        flat: list[Any] = []
+        for k, v in d.items():
+            flat.append(self._walk(k))
+            flat.append(self._walk(v))
+        return _Ext(_EXT_PAIRS, self._enc.encode(flat))
+
+    def _walk_list(self, items: list[Any]) -> list[Any]:
+        new: list[Any] | None = None
+        for i, v in enumerate(items):
+            v2 = v if type(v) in _SIMPLE and not self._bigints else self._walk(v)
+            if new is None:
+                if v2 is v:
+                    continue
+                new = items[:i]
+            new.append(v2)
+        return items if new is None else new
+
+    def _walk_struct(self, obj: msgspec.Struct) -> Any:
+        cls = type(obj)
+        values = [self._walk(getattr(obj, name)) for name in cls.__struct_fields__]
+        return _Ext(_EXT_STRUCT, self._enc.encode([cls.__module__, cls.__qualname__, values]))
+
+    def _add_frame(self, frame: Any, nbytes: int) -> int:
+        self._frames.append(frame)
+        self._frame_lens.append(nbytes)
+        return len(self._frames) - 1
+
+    def _walk_tensor(self, t: Any) -> Any:
+        import torch
+
+        if t.layout != torch.strided:
+            raise GroupcoordTypeError(f"cannot encode a tensor with layout {t.layout}")
+        if t.is_quantized:
+            raise GroupcoordTypeError(f"cannot encode a quantized tensor ({t.dtype})")
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.resolve_conj().resolve_neg()
+        nbytes = t.numel() * t.element_size()
+        frame: Any
+        if t.is_contiguous():
+            # A flat uint8 view over the tensor's own memory: no copy here.
+            frame = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else b""
+        else:
+            frame = t  # copied strided straight into the destination
+        idx = self._add_frame(frame, nbytes)
+        return _Ext(_EXT_TENSOR, self._enc.encode([str(t.dtype)[6:], list(t.shape), idx]))
+
+    def _walk_ndarray(self, a: Any) -> Any:
+        import numpy as np
+
+        if a.dtype.hasobject:
+            raise GroupcoordTypeError("cannot encode a numpy array of dtype object without pickle")
+        descr = np.lib.format.dtype_to_descr(a.dtype)
+        frame: Any = a.reshape(-1).view(np.uint8).data if a.flags.c_contiguous else a
+        if a.nbytes == 0:
+            frame = b""
+        idx = self._add_frame(frame, a.nbytes)
+        return _Ext(_EXT_NDARRAY, self._enc.encode([descr, list(a.shape), idx]))
+
+    def _walk_npscalar(self, s: Any) -> Any:
+        import numpy as np
+
+        if s.dtype.hasobject:
+            raise GroupcoordTypeError("cannot encode a numpy object scalar without pickle")
+        descr = np.lib.format.dtype_to_descr(s.dtype)
+        return _Ext(_EXT_NPSCALAR, self._enc.encode([descr, s.tobytes()]))
+
+    # -- decoding ---------------------------------------------------------
+
+    def decode(self, header: bytes | memoryview, frames: Sequence[memoryview] = ()) -> Any:
+        """Decode a header whose frames are given; frame bytes are copied out."""
+        self._in_frames = frames
+        try:
+            return self._dec.decode(header)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"cannot decode message: {exc}") from exc
+        finally:
+            self._in_frames = ()
+
+    def _frame(self, idx: Any) -> memoryview:
+        if type(idx) is not int or not 0 <= idx < len(self._in_frames):
+            raise ProtocolError(f"message refers to frame {idx!r} of {len(self._in_frames)}")
+        return self._in_frames[idx]
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == _EXT_TUPLE:
+            return tuple(self._dec.decode(data))
+        if code == _EXT_TENSOR:
+            dtype_name, shape, idx = self._dec.decode(data)
+            return _decode_tensor(dtype_name, shape, self._frame(idx))
+        if code == _EXT_STRUCT:
+            module, qualname, values = self._dec.decode(data)
+            return _decode_struct(module, qualname, values)
+        if code == _EXT_PAIRS:
+            flat = self._dec.decode(data)
+            return dict(zip(flat[::2], flat[1::2]))
+        if code == _EXT_BYTES_FRAME:
+            return bytes(self._frame(self._dec.decode(data)))
+        if code == _EXT_NDARRAY:
+            descr, shape, idx = self._dec.decode(data)
+            return _decode_ndarray(descr, shape, self._frame(idx))
+        if code == _EXT_NPSCALAR:
+            import numpy as np
+
+            descr, raw = self._dec.decode(data)
+            return np.frombuffer(raw, dtype=_numpy_dtype(descr))[0]
+        if code == _EXT_BIGINT:
+            return int(bytes(data))
+        if code == _EXT_TORCH_DTYPE:
+            return _torch_dtype(bytes(data).decode()[6:])
+        if code == _EXT_TORCH_DEVICE:
+            import torch
+
+            return torch.device(bytes(data).decode())
+        if code == _EXT_TORCH_SIZE:
+            import torch
+
+            return torch.Size(self._dec.decode(data))
+        if code == _EXT_PICKLE:
+            if not self.allow_pickle:
+                raise ProtocolError(
+                    "message holds a pickled object but this side has allow_pickle=False"
+                )
+            return pickle.loads(data)  # noqa: S301 - explicit opt-in by both sides
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ProtocolError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def _decode_tensor(dtype_name: str, shape: list[int], frame: memoryview) -> Any:
+    import torch
+
+    dtype = _torch_dtype(dtype_name)
+    nbytes = len(frame)
+    itemsize = dtype.itemsize
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if numel * itemsize != nbytes:
+        raise ProtocolError(
+            f"tensor {dtype_name}{shape} needs {numel * itemsize} bytes, got {nbytes}"
+        )
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        # One copy out of the (reusable) source buffer into memory the tensor owns.
+        flat.numpy().data[:] = frame
+    return flat.view(dtype).reshape(shape)
+
+
+def _numpy_dtype(descr: Any) -> Any:
+    import numpy as np
+
+    try:
+        return np.lib.format.descr_to_dtype(_descr_from_wire(descr))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ProtocolError(f"bad numpy dtype description {descr!r}") from exc
+
+
+def _descr_from_wire(descr: Any) -> Any:
+    """Undo msgpack's tuple -> list in a numpy descr (structured dtypes nest)."""
+    if not isinstance(descr, list):
+        return descr
+    fields = []
+    for field in descr:
+        name = tuple(field[0]) if isinstance(field[0], list) else field[0]
+        rest = [_descr_from_wire(field[1])]
+        if len(field) > 2:
+            rest.append(tuple(field[2]))
+        fields.append((name, *rest))
+    return fields
+
+
+def _decode_ndarray(descr: Any, shape: list[int], frame: memoryview) -> Any:
+    import numpy as np
+
+    dtype = _numpy_dtype(descr)
+    out = np.empty(tuple(shape), dtype=dtype)
+    if out.nbytes != len(frame):
+        raise ProtocolError(f"array {dtype}{shape} needs {out.nbytes} bytes, got {len(frame)}")
+    if out.nbytes:
+        out.reshape(-1).view(np.uint8).data[:] = frame
+    return out
+
+
+def _decode_struct(module: str, qualname: str, values: list[Any]) -> Any:
+    # Only classes already imported by this process are resolved: decoding
+    # never imports a module named by the wire (that would run its code).
+    mod = sys.modules.get(module)
+    cls: Any = mod
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        raise ProtocolError(
+            f"message holds msgspec Struct {module}.{qualname}, which is not imported here"
+        )
+    fields = cls.__struct_fields__
+    if len(fields) != len(values):
+        raise ProtocolError(
+            f"Struct {module}.{qualname}: {len(values)} values for {len(fields)} fields"
+        )
+    return cls(**dict(zip(fields, values)))
+
+
+# -- framing ----------------------------------------------------------------
+
+
+def write_message(msg: EncodedMessage, dest: memoryview, offset: int = 0) -> int:
+    """Write ``msg`` at ``dest[offset:]`` (room for ``msg.nbytes`` needed); return bytes written."""
+    frames = msg.frames
+    header = msg.header
+    pos = offset
+    _PREFIX.pack_into(dest, pos, len(header), len(frames))
+    pos += _PREFIX.size
+    for n in msg.frame_lens:
+        _FRAME_LEN.pack_into(dest, pos, n)
+        pos += _FRAME_LEN.size
+    end = pos + len(header)
+    dest[pos:end] = header
+    for frame, n in zip(frames, msg.frame_lens):
+        start = offset + _align(end - offset)
+        end = start + n
+        if n == 0:
+            continue
+        if isinstance(frame, memoryview):
+            dest[start:end] = frame
+        else:
+            _copy_strided(frame, dest[start:end])
+    return end - offset
+
+
+def _copy_strided(src: Any, dest: memoryview) -> None:
+    """Copy a non-contiguous tensor/array straight into ``dest`` (no temporary)."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(src, np.ndarray):
+        np.ndarray(src.shape, dtype=src.dtype, buffer=dest)[...] = src
+        return
+    import torch
+
+    target = torch.frombuffer(dest, dtype=torch.uint8).view(src.dtype).view(src.shape)
+    target.copy_(src)
+
+
+def read_message(codec: Codec, src: memoryview, offset: int = 0) -> Any:
+    """Decode a message written by :func:`write_message` at ``src[offset:]``."""
+    try:
+        header_len, n_frames = _PREFIX.unpack_from(src, offset)
+        pos = offset + _PREFIX.size
+        lens = [_FRAME_LEN.unpack_from(src, pos + i * _FRAME_LEN.size)[0] for i in range(n_frames)]
+    except struct.error as exc:
+        raise ProtocolError(f"truncated message prefix: {exc}") from exc
+    pos += _FRAME_LEN.size * n_frames
+    end = pos + header_len
+    if end > len(src):
+        raise ProtocolError(f"message header runs past the buffer ({end} > {len(src)})")
+    header = src[pos:end]
+    frames = []
+    for n in lens:
+        start = offset + _align(end - offset)
+        end = start + n
+        if end > len(src):
+            raise ProtocolError(f"message frame runs past the buffer ({end} > {len(src)})")
+        frames.append(src[start:end])
+    try:
+        return codec.decode(header, frames)
+    finally:
+        header.release()
+        for f in frames:
+            f.release()
+
+
+# -- single-buffer form -------------------------------------------------------
+
+_local = threading.local()
+
+
+def _codec(allow_pickle: bool) -> Codec:
+    key = "pickle" if allow_pickle else "plain"
+    codec = getattr(_local, key, None)
+    if codec is None:
+        codec = Codec(allow_pickle=allow_pickle)
+        setattr(_local, key, codec)
+    return codec
+
+
+def dumps(obj: Any, *, allow_pickle: bool = False) -> bytes:
+    """Encode ``obj`` into one ``bytes`` (header and frames, see module doc)."""
+    msg = _codec(allow_pickle).encode(obj)
+    if not msg.frames:
+        return _PREFIX.pack(len(msg.header), 0) + msg.header
+    parts: list[Any] = [_PREFIX.pack(len(msg.header), len(msg.frames))]
+    parts.extend(_FRAME_LEN.pack(n) for n in msg.frame_lens)
+    parts.append(msg.header)
+    pos = _PREFIX.size + _FRAME_LEN.size * len(msg.frames) + len(msg.header)
+    for frame, n in zip(msg.frames, msg.frame_lens):
+        parts.append(bytes(_align(pos) - pos))
+        parts.append(frame if isinstance(frame, (memoryview, bytes)) else _contiguous_bytes(frame))
+        pos = _align(pos) + n
+    # One copy of each frame, into the joined result.
+    return b"".join(parts)
+
+
+def _contiguous_bytes(src: Any) -> memoryview:
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(src, np.ndarray):
+        return np.ascontiguousarray(src).reshape(-1).view(np.uint8).data
+    import torch
+
+    return memoryview(src.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def loads(data: bytes | bytearray | memoryview, *, allow_pickle: bool = False) -> Any:
+    """Decode what :func:`dumps` produced; raises ProtocolError on malformed input."""
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    try:
+        return read_message(_codec(allow_pickle), view)
+    finally:
+        view.release()

@@ -1,0 +1,284 @@
+"""The msgspec codec: exact round trips, zero-copy frames, refusals."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shm_broadcast.codec import Codec, dumps, loads, read_message, write_message
+from shm_broadcast.errors import GroupcoordTypeError, ProtocolError
+
+
+class Point(msgspec.Struct):
+    x: int
+    y: float
+    tag: tuple = ()
+
+
+class Meta(msgspec.Struct, kw_only=True):
+    name: str
+    tensor: object = None
+    inner: Point | None = None
+
+
+def _same(a, b):
+    """Exact equality that also compares types (tuple vs list, tensor bits)."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(
+            a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+        )
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, msgspec.Struct):
+        for f in a.__struct_fields__:
+            _same(getattr(a, f), getattr(b, f))
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b
+
+
+plain = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**100), max_value=2**100)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=40),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.lists(children, max_size=5).map(tuple)
+        | st.dictionaries(st.text(max_size=5) | st.integers(-5, 5), children, max_size=5)
+        | st.dictionaries(st.tuples(st.integers(0, 3), st.text(max_size=3)), children, max_size=3)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plain)
+def test_plain_data_round_trips_exactly(obj):
+    _same(obj, loads(dumps(obj)))
+
+
+def test_tuples_stay_tuples_and_lists_stay_lists():
+    obj = {"t": (1, (2, [3, (4,)])), "l": [(), []]}
+    out = loads(dumps(obj))
+    assert out == obj
+    assert type(out["t"]) is tuple and type(out["t"][1]) is tuple
+    assert type(out["t"][1][1]) is list and type(out["t"][1][1][1]) is tuple
+    assert type(out["l"][0]) is tuple and type(out["l"][1]) is list
+
+
+ALL_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+    torch.int64,
+    torch.uint64,
+    torch.bool,
+]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_tensor_every_dtype_and_layout(dtype):
+    base = (torch.randn(5, 6, 4) * 7).to(dtype)
+    views = [
+        base,
+        base.transpose(0, 2),
+        base[:, ::2, 1:],
+        base[0, 0, 0],
+        base[:0],
+        base.expand(2, 5, 6, 4),
+    ]
+    for view in views:
+        out = loads(dumps({"x": view}))["x"]
+        _same(out, view)
+        assert out.is_contiguous()
+
+
+def test_tensor_scalar_and_empty_shapes():
+    for t in [torch.tensor(3.5), torch.empty(0, 3), torch.zeros(2, 0, 5, dtype=torch.int64)]:
+        _same(loads(dumps(t)), t)
+
+
+def test_tensor_frames_are_zero_copy_views_of_the_source():
+    t = torch.arange(1000, dtype=torch.float32)
+    msg = Codec().encode({"a": t})
+    (frame,) = msg.frames
+    assert isinstance(frame, memoryview)
+    t[0] = 42.0  # the frame is a view of t's memory, not a copy
+    assert np.frombuffer(frame, dtype=np.float32)[0] == 42.0
+
+
+def test_decoded_tensors_survive_reuse_of_the_source_buffer():
+    buf = bytearray(1 << 16)
+    view = memoryview(buf)
+    t = torch.arange(100, dtype=torch.int32).reshape(10, 10).t()  # non-contiguous: strided write
+    msg = Codec().encode([t, b"y" * 40000, np.arange(7.0)])
+    n = write_message(msg, view)
+    assert n == msg.nbytes
+    out = read_message(Codec(), view)
+    buf[:] = bytes(len(buf))  # reuse the "chunk"
+    _same(out[0], t)
+    assert out[1] == b"y" * 40000
+    _same(out[2], np.arange(7.0))
+
+
+def test_frames_are_aligned_for_every_dtype():
+    buf = bytearray(1 << 14)
+    msg = Codec().encode([torch.ones(3, dtype=torch.complex128), torch.ones(5, dtype=torch.int8)])
+    write_message(msg, memoryview(buf))
+    out = read_message(Codec(), memoryview(buf))
+    _same(out[0], torch.ones(3, dtype=torch.complex128))
+
+
+def test_numpy_arrays_and_scalars():
+    structured = np.zeros(3, dtype=[("x", "<f4"), ("y", "<i8", (2,))])
+    structured["x"] = [1, 2, 3]
+    values = [
+        np.arange(12, dtype=np.int16).reshape(3, 4)[:, ::2],
+        structured,
+        np.array("abc"),
+        np.float32(2.5),
+        np.int64(-7),
+        np.zeros((0, 4)),
+    ]
+    out = loads(dumps(values))
+    for a, b in zip(values, out):
+        if isinstance(a, np.ndarray):
+            _same(b, a)
+        else:
+            assert type(a) is type(b) and a == b
+
+
+def test_structs_round_trip_with_nested_tensors_and_tuples():
+    obj = Meta(
+        name="m", tensor=torch.ones(2, 2, dtype=torch.bfloat16), inner=Point(1, 2.0, ("a", 1))
+    )
+    out = loads(dumps(obj))
+    assert type(out) is Meta and type(out.inner) is Point
+    _same(out, obj)
+    assert out.inner.tag == ("a", 1)
+
+
+def test_torch_dtype_device_size_values():
+    obj = {"dtype": torch.bfloat16, "device": torch.device("cpu"), "shape": torch.Size([2, 3])}
+    out = loads(dumps(obj))
+    assert out == obj
+    assert type(out["shape"]) is torch.Size
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {1, 2},
+        object(),
+        collections.namedtuple("NT", "a")(1),
+        bytearray(b"x"),
+        1j,
+        [1, {"k": frozenset()}],
+    ],
+    ids=["set", "object", "namedtuple", "bytearray", "complex", "nested-frozenset"],
+)
+def test_unknown_types_are_refused_naming_the_type(bad):
+    with pytest.raises(TypeError) as info:
+        dumps(bad)
+    assert isinstance(info.value, GroupcoordTypeError)
+    inner = bad[1]["k"] if isinstance(bad, list) else bad
+    assert type(inner).__qualname__ in str(info.value)
+    assert "allow_pickle" in str(info.value)
+
+
+def test_codec_still_works_after_a_refusal():
+    with pytest.raises(TypeError):
+        dumps([1, {2, 3}])
+    assert loads(dumps([1, (2, 3)])) == [1, (2, 3)]
+
+
+def test_allow_pickle_is_an_explicit_opt_in_on_both_sides():
+    obj = {"s": {1, 2, 3}}
+    data = dumps(obj, allow_pickle=True)
+    assert loads(data, allow_pickle=True) == obj
+    with pytest.raises(ProtocolError, match="allow_pickle"):
+        loads(data)
+
+
+def test_no_pickle_on_the_wire_for_supported_types():
+    data = dumps({"a": [1, 2.0, "x", (1,), torch.ones(2)], "b": Point(1, 2.0)})
+    assert b"\x80\x04" not in data and b"\x80\x05" not in data
+    assert pickle.PickleError  # the module is only used with allow_pickle=True
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x01\x00",
+        b"\x05\x00\x00\x00\x00\x00\x00\x00\xc1",
+        b"\x01\x00\x00\x00\x05\x00\x00\x00\x00",
+    ],
+)
+def test_malformed_input_raises_protocol_error(data):
+    with pytest.raises(ProtocolError):
+        loads(data)
+
+
+def test_forged_frame_reference_is_rejected():
+    good = dumps(torch.ones(4))
+    codec = Codec()
+    header = codec.encode(torch.ones(4)).header
+    with pytest.raises(ProtocolError):
+        codec.decode(header, [])  # the tensor's frame is missing
+    assert loads(good).sum().item() == 4.0
+
+
+def test_unimported_struct_module_is_not_imported_by_decode():
+    enc = msgspec.msgpack.Encoder()
+    payload = enc.encode(["os_not_imported_mod", "Evil", []])
+    header = enc.encode(msgspec.msgpack.Ext(2, payload))
+    with pytest.raises(ProtocolError, match="not imported"):
+        Codec().decode(header)
+    assert "os_not_imported_mod" not in sys.modules
+
+
+def test_importing_the_codec_does_not_import_torch():
+    code = (
+        "import sys; from shm_broadcast.codec import dumps, loads; "
+        "assert loads(dumps({'a': (1, 2)})) == {'a': (1, 2)}; "
+        "assert 'torch' not in sys.modules, 'torch was imported'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
