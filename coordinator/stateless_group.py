@@ -1,0 +1,199 @@
+"""A process group outside torch's global state, over a TCPStore.
+
+``StatelessProcessGroup`` connects processes that must talk without joining
+torch.distributed's default group (an engine and its workers, or two
+engines). Objects travel as msgspec msgpack through ``shm_broadcast.codec``
+(never pickle); every wait has a deadline and a timeout names the ranks that
+did not arrive; every key is deleted once its last reader has read it.
+Rank 0 hosts the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch.distributed as dist
+
+from shm_broadcast.codec import dumps, loads
+from shm_broadcast.config import resolve_timeout
+
+from .errors import ClosedError, GroupcoordTimeoutError, GroupcoordValueError
+
+
+class StatelessProcessGroup:
+    """``rank`` and ``world_size`` plus object send/recv, broadcast, all-gather, barrier.
+
+    Satisfies the group protocol of ``shm_broadcast.group_io`` (rank,
+    world_size, broadcast_obj, all_gather_obj), so a ``MessageQueue`` can be
+    built over it.
+    """
+
+    def __init__(self, rank: int, world_size: int, store: dist.Store, timeout_s: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.store: dist.Store | None = store
+        self.timeout_s = timeout_s
+        # Per-peer sequence numbers: both ends count the same calls, so the
+        # n-th send from a to b meets the n-th recv on b from a.
+        self._send_seq: dict[int, int] = defaultdict(int)
+        self._recv_seq: dict[int, int] = defaultdict(int)
+        self._bcast_seq: dict[int, int] = defaultdict(int)
+        self._gather_seq = 0
+
+    @classmethod
+    def create(
+        cls, host: str, port: int, rank: int, world_size: int, timeout: float | None = None
+    ) -> StatelessProcessGroup:
+        """Join (rank 0: host) the store at ``host:port`` and wait until every rank is there."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise GroupcoordValueError(f"world_size must be a positive int, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise GroupcoordValueError(f"rank={rank!r} is not in range(world_size={world_size})")
+        timeout_s = resolve_timeout(timeout)
+        what = f"StatelessProcessGroup({host}:{port}, rank {rank})"
+        try:
+            store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=rank == 0,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        except dist.DistStoreError as exc:
+            raise GroupcoordTimeoutError(what, "connect", timeout_s, [0], detail=str(exc)) from exc
+        group = cls(rank, world_size, store, timeout_s)
+        group.barrier()
+        return group
+
+    # ---- point to point -------------------------------------------------------
+
+    def send_obj(self, obj: Any, dst: int) -> None:
+        """Post ``obj`` for rank ``dst``; returns without waiting for it to be read."""
+        self._check_peer(dst, "dst")
+        payload = dumps(obj)
+        key = f"p2p/{self.rank}/{dst}/{self._send_seq[dst]}"
+        _set(self._live_store(), key, payload)
+        self._send_seq[dst] += 1
+
+    def recv_obj(self, src: int, timeout: float | None = None) -> Any:
+        """The next object rank ``src`` sent to this rank."""
+        self._check_peer(src, "src")
+        key = f"p2p/{src}/{self.rank}/{self._recv_seq[src]}"
+        self._wait([key], "recv_obj", timeout, missing=lambda: [src])
+        store = self._live_store()
+        obj = loads(store.get(key))
+        store.delete_key(key)
+        self._recv_seq[src] += 1
+        return obj
+
+    # ---- collectives ----------------------------------------------------------
+
+    def broadcast_obj(self, obj: Any | None, src: int, timeout: float | None = None) -> Any:
+        """``src``'s ``obj`` on every rank (``obj`` is ignored on the others)."""
+        self._check_rank(src, "src")
+        if self.world_size == 1:
+            return obj
+        key = f"bcast/{src}/{self._bcast_seq[src]}"
+        store = self._live_store()
+        if self.rank == src:
+            _set(store, key, dumps(obj))
+            self._bcast_seq[src] += 1
+            return obj
+        self._wait([key], "broadcast_obj", timeout, missing=lambda: [src])
+        value = loads(store.get(key))
+        self._bcast_seq[src] += 1
+        # The last reader removes the value and the counter.
+        if store.add(f"{key}/read", 1) == self.world_size - 1:
+            store.delete_key(key)
+            store.delete_key(f"{key}/read")
+        return value
+
+    def all_gather_obj(self, obj: Any, timeout: float | None = None) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        return self._gather("all_gather_obj", dumps(obj), timeout, decode=True)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Return once every rank has called ``barrier``; a timeout names the absent ranks."""
+        self._gather("barrier", b"", timeout, decode=False)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Leave the group (collective): rank 0 keeps the store up until every rank has left."""
+        if self.store is None:
+            return
+        store = self.store
+        if self.world_size > 1:
+            if self.rank == 0:
+                deadline = time.monotonic() + resolve_timeout(timeout)
+                # Ranks leave by bumping the counter; the store must outlive their last call.
+                while store.add("close/left", 0) < self.world_size - 1:
+                    if time.monotonic() > deadline:
+                        raise GroupcoordTimeoutError(
+                            self._what(), "close", resolve_timeout(timeout), role="store host"
+                        )
+                    time.sleep(0.001)
+                store.delete_key("close/left")
+            else:
+                store.add("close/left", 1)
+        self.store = None
+
+    # ---- helpers --------------------------------------------------------------
+
+    def _gather(self, operation: str, payload: bytes, timeout: float | None, decode: bool) -> Any:
+        store = self._live_store()
+        # The sequence number advances only on success: a call that timed out
+        # can be retried and meets the late ranks' first attempt.
+        seq = self._gather_seq
+        keys = [f"gather/{seq}/{r}" for r in range(self.world_size)]
+        _set(store, keys[self.rank], payload)
+        self._wait(
+            keys,
+            operation,
+            timeout,
+            missing=lambda: [r for r, k in enumerate(keys) if not store.check([k])],
+        )
+        self._gather_seq += 1
+        values = store.multi_get(keys) if decode else []
+        # Every rank has read every value once the counter reaches world_size.
+        if store.add(f"gather/{seq}/read", 1) == self.world_size:
+            for key in keys:
+                store.delete_key(key)
+            store.delete_key(f"gather/{seq}/read")
+        return [loads(v) for v in values] if decode else None
+
+    def _wait(self, keys: list[str], operation: str, timeout: float | None, missing: Any) -> None:
+        timeout_s = self.timeout_s if timeout is None else resolve_timeout(timeout)
+        store = self._live_store()
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except dist.DistStoreError as exc:
+            raise GroupcoordTimeoutError(self._what(), operation, timeout_s, missing()) from exc
+
+    def _live_store(self) -> dist.Store:
+        if self.store is None:
+            raise ClosedError(f"{self._what()} is closed")
+        return self.store
+
+    def _what(self) -> str:
+        return f"StatelessProcessGroup(rank {self.rank} of {self.world_size})"
+
+    def _check_rank(self, value: int, name: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GroupcoordValueError(f"{name} must be an int rank, got {value!r}")
+        if not 0 <= value < self.world_size:
+            raise GroupcoordValueError(
+                f"{name}={value} is not a rank of this group (world size {self.world_size})"
+            )
+
+    def _check_peer(self, value: int, name: str) -> None:
+        self._check_rank(value, name)
+        if value == self.rank:
+            raise GroupcoordValueError(f"{name}={value} is this rank itself")
+
+
+def _set(store: dist.Store, key: str, value: bytes) -> None:
+    # torch's stub types the value as str; the binding takes bytes as they are.
+    store.set(key, value)  # type: ignore[arg-type]

@@ -1,0 +1,114 @@
+"""StatelessProcessGroup over a TCPStore, with real forked ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from multiproc import run_ranks
+
+from coordinator.errors import GroupcoordTimeoutError, GroupcoordValueError
+from coordinator.stateless_group import StatelessProcessGroup
+
+
+def _join(rank: int, world_size: int, timeout: float | None = None) -> StatelessProcessGroup:
+    port = int(os.environ["MASTER_PORT"])
+    return StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, timeout=timeout)
+
+
+def _every_call(rank: int, world_size: int) -> dict:
+    group = _join(rank, world_size, timeout=30)
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    for i in range(3):
+        group.send_obj({"from": rank, "i": i, "t": (1, 2.5, "x")}, dst=nxt)
+    got = [group.recv_obj(src=prev) for _ in range(3)]
+    bcast = [
+        group.broadcast_obj([src, b"\x00\xff"] if rank == src else None, src=src)
+        for src in range(world_size)
+    ]
+    gathered = group.all_gather_obj({"rank": rank, "sq": rank * rank})
+    group.barrier()
+    leftover = None
+    if rank == 0:
+        assert group.store is not None
+        # All ranks passed the last barrier (the third gather: create, all_gather,
+        # barrier), so everything before it is cleaned up; faster ranks may have left.
+        leftover = sorted(
+            k
+            for k in group.store.list_keys()
+            if not k.startswith("gather/2/") and k != "close/left"
+        )
+    group.close()
+    return {"got": got, "bcast": bcast, "gathered": gathered, "leftover": leftover}
+
+
+def test_every_call_on_three_ranks_and_no_key_left_behind() -> None:
+    results = run_ranks(_every_call, 3, timeout=60)
+    for rank, res in enumerate(results):
+        prev = (rank - 1) % 3
+        assert res["got"] == [{"from": prev, "i": i, "t": (1, 2.5, "x")} for i in range(3)]
+        assert res["bcast"] == [[src, b"\x00\xff"] for src in range(3)]
+        assert res["gathered"] == [{"rank": r, "sq": r * r} for r in range(3)]
+    assert results[0]["leftover"] == []
+
+
+def _absent_rank(rank: int, world_size: int) -> str:
+    group = _join(rank, world_size, timeout=30)
+    if rank == 2:
+        time.sleep(2.5)
+        group.barrier(timeout=30)
+        group.close()
+        return "late"
+    start = time.monotonic()
+    with pytest.raises(GroupcoordTimeoutError) as info:
+        group.barrier(timeout=1.0)
+    assert time.monotonic() - start < 5
+    assert info.value.missing == [2]
+    # The late rank does arrive; the rank that timed out joins again and all proceed.
+    group.barrier(timeout=30)
+    group.close()
+    return str(info.value)
+
+
+def test_barrier_timeout_names_the_absent_rank() -> None:
+    results = run_ranks(_absent_rank, 3, timeout=60)
+    assert "barrier timed out after 1 s" in results[0]
+    assert "waiting for ranks [2]" in results[0]
+
+
+def _bad_then_good(rank: int, world_size: int) -> list[str]:
+    group = _join(rank, world_size, timeout=30)
+    errors = []
+    for call in (
+        lambda: group.send_obj(1, dst=rank),
+        lambda: group.send_obj(1, dst=world_size),
+        lambda: group.recv_obj(src=-1),
+        lambda: group.broadcast_obj(1, src=7),
+    ):
+        with pytest.raises(GroupcoordValueError) as info:
+            call()
+        errors.append(str(info.value))
+    with pytest.raises(TypeError):
+        group.send_obj(object(), dst=1 - rank)
+    with pytest.raises(
+        GroupcoordTimeoutError, match=rf"recv_obj.*waiting for ranks \[{1 - rank}\]"
+    ):
+        group.recv_obj(src=1 - rank, timeout=0.3)
+    group.barrier()
+    assert group.broadcast_obj("ok" if rank == 0 else None, src=0) == "ok"
+    group.close()
+    return errors
+
+
+def test_bad_arguments_raise_at_the_call_site_and_the_group_stays_usable() -> None:
+    errors = run_ranks(_bad_then_good, 2, timeout=60)[0]
+    assert "dst=0 is this rank itself" in errors[0]
+    assert "dst=2 is not a rank of this group" in errors[1]
+    assert "src=-1" in errors[2]
+    assert "src=7" in errors[3]
+
+
+def test_create_refuses_a_rank_outside_the_world() -> None:
+    with pytest.raises(GroupcoordValueError, match="rank=2 is not in range"):
+        StatelessProcessGroup.create("127.0.0.1", 1, 2, 2)
