@@ -1,0 +1,68 @@
+"""Which ranks of a group share this node's shared memory.
+
+``in_the_same_node_as(pg, source_rank)`` proves it instead of guessing from
+host names: the source creates a small segment holding a random token, every
+other rank tries to attach it and read the token back, and the results are
+gathered. Host names are gathered too, for the log and the error text.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+from typing import Any
+
+from .codec import dumps, loads
+from .errors import GroupcoordValueError
+from .group_io import all_gather_bytes, broadcast_bytes, group_rank_and_size
+from .segments import ShmSegment
+
+__all__ = ["in_the_same_node_as"]
+
+logger = logging.getLogger("groupcoord.shm_broadcast")
+
+_TOKEN_BYTES = 16
+
+
+def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
+    """For each rank of ``pg`` (group order): does it share /dev/shm with ``source_rank``?"""
+    rank, world_size = group_rank_and_size(pg)
+    if isinstance(source_rank, bool) or not isinstance(source_rank, int):
+        raise GroupcoordValueError(f"source_rank must be an int, got {source_rank!r}")
+    if not 0 <= source_rank < world_size:
+        raise GroupcoordValueError(
+            f"source_rank={source_rank} is not a rank in a group of {world_size}"
+        )
+    segment: ShmSegment | None = None
+    try:
+        if rank == source_rank:
+            token = secrets.token_bytes(_TOKEN_BYTES)
+            segment = ShmSegment.create(_TOKEN_BYTES, tag="topo")
+            segment.buf[:_TOKEN_BYTES] = token
+            announce = dumps((segment.name, token))
+        else:
+            announce = None
+        name, token = loads(broadcast_bytes(pg, announce, src=source_rank))
+        same = rank == source_rank or _can_read_token(name, token)
+        gathered = all_gather_bytes(pg, dumps((same, socket.gethostname())))
+    finally:
+        # Every rank has attached and closed before the gather returns, so the
+        # source can remove the segment now (or on error, right away).
+        if segment is not None:
+            segment.close()
+            segment.unlink()
+    results = [loads(g) for g in gathered]
+    logger.debug("same node as rank %d: %s", source_rank, results)
+    return [bool(same) for same, _host in results]
+
+
+def _can_read_token(name: str, token: bytes) -> bool:
+    try:
+        segment = ShmSegment.attach(name)
+    except OSError:
+        return False
+    try:
+        return bytes(segment.buf[: len(token)]) == token
+    finally:
+        segment.close()
