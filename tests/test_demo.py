@@ -1,0 +1,97 @@
+"""The demo: its model shards, the whole ``python -m coordinator demo`` run, its failure path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+
+from coordinator.demo_model import (
+    LocalOps,
+    ModelConfig,
+    Stage,
+    reference_logits,
+    stage_layers,
+    step_input_ids,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, ffn_size=32, num_layers=4)
+
+
+class _CommunicatorOps:
+    """ParallelOps over bare device communicators: TP and EP both span the world group."""
+
+    def __init__(self, use_ep: bool, backend: str) -> None:
+        import torch.distributed as dist
+
+        from device_communicators.all2all import create_all2all_manager
+        from device_communicators.base_device_communicator import DeviceCommunicatorBase
+
+        self.comm = DeviceCommunicatorBase(dist.group.WORLD, unique_name="tp")
+        self.comm.set_all2all_manager(create_all2all_manager(backend, self.comm))
+        self.use_ep = use_ep
+        self.tp_size = self.ep_size = self.comm.world_size
+        self.tp_rank = self.ep_rank = self.comm.rank_in_group
+
+    def tp_all_reduce(self, x):
+        return self.comm.all_reduce(x)
+
+    def tp_all_gather(self, x, dim):
+        return self.comm.all_gather(x, dim=dim)
+
+    def tp_all_gatherv(self, x, sizes):
+        return self.comm.all_gatherv(x, dim=0, sizes=sizes)
+
+    def ep_dispatch(self, hidden, logits):
+        return self.comm.dispatch(hidden, logits, True)
+
+    def ep_combine(self, hidden):
+        return self.comm.combine(hidden, True)
+
+
+def _sharded_rank(rank: int, world_size: int, use_ep: bool, backend: str, tokens: int):
+    init_gloo(rank, world_size)
+    ops = _CommunicatorOps(use_ep, backend)
+    stage = Stage(CFG, ops)
+    if use_ep:
+        ops.comm.prepare_communication_buffer_for_model(stage)
+    ids = step_input_ids(CFG, 0, 0, tokens)
+    with torch.inference_mode():
+        out = stage(ids, ops)
+    ops.comm.destroy()
+    return out.tolist()
+
+
+@pytest.mark.parametrize(
+    "use_ep,backend,tokens",
+    [(False, "naive", 7), (True, "naive", 7), (True, "allgather_reducescatter", 1)],
+)
+def test_tp_and_ep_shards_match_single_process(use_ep, backend, tokens):
+    """TP=2 (and EP=2) shards of the demo model give the one-process logits."""
+    results = run_ranks(_sharded_rank, 2, use_ep, backend, tokens, timeout=90)
+    want = reference_logits(CFG, step_input_ids(CFG, 0, 0, tokens), use_ep)
+    for got in results:
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_pipeline_stages_cover_layers_and_compose():
+    for layers, pp in [(4, 2), (5, 2), (7, 3), (3, 3)]:
+        covered = [i for s in range(pp) for i in stage_layers(layers, pp, s)]
+        assert covered == list(range(layers))
+    ops = LocalOps()
+    ids = step_input_ids(CFG, 3, 1, 9)
+    stages = [Stage(CFG, ops, s, 3) for s in range(3)]
+    x = ids
+    for stage in stages:
+        x = stage(x, ops)
+    torch.testing.assert_close(x, reference_logits(CFG, ids, False), rtol=0, atol=0)
+
+
+def test_model_config_refuses_unsplittable_sizes():
+    with pytest.raises(ValueError, match="num_heads=4 must be divisible by tp=3"):
+        ModelConfig().check(3, 1, 1)
+    with pytest.raises(ValueError, match="num_experts=4 must be divisible by the EP size 8"):
+        ModelConfig().check(2, 1, 8)
