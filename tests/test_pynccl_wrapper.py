@@ -10,6 +10,8 @@ import ctypes
 import os
 
 import pytest
+import torch
+from multiproc import init_gloo, run_ranks
 
 from device_communicators.errors import BackendUnavailableError, GroupcoordValueError
 from device_communicators.pynccl_wrapper import (
@@ -26,6 +28,7 @@ from device_communicators.pynccl_wrapper import (
 from shm_broadcast.config import override
 
 WHEEL_PATH = _wheel_library_path()
+CUDA_PRESENT = torch.cuda.is_available()
 needs_wheel = pytest.mark.skipif(
     WHEEL_PATH is None, reason="nvidia-nccl-cu12 not installed (pip install groupcoord[cuda])"
 )
@@ -109,15 +112,23 @@ def test_check_raises_with_nccls_own_string(nccl: NcclLibrary):
     assert "ncclAllReduce failed: ncclInvalidArgument: invalid argument" in str(err)
 
 
+def _unique_ids(rank: int, world_size: int, path: str) -> tuple[bytes, bytes, str]:
+    # ncclGetUniqueId starts NCCL's bootstrap thread: keep it out of the forking
+    # pytest process by calling it in a forked rank.
+    nccl = load_nccl_library(path)
+    first, second = nccl.get_unique_id(), nccl.get_unique_id()
+    uid = nccl.unique_id_from_bytes(first)
+    round_trip = ctypes.string_at(ctypes.addressof(uid), NCCL_UNIQUE_ID_BYTES)
+    assert round_trip == first
+    return first, second, os.environ.get("NCCL_SOCKET_IFNAME", "")
+
+
 @needs_wheel
 def test_unique_id_is_128_bytes_and_fresh(nccl: NcclLibrary):
-    assert os.environ.get("NCCL_SOCKET_IFNAME") == "lo"
-    first = nccl.get_unique_id()
-    second = nccl.get_unique_id()
+    ((first, second, ifname),) = run_ranks(_unique_ids, 1, WHEEL_PATH, timeout=60)
+    assert ifname == "lo"
     assert isinstance(first, bytes) and len(first) == NCCL_UNIQUE_ID_BYTES
     assert first != second
-    uid = nccl.unique_id_from_bytes(first)
-    assert ctypes.string_at(ctypes.addressof(uid), NCCL_UNIQUE_ID_BYTES) == first
     with pytest.raises(GroupcoordValueError, match="data"):
         nccl.unique_id_from_bytes(first[:-1])
 
@@ -127,3 +138,113 @@ def test_optional_symbols_are_looked_up_not_required(nccl: NcclLibrary):
     # NCCL 2.32 has all of them; the binding must have bound each one it found.
     assert nccl.has("ncclMemAlloc") and nccl.has("ncclCommWindowRegister")
     assert not nccl.has("ncclNoSuchFunction")
+
+
+# -- PyNcclCommunicator on this machine: no driver, so it must disable cleanly ---------
+
+
+def _pynccl_without_driver(rank: int, world_size: int, strict: bool) -> tuple[bool, str]:
+    import torch.distributed as dist
+
+    from device_communicators.pynccl import PyNcclCommunicator
+
+    init_gloo(rank, world_size)
+    try:
+        try:
+            comm = PyNcclCommunicator(dist.group.WORLD, device=rank, strict=strict)
+        except BackendUnavailableError as exc:
+            return False, f"raised: {exc}"
+        assert comm.disabled and comm.comm is None
+        with pytest.raises(BackendUnavailableError, match="ncclCommInitRank"):
+            comm.all_reduce(torch.zeros(4))
+        return comm.available, comm.reason
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_wheel
+@pytest.mark.skipif(CUDA_PRESENT, reason="a GPU is present: tests/gpu/ covers PyNccl there")
+def test_pynccl_without_driver_disables_with_nccls_message():
+    results = run_ranks(_pynccl_without_driver, 2, False, timeout=90)
+    for available, reason in results:
+        assert not available
+        assert "ncclCommInitRank on cuda:" in reason
+        assert "ncclUnhandledCudaError" in reason and "unhandled cuda error" in reason
+        # NCCL's last error names the CUDA failure (no driver / insufficient driver).
+        assert "Cuda failure" in reason or "driver" in reason.lower(), reason
+
+
+@needs_wheel
+@pytest.mark.skipif(CUDA_PRESENT, reason="a GPU is present: tests/gpu/ covers PyNccl there")
+def test_pynccl_strict_raises_backend_unavailable():
+    results = run_ranks(_pynccl_without_driver, 2, True, timeout=90)
+    for _available, message in results:
+        assert message.startswith("raised: pynccl is unavailable: ncclCommInitRank")
+
+
+def _pynccl_refusals(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+
+    from device_communicators.pynccl import PyNcclCommunicator
+
+    init_gloo(rank, world_size)
+    reasons = []
+    try:
+        with override(disable_pynccl=True):
+            reasons.append(PyNcclCommunicator(dist.group.WORLD, 0).reason)
+        # Only rank 1 lacks the library: both ranks must disable, naming rank 1.
+        path = "/nonexistent/libnccl.so.2" if rank == 1 else None
+        reasons.append(PyNcclCommunicator(dist.group.WORLD, 0, library_path=path).reason)
+    finally:
+        dist.destroy_process_group()
+    return reasons
+
+
+@needs_wheel
+def test_pynccl_refusals_agree_across_ranks():
+    r0, r1 = run_ranks(_pynccl_refusals, 2, timeout=90)
+    assert r0[0] == r1[0] == "disabled by GROUPCOORD_DISABLE_PYNCCL"
+    assert r0[1].startswith("rank 1: cannot load /nonexistent/libnccl.so.2")
+    assert r1[1].startswith("cannot load /nonexistent/libnccl.so.2")
+
+
+def _pynccl_world_one(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    from device_communicators.pynccl import PyNcclCommunicator
+
+    init_gloo(rank, world_size)
+    try:
+        return PyNcclCommunicator(dist.group.WORLD, "cuda").reason
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pynccl_world_size_one_is_disabled():
+    assert run_ranks(_pynccl_world_one, 1, timeout=60) == ["world size 1: nothing to communicate"]
+
+
+def test_dtype_and_op_maps():
+    import torch
+    from torch.distributed import ReduceOp
+
+    from device_communicators.errors import GroupcoordTypeError
+    from device_communicators.pynccl import nccl_data_type, nccl_red_op
+    from device_communicators.pynccl_wrapper import NcclDataType, NcclRedOp
+
+    assert nccl_data_type(torch.bfloat16, reduction=True) == NcclDataType.BFLOAT16
+    assert nccl_data_type(torch.float16, reduction=False) == NcclDataType.FLOAT16
+    # float8 moves as bytes; summing it needs NCCL's own float8 types (2.24+).
+    assert nccl_data_type(torch.float8_e4m3fn, reduction=False) == NcclDataType.UINT8
+    assert (
+        nccl_data_type(torch.float8_e5m2, reduction=True, version_code=23203)
+        == NcclDataType.FLOAT8E5M2
+    )
+    with pytest.raises(GroupcoordTypeError, match="NCCL >= 2.24"):
+        nccl_data_type(torch.float8_e4m3fn, reduction=True, version_code=22100)
+    with pytest.raises(GroupcoordTypeError, match="complex64"):
+        nccl_data_type(torch.complex64, reduction=False)
+    assert nccl_red_op(ReduceOp.AVG) == NcclRedOp.AVG
+    assert nccl_red_op(ReduceOp.PRODUCT) == NcclRedOp.PROD
+    with pytest.raises(GroupcoordValueError, match="op"):
+        nccl_red_op(ReduceOp.BAND)
