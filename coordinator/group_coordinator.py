@@ -1,0 +1,797 @@
+"""``GroupCoordinator``: one parallel group (world, TP, PP, DP or EP) of ranks.
+
+vLLM's class, kept name for name: members, methods, arguments, in-group
+``src``/``dst``. Each coordinator owns a Gloo CPU group for control, a
+device group for tensors (the same Gloo group on CPU), a device
+communicator for the fast tensor paths and, for TP, a shared-memory message
+queue that broadcasts objects. On top of vLLM it checks arguments before
+anything is sent, bounds every wait, names the ranks that did not arrive
+when a collective fails, and moves objects and metadata without pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from device_communicators.base_device_communicator import DeviceCommunicatorBase
+from shm_broadcast.codec import dumps, loads
+from shm_broadcast.config import get_config, override, resolve_timeout
+from shm_broadcast.group_io import broadcast_bytes
+
+from . import custom_ops
+from .errors import (
+    ClosedError,
+    GroupcoordError,
+    GroupcoordTimeoutError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+    NotSupportedError,
+    PeerDiedError,
+)
+from .metadata import TensorMeta, decode_meta, describe, encode_meta, rebuild
+
+# CPU tensors up to this size ride inside the tensor-dict metadata: one
+# message instead of one per tensor, which is what makes small dicts fast.
+INLINE_TENSOR_MAX_BYTES = 64 * 1024
+
+# Device kind -> (module, class) of its communicator, imported on first use
+# so CUDA code is only loaded where a CUDA group exists.
+_COMMUNICATORS: dict[str, tuple[str, str]] = {
+    "cpu": ("device_communicators.cpu_communicator", "CpuCommunicator"),
+    "cuda": ("device_communicators.cuda_communicator", "CudaCommunicator"),
+}
+
+_name_counters: dict[str, int] = defaultdict(int)
+
+
+def _unique_name(name: str) -> str:
+    """ "tp" -> "tp:0", then "tp:1" ...: the key of the group's custom ops."""
+    unique = f"{name}:{_name_counters[name]}"
+    _name_counters[name] += 1
+    return unique
+
+
+def get_device_communicator_cls(device: torch.device) -> type[DeviceCommunicatorBase]:
+    """The communicator class for groups whose tensors live on ``device``."""
+    entry = _COMMUNICATORS.get(device.type)
+    if entry is None:
+        raise GroupcoordValueError(
+            f"device={device}: no communicator for device kind {device.type!r} "
+            f"(known: {', '.join(sorted(_COMMUNICATORS))})"
+        )
+    cls: type[DeviceCommunicatorBase] = getattr(importlib.import_module(entry[0]), entry[1])
+    return cls
+
+
+@dataclasses.dataclass
+class GraphCaptureContext:
+    """What ``graph_capture`` yields: the capture stream (None on CPU)."""
+
+    stream: Any = None
+
+
+class GroupCoordinator:
+    """A group of processes and every collective over it (see the module docstring).
+
+    ``group_ranks`` lists every group of this kind (all ranks call the
+    constructor with the same list); the caller's group is the one holding
+    its rank. ``timeout`` (keyword only, seconds) overrides the configured
+    deadline for this group's waits.
+    """
+
+    def __init__(
+        self,
+        group_ranks: list[list[int]],
+        local_rank: int,
+        torch_distributed_backend: str | dist.Backend,
+        use_device_communicator: bool,
+        use_message_queue_broadcaster: bool = False,
+        group_name: str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise GroupcoordValueError(
+                "torch.distributed is not initialised: call init_distributed_environment first"
+            )
+        self.rank = dist.get_rank()
+        self.local_rank = local_rank
+        self.timeout_s = resolve_timeout(timeout)
+        my_ranks = _check_group_ranks(group_ranks, self.rank, dist.get_world_size())
+        self.unique_name = _unique_name(group_name or "anonymous")
+        backend = str(torch_distributed_backend)
+        deadline = datetime.timedelta(seconds=self.timeout_s)
+        device_group: ProcessGroup | None = None
+        cpu_group: ProcessGroup | None = None
+        # Every rank creates every group, in the same order: c10d requires it.
+        for ranks in group_ranks:
+            dev = dist.new_group(list(ranks), backend=backend, timeout=deadline)
+            # On Gloo one group serves both roles; a second would only add sockets.
+            cpu = dev if backend == "gloo" else dist.new_group(list(ranks), "gloo", deadline)
+            if ranks == my_ranks:
+                device_group, cpu_group = dev, cpu
+        assert device_group is not None and cpu_group is not None
+        self.ranks: list[int] = list(my_ranks)
+        self.world_size = len(self.ranks)
+        self.rank_in_group = self.ranks.index(self.rank)
+        self.cpu_group: ProcessGroup = cpu_group
+        self.device_group: ProcessGroup = device_group
+        self.device = (
+            torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+        )
+        self.use_device_communicator = use_device_communicator
+        self._collective_seq = 0
+        self._destroyed = False
+        self._plain_comm: DeviceCommunicatorBase | None = None
+        self.device_communicator: DeviceCommunicatorBase | None = None
+        if use_device_communicator and self.world_size > 1:
+            cls = get_device_communicator_cls(self.device)
+            # Back ends read their deadline from the config when built.
+            with override(timeout_s=self.timeout_s):
+                self.device_communicator = cls(
+                    cpu_group=self.cpu_group,
+                    device=self.device,
+                    device_group=self.device_group,
+                    unique_name=self.unique_name,
+                )
+            if group_name == "ep":
+                from device_communicators.all2all import create_all2all_manager
+
+                self.device_communicator.set_all2all_manager(
+                    create_all2all_manager(get_config().all2all_backend, self.device_communicator)
+                )
+        self.mq_broadcaster: Any = None
+        if use_message_queue_broadcaster and self.world_size > 1:
+            self.mq_broadcaster = self.create_mq_broadcaster()
+        custom_ops.register_group(self.unique_name, self)
+
+    def __repr__(self) -> str:
+        return f"GroupCoordinator({self.unique_name}, ranks={self.ranks}, rank={self.rank})"
+
+    # ---- message queues -----------------------------------------------------------
+
+    def create_mq_broadcaster(
+        self, writer_rank: int = 0, external_writer_handle: Any = None, blocking: bool = True
+    ) -> Any:
+        """A message queue from in-group rank ``writer_rank`` to the rest of the group."""
+        from shm_broadcast.message_queue import MessageQueue
+
+        cfg = get_config()
+        return MessageQueue.create_from_process_group(
+            self.cpu_group,
+            cfg.mq_max_chunk_bytes,
+            cfg.mq_max_chunks,
+            writer_rank=writer_rank,
+            external_writer_handle=external_writer_handle,
+            blocking=blocking,
+        )
+
+    def create_single_reader_mq_broadcasters(
+        self, reader_rank_in_group: int = 0, blocking: bool = False
+    ) -> Any:
+        """Queues from every rank to in-group rank ``reader_rank_in_group``."""
+        from shm_broadcast.message_queue import MessageQueue
+
+        self._check_index(reader_rank_in_group, "reader_rank_in_group")
+        cfg = get_config()
+        return MessageQueue.create_from_process_group_single_reader(
+            self.cpu_group,
+            cfg.mq_max_chunk_bytes,
+            cfg.mq_max_chunks,
+            reader_rank=reader_rank_in_group,
+            blocking=blocking,
+        )
+
+    # ---- ranks --------------------------------------------------------------------
+
+    @property
+    def first_rank(self) -> int:
+        """Global rank of the group's first process."""
+        return self.ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        """Global rank of the group's last process."""
+        return self.ranks[-1]
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == self.first_rank
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank == self.last_rank
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next process in the group (wrapping)."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous process in the group (wrapping)."""
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    # ---- graph capture ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def graph_capture(
+        self, graph_capture_context: GraphCaptureContext | None = None
+    ) -> Iterator[GraphCaptureContext]:
+        """Capture context: a side stream on CUDA; on CPU it yields and changes nothing."""
+        context = graph_capture_context or GraphCaptureContext()
+        if self.device.type != "cuda":
+            yield context
+            return
+        if context.stream is None:
+            context.stream = torch.cuda.Stream(device=self.device)
+        # The capture stream must see everything queued on the current one.
+        context.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(context.stream):
+            yield context
+
+    # ---- tensor collectives ---------------------------------------------------------
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """Sum over the group; out of place (``input_`` is unchanged)."""
+        if self.world_size == 1:
+            _check_tensor(input_, "input_")
+            return input_
+        if torch.compiler.is_compiling():
+            return torch.ops.groupcoord.all_reduce(input_, self.unique_name)
+        return self._all_reduce_eager(input_)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's equally shaped ``input_`` concatenated along ``dim``."""
+        dim = _check_dim(input_, dim, "dim")
+        if self.world_size == 1:
+            return input_
+        if torch.compiler.is_compiling():
+            return torch.ops.groupcoord.all_gather(input_, dim, self.world_size, self.unique_name)
+        return self._all_gather_eager(input_, dim)
+
+    def all_gatherv(
+        self,
+        input_: torch.Tensor | list[torch.Tensor],
+        dim: int = 0,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """All-gather of tensors whose lengths along ``dim`` differ by rank (exact result).
+
+        ``sizes`` (one per rank) are discovered with a small all-gather when None.
+        A list of tensors gathers each and returns a list.
+        """
+        if self.world_size == 1:
+            return input_
+        if torch.compiler.is_compiling():
+            if sizes is None:
+                raise GroupcoordValueError(
+                    "sizes: all_gatherv under torch.compile needs the sizes (shapes must be static)"
+                )
+            if isinstance(input_, list):
+                return [self._traced_all_gatherv(t, dim, sizes) for t in input_]
+            return self._traced_all_gatherv(input_, dim, sizes)
+        return self._all_gatherv_eager(input_, dim, sizes)
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Sum over the group, then keep this rank's equal slice along ``dim``."""
+        dim = _check_dim(input_, dim, "dim")
+        if self.world_size == 1:
+            return input_
+        if torch.compiler.is_compiling():
+            return torch.ops.groupcoord.reduce_scatter(
+                input_, dim, self.world_size, self.unique_name
+            )
+        return self._reduce_scatter_eager(input_, dim)
+
+    def reduce_scatterv(
+        self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    ) -> torch.Tensor:
+        """Sum over the group, then keep ``sizes[rank]`` rows along ``dim`` (equal when None)."""
+        dim = _check_dim(input_, dim, "dim")
+        if self.world_size == 1:
+            return input_
+        if torch.compiler.is_compiling() and sizes is not None:
+            return torch.ops.groupcoord.reduce_scatterv(
+                input_, dim, list(sizes), self.rank_in_group, self.unique_name
+            )
+        if torch.compiler.is_compiling():
+            return self.reduce_scatter(input_, dim)
+        return self._reduce_scatterv_eager(input_, dim, sizes)
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Every rank's ``input_`` concatenated along ``dim`` on in-group rank ``dst``; None elsewhere."""
+        self._check_index(dst, "dst")
+        dim = _check_dim(input_, dim, "dim")
+        if self.world_size == 1:
+            return input_
+        return self._collective("gather", self._tensor_comm().gather, input_, dst, dim)
+
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``src``'s ``input_`` on every rank, in place (out of place under torch.compile)."""
+        self._check_index(src, "src")
+        _check_tensor(input_, "input_")
+        if self.world_size == 1:
+            return input_
+        if torch.compiler.is_compiling():
+            return torch.ops.groupcoord.broadcast(input_, src, self.unique_name)
+        return self._broadcast_eager(input_, src)
+
+    # The eager bodies; the custom ops in ``custom_ops`` call these too.
+
+    def _all_reduce_eager(self, input_: torch.Tensor) -> torch.Tensor:
+        return self._collective("all_reduce", self._tensor_comm().all_reduce, input_)
+
+    def _all_gather_eager(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._collective("all_gather", self._tensor_comm().all_gather, input_, dim)
+
+    def _all_gatherv_eager(
+        self, input_: torch.Tensor | list[torch.Tensor], dim: int, sizes: list[int] | None
+    ) -> Any:
+        return self._collective("all_gatherv", self._tensor_comm().all_gatherv, input_, dim, sizes)
+
+    def _reduce_scatter_eager(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._collective("reduce_scatter", self._tensor_comm().reduce_scatter, input_, dim)
+
+    def _reduce_scatterv_eager(
+        self, input_: torch.Tensor, dim: int, sizes: list[int] | None
+    ) -> torch.Tensor:
+        comm = self._tensor_comm()
+        return self._collective("reduce_scatterv", comm.reduce_scatterv, input_, dim, sizes)
+
+    def _broadcast_eager(self, input_: torch.Tensor, src: int) -> torch.Tensor:
+        return self._collective("broadcast", self._tensor_comm().broadcast, input_, src)
+
+    def _traced_all_gatherv(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Any:
+        dim = _check_dim(tensor, dim, "dim")
+        return torch.ops.groupcoord.all_gatherv(tensor, dim, list(sizes), self.unique_name)
+
+    # ---- objects ------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any | None = None, src: int = 0) -> Any:
+        """``src``'s ``obj`` on every rank (through the message queue when the group has one)."""
+        self._check_index(src, "src")
+        if self.world_size == 1:
+            return obj
+        if self.mq_broadcaster is not None and src == 0:
+            mq = self.mq_broadcaster
+            return mq.broadcast_object(obj if self.rank_in_group == 0 else None)
+        payload = dumps(obj) if self.rank_in_group == src else None
+        data = self._collective("broadcast_object", broadcast_bytes, self.cpu_group, payload, src)
+        return loads(data)
+
+    def broadcast_object_list(
+        self, obj_list: list[Any], src: int = 0, group: ProcessGroup | None = None
+    ) -> list[Any]:
+        """Replace ``obj_list``'s items with ``src``'s, in place; returns ``obj_list``."""
+        if not isinstance(obj_list, list):
+            raise GroupcoordTypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
+        self._check_index(src, "src")
+        if self.world_size == 1:
+            return obj_list
+        pg = group if group is not None else self.cpu_group
+        payload = dumps(obj_list) if self.rank_in_group == src else None
+        data = self._collective("broadcast_object_list", broadcast_bytes, pg, payload, src)
+        obj_list[:] = loads(data)
+        return obj_list
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        """Send ``obj`` to in-group rank ``dst`` (msgspec, no pickle)."""
+        self._check_peer(dst, "dst")
+        self._send_bytes(dumps(obj), dst, "send_object")
+
+    def recv_object(self, src: int) -> Any:
+        """The next object that in-group rank ``src`` sent with ``send_object``."""
+        self._check_peer(src, "src")
+        return loads(self._recv_bytes(src, "recv_object"))
+
+    def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:
+        # Length first (the receiver must size its buffer), then the payload.
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
+        peer = self.ranks[dst]
+        self._p2p(operation, dst, dist.send, length, peer, self.cpu_group)
+        if data is not None:
+            self._p2p(operation, dst, dist.send, data, peer, self.cpu_group)
+
+    def _recv_bytes(self, src: int, operation: str) -> bytes:
+        length = torch.empty(1, dtype=torch.int64)
+        peer = self.ranks[src]
+        self._p2p(operation, src, dist.recv, length, peer, self.cpu_group)
+        n = int(length.item())
+        if n == 0:
+            return b""
+        data = torch.empty(n, dtype=torch.uint8)
+        self._p2p(operation, src, dist.recv, data, peer, self.cpu_group)
+        return data.numpy().tobytes()
+
+    # ---- tensor dicts ---------------------------------------------------------------
+
+    def broadcast_tensor_dict(
+        self,
+        tensor_dict: Mapping[str, Any] | None = None,
+        src: int = 0,
+        group: ProcessGroup | None = None,
+        metadata_group: ProcessGroup | None = None,
+    ) -> dict[str, Any] | None:
+        """``src``'s dict of tensors and plain values on every rank.
+
+        Metadata (and small CPU tensors, inline) go in one message, through
+        the message queue when the group has one; larger tensors follow as
+        broadcasts. Returns the dict (``src`` gets its own argument back).
+        """
+        self._check_index(src, "src")
+        if self.world_size == 1:
+            return dict(tensor_dict) if tensor_dict is not None else None
+        tensor_group = group if group is not None else self.device_group
+        meta_group = metadata_group if metadata_group is not None else self.cpu_group
+        via_mq = self.mq_broadcaster is not None and src == 0 and metadata_group is None
+        if self.rank_in_group == src:
+            if tensor_dict is None:
+                raise GroupcoordTypeError("tensor_dict is required on the source rank")
+            meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
+            payload = encode_meta(meta)
+            if via_mq:
+                self.mq_broadcaster.broadcast_object(payload)
+            else:
+                self._collective("broadcast_tensor_dict", broadcast_bytes, meta_group, payload, src)
+            works = [
+                dist.broadcast(
+                    t.contiguous(),
+                    src=self.ranks[src],
+                    group=meta_group if t.is_cpu else tensor_group,
+                    async_op=True,
+                )
+                for t in tensors
+            ]
+            self._wait_all("broadcast_tensor_dict", works)
+            return dict(tensor_dict)
+        if via_mq:
+            data = self.mq_broadcaster.broadcast_object(None)
+        else:
+            data = self._collective("broadcast_tensor_dict", broadcast_bytes, meta_group, None, src)
+        works = []
+
+        def receive(item: TensorMeta) -> torch.Tensor:
+            out = self._empty_like_meta(item)
+            pg = meta_group if out.is_cpu else tensor_group
+            works.append(dist.broadcast(out, src=self.ranks[src], group=pg, async_op=True))
+            return out
+
+        result = rebuild(decode_meta(data), receive)
+        self._wait_all("broadcast_tensor_dict", works)
+        return result
+
+    def send_tensor_dict(
+        self,
+        tensor_dict: Mapping[str, Any],
+        dst: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[str, bool] | None = None,
+    ) -> None:
+        """Send a dict of tensors and plain values to in-group rank ``dst`` (default: next).
+
+        With an ``all_gather_group`` (e.g. TP, when the dict is replicated
+        across it), each peer sends only its 1/N slice of a tensor and the
+        receiver's group all-gathers the whole; ``all_gather_tensors[key]``
+        forces it on or off per tensor (default: on when divisible by N).
+        """
+        if self.world_size == 1:
+            return None
+        if dst is None:
+            dst = (self.rank_in_group + 1) % self.world_size
+        self._check_peer(dst, "dst")
+        slices = _all_gather_size(all_gather_group)
+        overrides = dict(all_gather_tensors or {})
+
+        def slices_of(key: str, tensor: torch.Tensor) -> int:
+            if slices <= 1 or tensor.numel() == 0:
+                return 0
+            wanted = overrides.get(key)
+            if wanted and tensor.numel() % slices:
+                raise GroupcoordValueError(
+                    f"all_gather_tensors[{key!r}] is True but tensor_dict[{key!r}] has "
+                    f"{tensor.numel()} elements, not divisible by all_gather_group's size {slices}"
+                )
+            use = tensor.numel() % slices == 0 if wanted is None else bool(wanted)
+            return slices if use else 0
+
+        meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES, slices_of)
+        self._send_bytes(encode_meta(meta), dst, "send_tensor_dict")
+        part = all_gather_group.rank_in_group if all_gather_group is not None else 0
+        items = [i for i in meta.items if isinstance(i, TensorMeta) and i.inline is None]
+        for item, tensor in zip(items, tensors):
+            if item.slices:
+                tensor = tensor.reshape(slices, -1)[part]
+            pg = self.cpu_group if tensor.is_cpu else self.device_group
+            self._p2p("send_tensor_dict", dst, dist.send, tensor.contiguous(), self.ranks[dst], pg)
+        return None
+
+    def recv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[str, bool] | None = None,
+    ) -> dict[str, Any] | None:
+        """The dict that in-group rank ``src`` (default: previous) sent with ``send_tensor_dict``.
+
+        Which tensors came sliced is in the metadata (the sender decided);
+        ``all_gather_tensors`` is accepted for vLLM compatibility.
+        """
+        if self.world_size == 1:
+            return None
+        if src is None:
+            src = (self.rank_in_group - 1) % self.world_size
+        self._check_peer(src, "src")
+        meta = decode_meta(self._recv_bytes(src, "recv_tensor_dict"))
+        slices = _all_gather_size(all_gather_group)
+        sent = {i.slices for i in meta.items if isinstance(i, TensorMeta) and i.slices}
+        for n in sent:
+            if all_gather_group is None or slices != n:
+                raise GroupcoordValueError(
+                    f"all_gather_group: the sender sliced tensors {n} ways, so the receiver "
+                    f"needs an all_gather_group of that size (got {slices})"
+                )
+
+        def receive(item: TensorMeta) -> torch.Tensor:
+            full = self._empty_like_meta(item)
+            target = full.reshape(slices, -1)[0] if item.slices else full
+            pg = self.cpu_group if target.is_cpu else self.device_group
+            self._p2p("recv_tensor_dict", src, dist.recv, target, self.ranks[src], pg)
+            if item.slices:
+                assert all_gather_group is not None
+                gathered = all_gather_group.all_gather(target, dim=0)
+                return gathered.reshape(item.shape)
+            return full
+
+        return rebuild(meta, receive)
+
+    def _empty_like_meta(self, item: TensorMeta) -> torch.Tensor:
+        from .metadata import dtype_from_name
+
+        device = torch.device("cpu") if item.device == "cpu" else self.device
+        return torch.empty(item.shape, dtype=dtype_from_name(item.dtype), device=device)
+
+    # ---- point to point tensors ---------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Send ``tensor`` to in-group rank ``dst`` (default: next)."""
+        if dst is not None:
+            self._check_peer(dst, "dst")
+        peer = (self.rank_in_group + 1) % self.world_size if dst is None else dst
+        self._p2p("send", peer, self._tensor_comm().send, tensor, dst)
+
+    def recv(
+        self,
+        size: torch.Size | tuple[int, ...] | list[int],
+        dtype: torch.dtype,
+        src: int | None = None,
+    ) -> torch.Tensor:
+        """A tensor of ``size`` and ``dtype`` from in-group rank ``src`` (default: previous)."""
+        if src is not None:
+            self._check_peer(src, "src")
+        peer = (self.rank_in_group - 1) % self.world_size if src is None else src
+        out: torch.Tensor = self._p2p("recv", peer, self._tensor_comm().recv, size, dtype, src)
+        return out
+
+    # ---- control --------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group is here (CPU group, bounded by the deadline)."""
+        if self.world_size == 1:
+            return
+        self._collective("barrier", dist.barrier, self.cpu_group)
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> Any:
+        """Send tokens to their experts' owners (EP group with an all2all manager)."""
+        if self.device_communicator is None:
+            if self.world_size == 1:
+                return (hidden_states, router_logits, *(extra_tensors or []))
+            raise NotSupportedError(
+                "dispatch", f"group {self.unique_name} (no device communicator)"
+            )
+        comm = self.device_communicator
+        return self._collective(
+            "dispatch",
+            comm.dispatch,
+            hidden_states,
+            router_logits,
+            is_sequence_parallel,
+            extra_tensors,
+        )
+
+    def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
+        """Sum expert outputs back to the tokens' home ranks."""
+        if self.device_communicator is None:
+            if self.world_size == 1:
+                return hidden_states
+            raise NotSupportedError("combine", f"group {self.unique_name} (no device communicator)")
+        comm = self.device_communicator
+        return self._collective("combine", comm.combine, hidden_states, is_sequence_parallel)
+
+    def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
+        if self.device_communicator is not None:
+            self.device_communicator.prepare_communication_buffer_for_model(model)
+
+    def destroy(self) -> None:
+        """Release the queue, communicators and process groups (idempotent)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        custom_ops.unregister_group(self.unique_name)
+        if self.mq_broadcaster is not None:
+            self.mq_broadcaster.shutdown()
+            self.mq_broadcaster = None
+        for comm in (self.device_communicator, self._plain_comm):
+            if comm is not None:
+                comm.destroy()
+        self.device_communicator = None
+        self._plain_comm = None
+        if dist.is_initialized():
+            if self.device_group is not self.cpu_group:
+                dist.destroy_process_group(self.device_group)
+            dist.destroy_process_group(self.cpu_group)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _tensor_comm(self) -> DeviceCommunicatorBase:
+        if self.device_communicator is not None:
+            return self.device_communicator
+        if self._destroyed:
+            raise ClosedError(f"{self.unique_name} was destroyed")
+        if self._plain_comm is None:
+            # Groups built without a device communicator still move tensors,
+            # with plain torch.distributed calls.
+            self._plain_comm = DeviceCommunicatorBase(
+                self.cpu_group, self.device, self.device_group, self.unique_name
+            )
+        return self._plain_comm
+
+    def _check_index(self, index: int, name: str) -> None:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise GroupcoordTypeError(f"{name} must be an int in-group rank, got {index!r}")
+        if not 0 <= index < self.world_size:
+            raise GroupcoordValueError(
+                f"{name}={index} is not a rank of group {self.unique_name} "
+                f"(world size {self.world_size})"
+            )
+
+    def _check_peer(self, index: int, name: str) -> None:
+        self._check_index(index, name)
+        if index == self.rank_in_group:
+            raise GroupcoordValueError(f"{name}={index} is this rank itself")
+
+    def _collective(self, operation: str, fn: Any, *args: Any) -> Any:
+        """Run one collective; a transport failure says which ranks did not arrive."""
+        try:
+            out = fn(*args)
+        except (GroupcoordError, ValueError, TypeError):
+            # Ours already name what failed; bad arguments are raised before any send.
+            raise
+        except RuntimeError as exc:
+            raise self._diagnose(operation, exc) from exc
+        self._collective_seq += 1
+        return out
+
+    def _p2p(self, operation: str, peer: int, fn: Any, *args: Any) -> Any:
+        """Run one point-to-point transfer with in-group ``peer``; failures name the peer."""
+        try:
+            return fn(*args)
+        except (GroupcoordError, ValueError, TypeError):
+            raise
+        except RuntimeError as exc:
+            raise _classify(
+                self.unique_name, operation, self.timeout_s, [self.ranks[peer]], exc
+            ) from exc
+
+    def _wait_all(self, operation: str, works: list[Any]) -> None:
+        self._collective(operation, lambda: [w.wait() for w in works])
+
+    def _diagnose(self, operation: str, exc: RuntimeError) -> GroupcoordError:
+        """Which ranks reached this collective, found through the default store.
+
+        Only a failing collective pays for this: each rank that got here posts
+        its arrival under the collective's sequence number (every rank counts
+        the same calls), then waits a short grace for the others' posts.
+        Those that never post did not arrive (absent, slow, or dead).
+        """
+        seq = self._collective_seq
+        self._collective_seq += 1
+        missing: list[int] = []
+        try:
+            store = dist.PrefixStore(
+                f"groupcoord/{self.unique_name}/arrived/{seq}/",
+                dist.distributed_c10d._get_default_store(),
+            )
+            store.set(str(self.rank_in_group), "1")
+            grace = min(5.0, max(0.5, self.timeout_s / 2))
+            deadline = time.monotonic() + grace
+            while True:
+                missing = [r for i, r in enumerate(self.ranks) if not store.check([str(i)])]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except RuntimeError as store_exc:
+            # The store itself is gone (its host died): report what we know.
+            missing = []
+            exc = RuntimeError(f"{exc}; arrival check failed: {store_exc}")
+        return _classify(self.unique_name, operation, self.timeout_s, missing, exc)
+
+
+def _classify(
+    what: str, operation: str, timeout_s: float, missing: list[int], exc: BaseException
+) -> GroupcoordError:
+    """A timeout or a dead peer, from the transport's message."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return GroupcoordTimeoutError(what, operation, timeout_s, missing, detail=text)
+    return PeerDiedError(what, operation, missing, detail=text)
+
+
+def _check_tensor(tensor: object, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise GroupcoordTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+
+
+def _check_dim(tensor: torch.Tensor, dim: int, name: str) -> int:
+    _check_tensor(tensor, "input_")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise GroupcoordTypeError(f"{name} must be an int, got {dim!r}")
+    if not -tensor.dim() <= dim < max(tensor.dim(), 1):
+        raise GroupcoordValueError(
+            f"{name}={dim} is out of range for a tensor with {tensor.dim()} dims"
+        )
+    return dim % tensor.dim() if tensor.dim() else 0
+
+
+def _check_group_ranks(group_ranks: Any, rank: int, world_size: int) -> list[int]:
+    """The caller's group from ``group_ranks``, after checking the whole list."""
+    if not isinstance(group_ranks, (list, tuple)) or not group_ranks:
+        raise GroupcoordValueError(
+            f"group_ranks must be a non-empty list of lists, got {group_ranks!r}"
+        )
+    seen: set[int] = set()
+    mine: list[int] | None = None
+    for ranks in group_ranks:
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise GroupcoordValueError(f"group_ranks: {ranks!r} is not a non-empty list of ranks")
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+                raise GroupcoordValueError(
+                    f"group_ranks: {r!r} is not a rank of the world ({world_size})"
+                )
+            if r in seen:
+                raise GroupcoordValueError(f"group_ranks: rank {r} appears in more than one place")
+            seen.add(r)
+        if rank in ranks:
+            mine = list(ranks)
+    if mine is None:
+        raise GroupcoordValueError(f"group_ranks: this rank ({rank}) is in none of {group_ranks!r}")
+    return mine
+
+
+def _all_gather_size(group: GroupCoordinator | None) -> int:
+    if group is None:
+        return 1
+    if not isinstance(group, GroupCoordinator):
+        raise GroupcoordTypeError(
+            f"all_gather_group must be a GroupCoordinator, got {type(group).__name__}"
+        )
+    return group.world_size

@@ -1,0 +1,295 @@
+"""GroupCoordinator with real forked ranks: every method against a local reference.
+
+Each rank builds its inputs from (rank, shape, dtype) alone, so every rank can
+compute what all ranks hold and check each result exactly. Values stay small
+integers, so sums are exact in every dtype (bf16 and fp16 included).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+
+from coordinator import custom_ops
+from coordinator.errors import (
+    GroupcoordTimeoutError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+    NotInitializedError,
+)
+from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
+from shm_broadcast.segments import list_segments
+
+
+def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    values = (torch.arange(n, dtype=torch.int64) * (rank + 1)) % 7 + rank
+    return values.reshape(shape).to(dtype)
+
+
+def world_group(rank: int, world_size: int, **kwargs: object) -> GroupCoordinator:
+    init_gloo(rank, world_size)
+    return GroupCoordinator([list(range(world_size))], rank, "gloo", True, **kwargs)  # type: ignore[arg-type]
+
+
+def _collectives(rank: int, world_size: int) -> None:
+    g = world_group(rank, world_size, group_name="t")
+    ranks = range(world_size)
+    assert (g.rank, g.ranks, g.world_size, g.rank_in_group) == (rank, list(ranks), world_size, rank)
+    assert g.first_rank == 0 and g.last_rank == world_size - 1
+    assert g.is_first_rank == (rank == 0) and g.is_last_rank == (rank == world_size - 1)
+    assert g.next_rank == (rank + 1) % world_size and g.prev_rank == (rank - 1) % world_size
+    assert g.unique_name == "t:0" and g.device_communicator is not None
+
+    # all_reduce: dtypes, a non-contiguous view, an empty tensor; out of place.
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+        x = data(rank, (3, 5), dtype)
+        before = x.clone()
+        out = g.all_reduce(x)
+        assert torch.equal(out, sum(data(r, (3, 5), dtype) for r in ranks)), dtype
+        assert torch.equal(x, before)
+    view = data(rank, (4, 6)).t()
+    assert torch.equal(g.all_reduce(view), sum(data(r, (4, 6)) for r in ranks).t())
+    assert g.all_reduce(torch.empty(0, 3)).shape == (0, 3)
+
+    # all_gather on every dim, and on a non-contiguous input.
+    for dim in (0, 1, 2, -1):
+        out = g.all_gather(data(rank, (2, 3, 4)), dim=dim)
+        assert torch.equal(out, torch.cat([data(r, (2, 3, 4)) for r in ranks], dim=dim))
+    out = g.all_gather(data(rank, (3, 2)).t(), dim=0)
+    assert torch.equal(out, torch.cat([data(r, (3, 2)).t() for r in ranks], 0))
+
+    # all_gatherv: lengths differ by rank (one rank holds none); discovered or given.
+    lengths = [r % 3 for r in ranks]
+    for dim in (0, 1):
+        shape = (lengths[rank], 4) if dim == 0 else (4, lengths[rank])
+        want = torch.cat(
+            [data(r, (lengths[r], 4) if dim == 0 else (4, lengths[r])) for r in ranks], dim
+        )
+        assert torch.equal(g.all_gatherv(data(rank, shape), dim=dim), want)
+        assert torch.equal(g.all_gatherv(data(rank, shape), dim=dim, sizes=lengths), want)
+    pair = g.all_gatherv(
+        [data(rank, (lengths[rank], 2)), data(rank, (lengths[rank],), torch.int64)]
+    )
+    assert isinstance(pair, list)
+    assert torch.equal(pair[0], torch.cat([data(r, (lengths[r], 2)) for r in ranks]))
+    assert torch.equal(pair[1], torch.cat([data(r, (lengths[r],), torch.int64) for r in ranks]))
+
+    # reduce_scatter / reduce_scatterv.
+    total = sum(data(r, (2, 4 * world_size)) for r in ranks)
+    out = g.reduce_scatter(data(rank, (2, 4 * world_size)))
+    assert torch.equal(out, total.chunk(world_size, dim=-1)[rank])
+    out = g.reduce_scatter(data(rank, (2 * world_size, 3)), dim=0)
+    assert torch.equal(
+        out, sum(data(r, (2 * world_size, 3)) for r in ranks).chunk(world_size)[rank]
+    )
+    sizes = [r + 1 for r in ranks]
+    full = sum(data(r, (sum(sizes), 2)) for r in ranks)
+    out = g.reduce_scatterv(data(rank, (sum(sizes), 2)), dim=0, sizes=sizes)
+    assert torch.equal(out, full.split(sizes)[rank])
+
+    # gather to the last rank, lengths differing by rank.
+    dst = world_size - 1
+    out = g.gather(data(rank, (2, lengths[rank])), dst=dst, dim=1)
+    if rank == dst:
+        assert out is not None
+        assert torch.equal(out, torch.cat([data(r, (2, lengths[r])) for r in ranks], 1))
+    else:
+        assert out is None
+
+    # broadcast (in place, from a non-zero source, into a non-contiguous view).
+    src = world_size - 1
+    buf = data(rank, (5, 3)).t()
+    assert g.broadcast(buf, src=src) is buf
+    assert torch.equal(buf, data(src, (5, 3)).t())
+
+    # objects.
+    obj = {"rank": rank, "t": (1, "x"), "b": b"\x00"}
+    assert g.broadcast_object(obj, src=1) == {"rank": 1, "t": (1, "x"), "b": b"\x00"}
+    lst = [rank, "mine"]
+    assert g.broadcast_object_list(lst, src=0) is lst and lst == [0, "mine"]
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    if rank % 2 == 0:
+        g.send_object({"from": rank, "n": [1, 2]}, dst=nxt)
+        got = g.recv_object(src=prev)
+    else:
+        got = g.recv_object(src=prev)
+        g.send_object({"from": rank, "n": [1, 2]}, dst=nxt)
+    assert got == {"from": prev, "n": [1, 2]}
+
+    # point to point tensors along the ring (default dst/src: next/previous).
+    if rank % 2 == 0:
+        g.send(data(rank, (2, 3), torch.bfloat16))
+        got_t = g.recv((2, 3), torch.bfloat16)
+    else:
+        got_t = g.recv((2, 3), torch.bfloat16)
+        g.send(data(rank, (2, 3), torch.bfloat16))
+    assert torch.equal(got_t, data(prev, (2, 3), torch.bfloat16))
+
+    # tensor dicts: plain values, empty, bf16, non-contiguous, a large one (not inline).
+    def tensor_dict(r: int) -> dict:
+        return {
+            "step": 7 + r,
+            "names": ("a", "b"),
+            "none": None,
+            "empty": torch.empty(0, 4, dtype=torch.int64),
+            "half": data(r, (3,), torch.bfloat16),
+            "view": data(r, (4, 3)).t(),
+            "big": data(r, (300, 100)),
+            "scalar": torch.tensor(3.5 + r),
+        }
+
+    def same(a: dict, b: dict) -> None:
+        assert list(a) == list(b)
+        for k in a:
+            if isinstance(b[k], torch.Tensor):
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+            else:
+                assert a[k] == b[k], k
+
+    for src in ranks:
+        got_d = g.broadcast_tensor_dict(tensor_dict(src) if rank == src else None, src=src)
+        assert got_d is not None
+        same(got_d, tensor_dict(src))
+    if rank % 2 == 0:
+        g.send_tensor_dict(tensor_dict(rank))
+        got_d = g.recv_tensor_dict()
+    else:
+        got_d = g.recv_tensor_dict()
+        g.send_tensor_dict(tensor_dict(rank))
+    assert got_d is not None
+    same(got_d, tensor_dict(prev))
+
+    g.barrier()
+    with g.graph_capture() as ctx:
+        assert isinstance(ctx, GraphCaptureContext) and ctx.stream is None
+    g.destroy()
+    g.destroy()
+    with pytest.raises(NotInitializedError):
+        custom_ops.lookup_group("t:0")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_collective_matches_the_local_reference(world_size: int) -> None:
+    run_ranks(_collectives, world_size, timeout=90)
+
+
+def _pipeline_slices(rank: int, world_size: int) -> dict:
+    """TP2 x PP2: stage 0 (ranks 0,1) sends to stage 1 (ranks 2,3) with the TP all-gather."""
+    init_gloo(rank, world_size)
+    tp = GroupCoordinator([[0, 1], [2, 3]], rank, "gloo", True, group_name="tp")
+    pp = GroupCoordinator([[0, 2], [1, 3]], rank, "gloo", True, group_name="pp")
+    assert tp.unique_name == "tp:0" and pp.ranks == ([0, 2] if rank % 2 == 0 else [1, 3])
+    out: dict = {}
+    if pp.is_first_rank:
+        # Deliberately NOT replicated across TP: each sender fills with its TP
+        # rank, so the receiver can tell which peer each half came from.
+        mine = {
+            "sliced": torch.full((4, 6), float(tp.rank_in_group)),
+            "odd": torch.full((3,), float(tp.rank_in_group)),  # 3 % 2 != 0: sent whole
+            "forced_off": torch.full((2, 2), float(tp.rank_in_group)),
+            "meta": "hello",
+        }
+        with pytest.raises(GroupcoordValueError, match=r"all_gather_tensors\['odd'\]"):
+            pp.send_tensor_dict(mine, all_gather_group=tp, all_gather_tensors={"odd": True})
+        pp.send_tensor_dict(mine, all_gather_group=tp, all_gather_tensors={"forced_off": False})
+    else:
+        got = pp.recv_tensor_dict(all_gather_group=tp)
+        assert got is not None
+        out = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in got.items()}
+    tp.barrier()
+    pp.barrier()
+    tp.destroy()
+    pp.destroy()
+    return out
+
+
+def test_send_tensor_dict_sends_one_slice_per_tp_peer() -> None:
+    results = run_ranks(_pipeline_slices, 4, timeout=90)
+    for rank in (2, 3):
+        got = results[rank]
+        me = rank - 2
+        # First half from TP peer 0, second half from TP peer 1: only slices travelled.
+        assert got["sliced"] == [[0.0] * 6] * 2 + [[1.0] * 6] * 2
+        assert got["odd"] == [float(me)] * 3
+        assert got["forced_off"] == [[float(me)] * 2] * 2
+        assert got["meta"] == "hello"
+
+
+def _bad_then_good(rank: int, world_size: int) -> list[str]:
+    g = world_group(rank, world_size)
+    x = data(rank, (4, 6))
+    messages = []
+    calls = [
+        (GroupcoordValueError, lambda: g.all_gather(x, dim=2)),
+        (GroupcoordTypeError, lambda: g.all_reduce([1, 2])),  # type: ignore[arg-type]
+        (GroupcoordValueError, lambda: g.broadcast(x, src=world_size)),
+        (GroupcoordValueError, lambda: g.reduce_scatter(data(rank, (3, 3)), dim=0)),
+        (GroupcoordValueError, lambda: g.all_gatherv(x, dim=0, sizes=[4])),
+        (GroupcoordValueError, lambda: g.send_object("x", dst=rank)),
+        (GroupcoordValueError, lambda: g.gather(x, dst=-1)),
+        (GroupcoordTypeError, lambda: g.recv((2,), "float32")),  # type: ignore[arg-type]
+        (GroupcoordTypeError, lambda: g.send_tensor_dict({1: x})),  # type: ignore[dict-item]
+        (TypeError, lambda: g.send_object(object(), dst=1 - rank)),
+    ]
+    for kind, call in calls:
+        with pytest.raises(kind) as info:
+            call()
+        messages.append(str(info.value))
+        # Nothing was sent: the next good collective lines up on every rank.
+        assert torch.equal(g.all_reduce(x), sum(data(r, (4, 6)) for r in range(world_size)))
+    g.destroy()
+    return messages
+
+
+def test_bad_calls_raise_at_the_call_site_and_the_group_stays_usable() -> None:
+    messages = run_ranks(_bad_then_good, 2, timeout=60)[0]
+    for needle in ("dim=2", "input_", "src=2", "dim 0", "sizes", "dst=0 is this rank", "dst=-1"):
+        assert any(needle in m for m in messages), needle
+    assert any("dtype" in m for m in messages)
+    assert any("keys must be str" in m for m in messages)
+
+
+def _absent_rank(rank: int, world_size: int, operation: str) -> str:
+    g = world_group(rank, world_size, timeout=2.0)
+    if rank == world_size - 1:
+        time.sleep(6)  # never joins; outlives the others' deadline and grace
+        return ""
+    start = time.monotonic()
+    with pytest.raises(GroupcoordTimeoutError) as info:
+        if operation == "barrier":
+            g.barrier()
+        else:
+            g.all_gather(data(rank, (2, 2)), dim=0)
+    assert time.monotonic() - start < 5.5
+    assert info.value.missing == [world_size - 1]
+    return str(info.value)
+
+
+@pytest.mark.parametrize("operation", ["barrier", "all_gather"])
+def test_a_timed_out_collective_names_the_absent_rank(operation: str) -> None:
+    messages = run_ranks(_absent_rank, 3, operation, timeout=60)
+    for message in messages[:2]:
+        assert message.startswith("anonymous:0: ")
+        assert f"{operation} timed out after 2 s" in message
+        assert "waiting for ranks [2]" in message
+
+
+def test_no_shared_memory_is_left_after_destroy() -> None:
+    # The autouse fixture checks leaks per test; this makes it explicit for
+    # the group that owns a shared-memory all-reduce.
+    before = set(list_segments())
+    run_ranks(_destroy_only, 2, timeout=60)
+    assert set(list_segments()) == before
+
+
+def _destroy_only(rank: int, world_size: int) -> None:
+    g = world_group(rank, world_size)
+    g.all_reduce(torch.ones(8))
+    g.destroy()
+    assert g.device_communicator is None
