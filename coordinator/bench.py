@@ -1,0 +1,221 @@
+"""``python -m coordinator bench``: run the benchmarks in quick mode, print one summary.
+
+Each benchmark in ``benchmarks/`` is its own script (its own table, JSON and
+plot). This command runs the registered ones one after another with
+``--quick``, each writing its JSON to a temporary folder, then reads every
+JSON back and prints one table of the rows that compare groupcoord with
+``torch.distributed`` (the rows that carry a ratio). Benchmarks that are
+missing, fail or time out are listed with the reason; the command still
+prints what the others measured. Exit status: 0 when every benchmark ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(REPO, "benchmarks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """One benchmark script and how to run it quickly."""
+
+    name: str
+    script: str  # file name inside benchmarks/
+    what: str
+    args: tuple[str, ...] = ("--quick",)
+    json_flag: str = "--json"
+
+
+BENCHMARKS = (
+    Benchmark("all_reduce", "bench_all_reduce.py", "shared-memory all-reduce vs Gloo"),
+    Benchmark("collectives", "bench_collectives.py", "GroupCoordinator collectives vs Gloo"),
+    Benchmark("mq", "bench_mq.py", "message queue vs broadcast_object_list"),
+    Benchmark("comm_overlap", "bench_comm_overlap.py", "async all-reduce overlapped with compute"),
+    Benchmark("cuda_all_reduce", "bench_cuda_allreduce.py", "custom all-reduce vs NCCL (GPU)"),
+)
+
+
+@dataclasses.dataclass
+class Outcome:
+    bench: Benchmark
+    status: str  # "ok", "missing", "failed", "timeout"
+    seconds: float = 0.0
+    detail: str = ""
+    data: Any = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m coordinator bench",
+        description="Run groupcoord's benchmarks in quick mode and print one summary table "
+        "with ratios vs torch.distributed.",
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=[b.name for b in BENCHMARKS],
+        help="run only these benchmarks",
+    )
+    p.add_argument(
+        "--full", action="store_true", help="run the full (not --quick) benchmarks: slow"
+    )
+    p.add_argument("--out", metavar="DIR", help="keep each benchmark's JSON in DIR")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="per benchmark, seconds (default 300)"
+    )
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    return p
+
+
+def run_benchmark(bench: Benchmark, out_dir: str, full: bool, timeout: float) -> Outcome:
+    script = os.path.join(BENCH_DIR, bench.script)
+    if not os.path.exists(script):
+        return Outcome(bench, "missing", detail=f"{os.path.relpath(script, REPO)} not found")
+    json_path = os.path.join(out_dir, f"{bench.name}.json")
+    args = [a for a in bench.args if not (full and a == "--quick")]
+    cmd = [sys.executable, script, *args, bench.json_flag, json_path]
+    print(f"$ {' '.join(os.path.relpath(c, REPO) if c == script else c for c in cmd)}", flush=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return Outcome(bench, "timeout", timeout, f"did not finish within {timeout:g} s")
+    seconds = time.monotonic() - start
+    if proc.returncode != 0:
+        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        return Outcome(bench, "failed", seconds, f"exit code {proc.returncode}: {last}")
+    try:
+        with open(json_path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        return Outcome(bench, "failed", seconds, f"no readable JSON at {json_path}: {exc}")
+    return Outcome(bench, "ok", seconds, data=data)
+
+
+def _row_dicts(data: Any) -> Iterator[dict[str, Any]]:
+    """Every dict in the JSON that has a ratio field (rows may nest under any key)."""
+    if isinstance(data, dict):
+        if any("ratio" in str(k) for k in data):
+            yield data
+        for value in data.values():
+            if isinstance(value, (dict, list)):
+                yield from _row_dicts(value)
+    elif isinstance(data, list):
+        for item in data:
+            yield from _row_dicts(item)
+
+
+# Fields that say which case a row measures, in the order they are shown.
+CASE_KEYS = (
+    "op",
+    "case",
+    "name",
+    "kind",
+    "payload",
+    "dtype",
+    "size",
+    "bytes",
+    "world",
+    "world_size",
+)
+
+
+def _case(row: dict[str, Any]) -> str:
+    parts = []
+    for key in CASE_KEYS:
+        if key in row and not isinstance(row[key], (dict, list)):
+            value = row[key]
+            if key in ("size", "bytes") and isinstance(value, int):
+                value = _human_bytes(value)
+            parts.append(f"{key}={value}")
+    return " ".join(parts) or "-"
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n:g} GiB"
+
+
+def _number(row: dict[str, Any], words: tuple[str, ...]) -> str:
+    for key, value in row.items():
+        low = str(key).lower()
+        if any(w in low for w in words) and isinstance(value, (int, float)) and "ratio" not in low:
+            return f"{value:.4g} ({key})"
+    return ""
+
+
+def summary_rows(outcomes: list[Outcome]) -> list[dict[str, str]]:
+    rows = []
+    for outcome in outcomes:
+        if outcome.status != "ok":
+            continue
+        for row in _row_dicts(outcome.data):
+            ratio_key = next(k for k in row if "ratio" in str(k))
+            ratio = row[ratio_key]
+            rows.append(
+                {
+                    "benchmark": outcome.bench.name,
+                    "case": _case(row),
+                    "groupcoord": _number(row, ("ours", "groupcoord", "shm", "mq_")),
+                    "torch.distributed": _number(row, ("torch", "gloo", "baseline")),
+                    "ratio": f"{ratio:.3g}x" if isinstance(ratio, (int, float)) else str(ratio),
+                    "ratio means": str(ratio_key),
+                }
+            )
+    return rows
+
+
+def format_table(rows: list[dict[str, str]], columns: list[str]) -> str:
+    widths = [max([len(c)] + [len(r.get(c, "")) for r in rows]) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(r.get(c, "").ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    selected = [b for b in BENCHMARKS if not args.only or b.name in args.only]
+    if args.list:
+        for b in selected:
+            there = "" if os.path.exists(os.path.join(BENCH_DIR, b.script)) else "  (missing)"
+            print(f"{b.name:<16} benchmarks/{b.script:<26} {b.what}{there}")
+        return 0
+    if args.timeout <= 0:
+        print(f"bench: --timeout must be positive, got {args.timeout}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="groupcoord_bench_") as tmp:
+        out_dir = args.out or tmp
+        os.makedirs(out_dir, exist_ok=True)
+        outcomes = [run_benchmark(b, out_dir, args.full, args.timeout) for b in selected]
+    print("\nbenchmarks run:")
+    for o in outcomes:
+        print(f"  {o.bench.name:<16} {o.status:<8} {o.seconds:6.1f} s  {o.detail}")
+    rows = summary_rows(outcomes)
+    print()
+    if rows:
+        columns = ["benchmark", "case", "groupcoord", "torch.distributed", "ratio", "ratio means"]
+        print(format_table(rows, columns))
+    else:
+        print("no comparison rows: no benchmark produced results")
+    print(
+        "\n(measured on this machine now; on a shared or loaded machine the numbers are noisy. "
+        "Each benchmark's own table has medians and percentiles: run it alone.)"
+    )
+    return 0 if all(o.status == "ok" for o in outcomes) else 1
