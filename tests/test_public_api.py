@@ -1,0 +1,66 @@
+"""Every package's public names import, and each package says exactly what they are."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+PACKAGES = ["shm_broadcast", "device_communicators", "coordinator"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_public_name_imports(package: str) -> None:
+    module = importlib.import_module(package)
+    names = module.__all__
+    assert len(names) == len(set(names)), "duplicate names in __all__"
+    for name in names:
+        assert getattr(module, name) is not None, name
+    namespace: dict = {}
+    exec(f"from {package} import *", namespace)
+    assert set(names) <= set(namespace)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_is_typed(package: str) -> None:
+    module = importlib.import_module(package)
+    assert os.path.exists(os.path.join(os.path.dirname(module.__file__ or ""), "py.typed"))
+
+
+def test_coordinator_offers_the_vllm_names() -> None:
+    import coordinator
+
+    for name in (
+        "GroupCoordinator",
+        "GraphCaptureContext",
+        "StatelessProcessGroup",
+        "init_distributed_environment",
+        "initialize_model_parallel",
+        "ensure_model_parallel_initialized",
+        "model_parallel_is_initialized",
+        "get_world_group",
+        "get_tp_group",
+        "get_pp_group",
+        "get_dp_group",
+        "get_ep_group",
+        "get_tensor_model_parallel_world_size",
+        "get_tensor_model_parallel_rank",
+        "get_pipeline_model_parallel_world_size",
+        "get_pipeline_model_parallel_rank",
+        "graph_capture",
+        "destroy_model_parallel",
+        "destroy_distributed_environment",
+        "in_the_same_node_as",
+    ):
+        assert name in coordinator.__all__, name
+    methods = (
+        "all_reduce all_gather all_gatherv reduce_scatter reduce_scatterv gather broadcast "
+        "broadcast_object broadcast_object_list broadcast_tensor_dict send_object recv_object "
+        "send_tensor_dict recv_tensor_dict send recv barrier graph_capture dispatch combine "
+        "create_mq_broadcaster create_single_reader_mq_broadcasters "
+        "prepare_communication_buffer_for_model destroy first_rank last_rank is_first_rank "
+        "is_last_rank next_rank prev_rank"
+    ).split()
+    for method in methods:
+        assert hasattr(coordinator.GroupCoordinator, method), method
