@@ -1,0 +1,93 @@
+"""Batched point-to-point: queue sends and receives, then put them all in flight.
+
+Gloo posts a send or a receive the moment it is issued and moves the bytes
+on its own transport threads, so issuing every op of the batch before waiting
+on any lets a ring exchange (each rank sends right, receives left) complete
+without the send/recv ordering dance that blocking calls need.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+import torch
+
+from ..errors import ClosedError
+from . import checks
+from .work import Work
+
+if TYPE_CHECKING:
+    import datetime
+    from collections.abc import Mapping
+
+    from .comm import Comm
+
+
+class P2POp(msgspec.Struct, frozen=True):
+    """One queued operation: ``kind`` is 'send' or 'recv', ``peer`` a comm rank."""
+
+    kind: Literal["send", "recv"]
+    tensor: Any
+    peer: int
+
+
+class P2PBatch:
+    """Created by ``Comm.batch_op_create()``; issue once."""
+
+    def __init__(self, comm: Comm) -> None:
+        self._comm = comm
+        self._ops: list[P2POp] = []
+        self._issued = False
+
+    @property
+    def ops(self) -> tuple[P2POp, ...]:
+        return tuple(self._ops)
+
+    def _add(
+        self, kind: Literal["send", "recv"], tensor: torch.Tensor, peer: int, arg: str
+    ) -> None:
+        if self._issued:
+            raise ClosedError("this batch was already issued; create a new one")
+        comm = self._comm
+        checked = checks.tensor(tensor, "tensor", comm.get_device())
+        rank = checks.rank(peer, arg, comm.get_size(), self_rank=comm.get_rank())
+        self._ops.append(P2POp(kind, checked, rank))
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._add("send", tensor, dst, "dst")
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self._add("recv", tensor, src, "src")
+
+    def issue(
+        self,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Post every op at once; the work completes when all have."""
+        if self._issued:
+            raise ClosedError("this batch was already issued; create a new one")
+        ops = list(self._ops)
+        comm = self._comm
+        if not ops:
+            return Work.completed(comm.get_name(), "batch")
+        from .comm import _P2P_TAG
+
+        checks.flag(async_op, "async_op")
+
+        pg = comm._pg
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            works = []
+            for op in ops:
+                if op.kind == "send":
+                    works.append(pg.send([op.tensor], op.peer, _P2P_TAG))
+                else:
+                    works.append(pg.recv([op.tensor], op.peer, _P2P_TAG))
+            return works
+
+        work = comm._run("batch", sorted({op.peer for op in ops}), timeout, async_op, hints, launch)
+        self._issued = True
+        return work

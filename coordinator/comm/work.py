@@ -1,0 +1,245 @@
+"""Work handles: what every :class:`~coordinator.comm.Comm` operation returns.
+
+Gloo marks a send or receive complete only once someone calls ``wait()`` on
+it, so completion cannot be polled. Each communicator therefore owns one
+:class:`Completer` thread that waits on the c10d works in issue order, runs
+the finishing step of an emulated operation (AVG division, copy-out of a
+padded result) and then sets the work's event. The caller's thread never
+blocks unless it calls :meth:`Work.wait`, which waits on that event until the
+operation's own deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import (
+    ClosedError,
+    GroupcoordError,
+    GroupcoordTimeoutError,
+    PeerDiedError,
+    ProtocolError,
+)
+
+# The completer waits on a c10d work this much longer than the operation's
+# deadline, so the caller's own timeout (named, with peers) fires first.
+_COMPLETER_GRACE_S = 2.0
+_PEER_GONE_MARKERS = ("closed by peer", "Connection reset", "Broken pipe", "Connection refused")
+
+
+class WorkStatus(enum.Enum):
+    INPROGRESS = "inprogress"
+    COMPLETED = "completed"
+    TIMED_OUT = "timed_out"
+    ERROR = "error"
+    ABORTED = "aborted"
+
+
+class Work:
+    """Handle on one operation; ``wait()`` returns once its results are final."""
+
+    def __init__(
+        self,
+        comm_name: str,
+        op: str,
+        peers: Sequence[int],
+        timeout_s: float,
+        on_timeout: Callable[[Work], None] | None = None,
+    ) -> None:
+        self.comm_name = comm_name
+        self.op = op
+        self.peers = sorted(set(peers))
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self._on_timeout = on_timeout
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._status = WorkStatus.INPROGRESS
+        self._poll: Callable[[], bool] | None = None
+
+    # -- how a work finishes ------------------------------------------------
+    @classmethod
+    def completed(cls, comm_name: str, op: str, peers: Sequence[int] = ()) -> Work:
+        work = cls(comm_name, op, peers, timeout_s=1.0)
+        work._finish(None)
+        return work
+
+    @classmethod
+    def polled(
+        cls,
+        comm_name: str,
+        op: str,
+        peers: Sequence[int],
+        timeout_s: float,
+        poll: Callable[[], bool],
+    ) -> Work:
+        """A work that is done when ``poll()`` says so (a window signal, say)."""
+        work = cls(comm_name, op, peers, timeout_s)
+        work._poll = poll
+        return work
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self._done.is_set():
+            return
+        self._error = error
+        if self._status is WorkStatus.INPROGRESS:
+            self._status = WorkStatus.COMPLETED if error is None else WorkStatus.ERROR
+        self._done.set()
+
+    def abort(self) -> None:
+        """Mark an unfinished work ABORTED (its communicator was aborted)."""
+        if not self._done.is_set():
+            self._status = WorkStatus.ABORTED
+            self._finish(ClosedError(f"{self._what()}: {self.op} aborted"))
+
+    # -- what callers see ---------------------------------------------------
+    @property
+    def status(self) -> WorkStatus:
+        if not self._done.is_set():
+            self._check_poll()
+        if not self._done.is_set() and time.monotonic() > self.deadline:
+            self._status = WorkStatus.TIMED_OUT
+        return self._status
+
+    def is_completed(self) -> bool:
+        """True once the results are final (or the work failed)."""
+        self._check_poll()
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done; raise if it failed or passed its deadline.
+
+        ``timeout`` shortens (never extends) the wait below the op's deadline.
+        """
+        deadline = self.deadline
+        if timeout is not None:
+            deadline = min(deadline, time.monotonic() + timeout)
+        if self._poll is not None:
+            self._spin(deadline)
+        else:
+            self._done.wait(max(0.0, deadline - time.monotonic()))
+        if not self._done.is_set():
+            self._status = WorkStatus.TIMED_OUT
+            if self._on_timeout is not None:
+                self._on_timeout(self)
+            raise self.timeout_error()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def timeout_error(self) -> GroupcoordTimeoutError:
+        return GroupcoordTimeoutError(
+            self._what(),
+            self.op,
+            self.timeout_s,
+            missing=self.peers,
+            detail="the ranks listed are this op's peers; abort() the communicator",
+        )
+
+    def _what(self) -> str:
+        return f"communicator {self.comm_name!r}"
+
+    def _check_poll(self) -> None:
+        if self._poll is not None and not self._done.is_set() and self._poll():
+            self._finish(None)
+
+    def _spin(self, deadline: float) -> None:
+        from .spin import spin_until
+
+        spin_until(lambda: self._done.is_set() or bool(self._poll and self._poll()), deadline)
+        self._check_poll()
+
+    def __repr__(self) -> str:
+        return f"Work({self.op} on {self.comm_name!r}, {self.status.value})"
+
+
+def translate_error(work: Work, exc: BaseException) -> BaseException:
+    """Turn a Gloo RuntimeError into our error types, keeping Gloo's text."""
+    if isinstance(exc, GroupcoordError):
+        return exc
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text:
+        work._status = WorkStatus.TIMED_OUT
+        error: BaseException = GroupcoordTimeoutError(
+            work._what(), work.op, work.timeout_s, missing=work.peers, detail=text.strip()
+        )
+    elif any(marker in text for marker in _PEER_GONE_MARKERS):
+        error = PeerDiedError(work._what(), work.op, work.peers, detail=text.strip())
+    else:
+        error = ProtocolError(f"{work._what()}: {work.op} failed: {text.strip()}")
+    error.__cause__ = exc
+    return error
+
+
+class _Pending:
+    __slots__ = ("work", "c10d_works", "finish")
+
+    def __init__(self, work: Work, c10d_works: Sequence[Any], finish: Callable[[], None] | None):
+        self.work = work
+        self.c10d_works = c10d_works
+        self.finish = finish
+
+
+class Completer:
+    """One thread per communicator that waits on c10d works in issue order."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._name = name
+        self._lock = threading.Lock()
+        self._outstanding: set[Work] = set()
+
+    def submit(
+        self, work: Work, c10d_works: Sequence[Any], finish: Callable[[], None] | None
+    ) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"groupcoord-comm-{self._name}", daemon=True
+                )
+                self._thread.start()
+            self._outstanding.add(work)
+        self._queue.put(_Pending(work, c10d_works, finish))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._complete(item)
+            with self._lock:
+                self._outstanding.discard(item.work)
+
+    @staticmethod
+    def _complete(item: _Pending) -> None:
+        work = item.work
+        left = max(0.0, work.deadline - time.monotonic()) + _COMPLETER_GRACE_S
+        try:
+            for c10d_work in item.c10d_works:
+                c10d_work.wait(datetime.timedelta(seconds=left))
+            if item.finish is not None:
+                item.finish()
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through wait()
+            work._finish(translate_error(work, exc))
+            return
+        work._finish(None)
+
+    def abort_outstanding(self) -> None:
+        with self._lock:
+            outstanding = list(self._outstanding)
+        for work in outstanding:
+            work.abort()
+
+    def stop(self) -> None:
+        """Let the thread exit after the works already queued."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)

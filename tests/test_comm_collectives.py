@@ -1,0 +1,225 @@
+"""coordinator.comm collectives and P2P on real forked ranks (world 2 and 4), sync and async."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import pytest
+import torch
+from multiproc import run_ranks
+
+from coordinator.comm import Comm, ReduceOp, Work, WorkStatus, new_comm
+from coordinator.errors import ClosedError, GroupcoordTypeError, GroupcoordValueError
+
+
+def _done(work: Work, async_op: bool) -> None:
+    if async_op:
+        work.wait()
+    assert work.is_completed()
+    assert work.status is WorkStatus.COMPLETED
+
+
+def _collectives(comm: Comm, async_op: bool) -> None:
+    r, w = comm.get_rank(), comm.get_size()
+    total = w * (w + 1) // 2
+
+    t = torch.full((3,), float(r + 1))
+    _done(comm.all_reduce(t, ReduceOp.SUM, async_op=async_op), async_op)
+    assert t.tolist() == [total] * 3
+
+    t = torch.full((2,), float(r + 1))
+    _done(comm.reduce(t, w - 1, ReduceOp.MAX, async_op=async_op), async_op)
+    if r == w - 1:
+        assert t.tolist() == [w, w]
+
+    t = torch.arange(4.0) if r == 1 else torch.zeros(4)
+    _done(comm.broadcast(t, 1, async_op=async_op), async_op)
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+    outs = [torch.empty(2) for _ in range(w)]
+    _done(comm.all_gather(outs, torch.full((2,), float(r)), async_op=async_op), async_op)
+    assert [o.tolist() for o in outs] == [[i, i] for i in range(w)]
+
+    out = torch.empty(w, 2)
+    _done(comm.all_gather_single(out, torch.full((2,), float(r)), async_op=async_op), async_op)
+    assert out.tolist() == [[i, i] for i in range(w)]
+
+    outs = [torch.empty(i + 1, dtype=torch.int32) for i in range(w)]
+    inp = torch.full((r + 1,), r, dtype=torch.int32)
+    _done(comm.all_gather_v(outs, inp, async_op=async_op), async_op)
+    assert [o.tolist() for o in outs] == [[i] * (i + 1) for i in range(w)]
+
+    res = torch.empty(2)
+    ins = [torch.full((2,), float(r + 1 + 10 * i)) for i in range(w)]
+    _done(comm.reduce_scatter(res, ins, ReduceOp.SUM, async_op=async_op), async_op)
+    assert res.tolist() == [total + 10 * w * r] * 2
+
+    res = torch.empty(2)
+    inp = torch.arange(2.0 * w) + r
+    _done(comm.reduce_scatter_single(res, inp, ReduceOp.SUM, async_op=async_op), async_op)
+    expect = [sum(2 * r + k + q for q in range(w)) for k in range(2)]
+    assert res.tolist() == expect
+
+    res = torch.empty(r + 1)
+    ins = [torch.full((i + 1,), float(r + 1)) for i in range(w)]
+    _done(comm.reduce_scatter_v(res, ins, ReduceOp.SUM, async_op=async_op), async_op)
+    assert res.tolist() == [total] * (r + 1)
+
+    ins = [torch.full((r + j + 1,), 10.0 * r + j) for j in range(w)]
+    outs = [torch.empty(j + r + 1) for j in range(w)]
+    _done(comm.all_to_all(outs, ins, async_op=async_op), async_op)
+    assert [o.tolist() for o in outs] == [[10.0 * j + r] * (j + r + 1) for j in range(w)]
+
+    inp = torch.tensor([100.0 * r + j for j in range(w) for _ in range(2)])
+    out = torch.empty(2 * w)
+    _done(comm.all_to_all_single(out, inp, async_op=async_op), async_op)
+    assert out.tolist() == [100.0 * j + r for j in range(w) for _ in range(2)]
+
+    # Uneven, including empty blocks: rank r sends (r + j) % 3 rows of width 2 to rank j.
+    in_splits = [(r + j) % 3 for j in range(w)]
+    out_splits = [(j + r) % 3 for j in range(w)]
+    inp = torch.cat([torch.full((n, 2), 100.0 * r + j) for j, n in enumerate(in_splits)])
+    out = torch.full((sum(out_splits), 2), -1.0)
+    work = comm.all_to_all_v_single(out, inp, out_splits, in_splits, async_op=async_op)
+    _done(work, async_op)
+    expect_v = torch.cat([torch.full((n, 2), 100.0 * j + r) for j, n in enumerate(out_splits)])
+    assert torch.equal(out, expect_v)
+
+    outs_g = [torch.empty(3) for _ in range(w)] if r == 0 else None
+    _done(comm.gather(outs_g, torch.full((3,), float(r)), 0, async_op=async_op), async_op)
+    if outs_g is not None:
+        assert [o.tolist() for o in outs_g] == [[i] * 3 for i in range(w)]
+
+    out = torch.empty(2)
+    ins_s = [torch.full((2,), 7.0 * i) for i in range(w)] if r == w - 1 else None
+    _done(comm.scatter(out, ins_s, w - 1, async_op=async_op), async_op)
+    assert out.tolist() == [7.0 * r] * 2
+
+    right, left = (r + 1) % w, (r - 1) % w
+    got = torch.empty(3)
+    if async_op:
+        ws = comm.send(torch.full((3,), float(r)), right, async_op=True)
+        wr = comm.recv(got, left, async_op=True)
+        _done(ws, True)
+        _done(wr, True)
+    elif r % 2 == 0:
+        comm.send(torch.full((3,), float(r)), right)
+        comm.recv(got, left)
+    else:
+        comm.recv(got, left)
+        comm.send(torch.full((3,), float(r)), right)
+    assert got.tolist() == [float(left)] * 3
+
+    _done(comm.barrier(async_op=async_op), async_op)
+
+
+def _reduce_ops(comm: Comm) -> None:
+    r, w = comm.get_rank(), comm.get_size()
+    values = [float(q + 2) for q in range(w)]
+    cases = {
+        ReduceOp.SUM: sum(values),
+        ReduceOp.PRODUCT: functools.reduce(operator.mul, values),
+        ReduceOp.MIN: min(values),
+        ReduceOp.MAX: max(values),
+        ReduceOp.AVG: sum(values) / w,
+        ReduceOp.PREMUL_SUM(0.5): 0.5 * sum(values),
+    }
+    for op, expected in cases.items():
+        t = torch.full((4,), values[r], dtype=torch.float64)
+        comm.all_reduce(t, op)
+        assert t.tolist() == pytest.approx([expected] * 4), op
+        # reduce_scatter runs the same emulation through a different path.
+        res = torch.empty(1, dtype=torch.float64)
+        comm.reduce_scatter_single(res, torch.full((w,), values[r], dtype=torch.float64), op)
+        assert res.item() == pytest.approx(expected), op
+    bits = [(1 << q) | 8 for q in range(w)]
+    for op, fold in (
+        (ReduceOp.BAND, operator.and_),
+        (ReduceOp.BOR, operator.or_),
+        (ReduceOp.BXOR, operator.xor),
+    ):
+        t = torch.full((2,), bits[r], dtype=torch.int32)
+        comm.all_reduce(t, op, async_op=True).wait()
+        assert t.tolist() == [functools.reduce(fold, bits)] * 2, op
+    t = torch.full((2,), values[r])
+    comm.reduce(t, 0, ReduceOp.AVG)
+    if r == 0:
+        assert t.tolist() == pytest.approx([sum(values) / w] * 2)
+
+
+def _bad_input_leaves_comm_usable(comm: Comm) -> None:
+    r, w = comm.get_rank(), comm.get_size()
+    cases = [
+        (
+            GroupcoordTypeError,
+            "needs a floating dtype",
+            lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), ReduceOp.AVG),
+        ),
+        (
+            GroupcoordTypeError,
+            "integer or bool",
+            lambda: comm.all_reduce(torch.ones(2), ReduceOp.BXOR),
+        ),
+        (GroupcoordTypeError, "op must be", lambda: comm.all_reduce(torch.ones(2), "sum")),
+        (GroupcoordTypeError, "tensor must be a torch.Tensor", lambda: comm.all_reduce([1.0])),
+        (GroupcoordValueError, "contiguous", lambda: comm.all_reduce(torch.ones(4, 4).t())),
+        (GroupcoordValueError, "meta", lambda: comm.all_reduce(torch.empty(2, device="meta"))),
+        (
+            GroupcoordValueError,
+            "output has",
+            lambda: comm.all_gather_single(torch.empty(3), torch.empty(2)),
+        ),
+        (
+            GroupcoordTypeError,
+            "dtype",
+            lambda: comm.all_gather_single(torch.empty(2 * w, dtype=torch.int32), torch.empty(2)),
+        ),
+        (
+            GroupcoordValueError,
+            "tensor_list must hold",
+            lambda: comm.all_gather([torch.empty(1)], torch.empty(1)),
+        ),
+        (
+            GroupcoordValueError,
+            "input_split_sizes sums",
+            lambda: comm.all_to_all_v_single(torch.empty(w), torch.empty(w + 1), [1] * w, [1] * w),
+        ),
+        (
+            GroupcoordValueError,
+            "output_split_sizes must have",
+            lambda: comm.all_to_all_v_single(torch.empty(2), torch.empty(2), [2], [2]),
+        ),
+        (GroupcoordValueError, "dst=", lambda: comm.send(torch.ones(1), r)),
+        (GroupcoordValueError, "src=", lambda: comm.recv(torch.ones(1), w)),
+        (GroupcoordValueError, "root=", lambda: comm.broadcast(torch.ones(1), -1)),
+        (GroupcoordValueError, "timeout", lambda: comm.barrier(timeout=0)),
+        (GroupcoordTypeError, "async_op", lambda: comm.barrier(async_op=1)),
+        (GroupcoordTypeError, "hints", lambda: comm.barrier(hints={"a": 1})),
+    ]
+    for kind, text, call in cases:
+        with pytest.raises(kind, match=text):
+            call()
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    assert t.tolist() == [w, w]
+
+
+def _every_op(rank: int, world_size: int) -> str:
+    comm = new_comm("gloo", "cpu", "ops", timeout=30, hints={"purpose": "test"})
+    assert (comm.get_rank(), comm.get_size(), comm.get_name()) == (rank, world_size, "ops")
+    assert comm.get_backend() == "gloo" and comm.get_device() == torch.device("cpu")
+    assert comm.get_options().hints == {"purpose": "test"}
+    _collectives(comm, async_op=False)
+    _collectives(comm, async_op=True)
+    _reduce_ops(comm)
+    _bad_input_leaves_comm_usable(comm)
+    comm.finalize()
+    with pytest.raises(ClosedError, match="finalized"):
+        comm.barrier()
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_op_sync_and_async_every_reduce_op(world_size: int) -> None:
+    assert run_ranks(_every_op, world_size, timeout=90) == ["ok"] * world_size
