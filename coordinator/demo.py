@@ -1,0 +1,309 @@
+"""``python -m coordinator demo``: a TP x PP (x DP, x EP) model runner on CPU ranks, checked.
+
+The command starts ``tp * pp * dp`` ranks itself (forked, Gloo on 127.0.0.1)
+or, when ``RANK``/``WORLD_SIZE`` are set, runs as one rank under ``torchrun``.
+Each rank initialises groupcoord's groups and runs its shard of the demo model
+(:mod:`coordinator.demo_model`) for a few steps, the way an engine worker does:
+
+* the driver (TP rank 0 of the first stage, per DP replica) broadcasts each
+  step's input dict through the TP group's message queue;
+* stages hand activations on with ``send_tensor_dict``/``recv_tensor_dict``
+  using the TP group as ``all_gather_group`` (each TP rank moves 1/TP);
+* row-parallel layers all-reduce over TP; MoE layers use EP dispatch/combine.
+
+World rank 0 gathers every rank's timings and the last stage's logits, checks
+the logits against the same model run in one process (same seed) and prints
+a per-step table. Exit status: 0 when the check passes, 1 on a mismatch or
+when any rank fails (the launcher names the rank and its error and ends every
+rank it started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import msgspec
+
+from .demo_model import ModelConfig
+
+# Relative and absolute tolerance of the float32 check: sharded matmuls and
+# all-reduces sum in a different order than one process does.
+RTOL = 1e-4
+ATOL = 1e-4
+
+
+class RankFailure(msgspec.Struct):
+    """What a failed rank tells the launcher (msgpack over a pipe, never pickle)."""
+
+    rank: int
+    error: str
+    traceback: str
+    when: float  # time.time() of the failure: the earliest one is the cause
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m coordinator demo",
+        description="Run a small TP x PP (x EP) decoder across CPU ranks and check it "
+        "against the same model in one process.",
+    )
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    p.add_argument("--ep", action="store_true", help="split MoE experts over the EP group")
+    p.add_argument(
+        "--all2all",
+        choices=["naive", "allgather_reducescatter"],
+        default=None,
+        help="EP all2all manager (default: GROUPCOORD_ALL2ALL_BACKEND)",
+    )
+    p.add_argument("--steps", type=int, default=5, help="model steps (default 5)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per step (default 16)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--ffn", type=int, default=128, help="MLP/expert inner size (default 128)")
+    p.add_argument("--layers", type=int, default=4, help="decoder blocks (default 4)")
+    p.add_argument("--experts", type=int, default=4, help="MoE experts (default 4)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default 0)")
+    p.add_argument("--plot", metavar="PNG", help="write the per-step time breakdown here")
+    p.add_argument(
+        "--backend-report",
+        action="store_true",
+        help="print each rank's groups, communicators and back ends",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="whole-run deadline, seconds (default 300)"
+    )
+    p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fail-step", type=int, default=1, help=argparse.SUPPRESS)
+    return p
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        ffn_size=args.ffn,
+        num_layers=args.layers,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        max_tokens=args.tokens,
+        seed=args.seed,
+    )
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first problem with the arguments, or None."""
+    for name in ("tp", "pp", "dp", "steps", "tokens"):
+        if getattr(args, name) < 1:
+            return f"--{name} must be at least 1, got {getattr(args, name)}"
+    if args.timeout <= 0:
+        return f"--timeout must be positive, got {args.timeout}"
+    ep = args.tp * args.dp if args.ep else 1
+    try:
+        model_config(args).check(args.tp, args.pp, ep)
+    except ValueError as exc:
+        return f"model sizes: {exc}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"demo: {problem}", file=sys.stderr)
+        return 2
+    world = args.tp * args.pp * args.dp
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) != world:
+            print(
+                f"demo: WORLD_SIZE={os.environ['WORLD_SIZE']} but tp*pp*dp={world}",
+                file=sys.stderr,
+            )
+            return 2
+        from .demo_rank import run_rank
+
+        return run_rank(args, int(os.environ["RANK"]), world)
+    return launch(args, world)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(args: argparse.Namespace, rank: int, world: int, port: int, conn: Connection) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+        }
+    )
+    code = 1
+    reported = False
+
+    def report(exc: BaseException) -> None:
+        nonlocal reported
+        if reported:
+            return
+        reported = True
+        failure = RankFailure(
+            rank,
+            f"{type(exc).__name__}: {exc}",
+            "".join(traceback.format_exception(exc)),
+            time.time(),
+        )
+        conn.send_bytes(msgspec.msgpack.encode(failure))
+
+    try:
+        from .demo_rank import run_rank
+
+        code = run_rank(args, rank, world, on_failure=report)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
+        report(exc)
+    finally:
+        from shm_broadcast.segments import cleanup_owned_segments
+
+        conn.close()
+        cleanup_owned_segments()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # os._exit: the forked child must not run the parent's atexit handlers.
+    os._exit(code)
+
+
+def launch(args: argparse.Namespace, world: int) -> int:
+    """Fork ``world`` ranks, supervise them, end them all on the first failure."""
+    import torch
+
+    # The parent forks; it must not own an OpenMP pool a child could inherit mid-use.
+    torch.set_num_threads(1)
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    procs: list[Any] = []
+    conns: dict[Connection, int] = {}
+    print(
+        f"demo: starting {world} CPU ranks (tp={args.tp} pp={args.pp} dp={args.dp} "
+        f"ep={'on' if args.ep else 'off'}) on 127.0.0.1:{port}",
+        flush=True,
+    )
+    for rank in range(world):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(args, rank, world, port, child_end), daemon=True)
+        proc.start()
+        child_end.close()
+        procs.append(proc)
+        conns[parent_end] = rank
+    try:
+        return _supervise(procs, conns, time.monotonic() + args.timeout, args.timeout)
+    finally:
+        _end_all(procs)
+
+
+# After the first failure, how long to wait for other ranks' reports: a peer of
+# the failed rank often fails a moment later ("connection closed"), and the
+# earliest report is the cause the user needs to see.
+FAILURE_GRACE_S = 1.0
+
+
+def _supervise(
+    procs: list[Any], conns: dict[Connection, int], deadline: float, timeout: float
+) -> int:
+    sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
+    failures: list[RankFailure] = []
+    exits: dict[int, int] = {}
+    first_failure_at: float | None = None
+    while sentinels or conns:
+        now = time.monotonic()
+        if first_failure_at is not None and now >= first_failure_at + FAILURE_GRACE_S:
+            break
+        if now >= deadline:
+            running = sorted(sentinels.values())
+            print(
+                f"demo FAILED: ranks {running} did not finish within {timeout:g} s "
+                "(--timeout); ending every rank",
+                file=sys.stderr,
+            )
+            return 1
+        limit = deadline if first_failure_at is None else first_failure_at + FAILURE_GRACE_S
+        for obj in wait([*conns, *sentinels], timeout=max(limit - now, 0.0)):
+            if obj in conns:
+                conns.pop(obj)  # type: ignore[call-overload]
+                failure = _read_failure(obj)  # type: ignore[arg-type]
+                if failure is not None:
+                    failures.append(failure)
+            else:
+                rank = sentinels.pop(obj)  # type: ignore[call-overload]
+                procs[rank].join()
+                exits[rank] = procs[rank].exitcode
+                if exits[rank] == 0:
+                    continue
+            if first_failure_at is None and (failures or any(exits.values())):
+                first_failure_at = time.monotonic()
+    if failures:
+        _report_failures(failures, procs)
+        return 1
+    bad = {rank: code for rank, code in exits.items() if code != 0}
+    if bad:
+        print(
+            "demo FAILED: "
+            + ", ".join(
+                f"rank {rank} exited with code {code}" for rank, code in sorted(bad.items())
+            )
+            + " (see its output above)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _read_failure(conn: Connection) -> RankFailure | None:
+    try:
+        data = conn.recv_bytes()
+    except (EOFError, OSError):
+        return None  # the rank closed its end without a failure: it finished
+    return msgspec.msgpack.decode(data, type=RankFailure)
+
+
+def _report_failures(failures: list[RankFailure], procs: list[Any]) -> None:
+    failures.sort(key=lambda f: f.when)
+    cause = failures[0]
+    others = [r for r, p in enumerate(procs) if r != cause.rank and p.is_alive()]
+    lines = [
+        f"\ndemo FAILED: rank {cause.rank} raised {cause.error}",
+        f"--- rank {cause.rank} traceback ---",
+        cause.traceback.rstrip(),
+    ]
+    lines += [
+        f"--- then rank {f.rank} raised {f.error.splitlines()[0][:200]}" for f in failures[1:]
+    ]
+    lines.append(f"--- ending the ranks still running: {others} ---")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _end_all(procs: list[Any]) -> None:
+    """Kill every rank still running, reap them, and remove what killed ranks left in /dev/shm."""
+    from shm_broadcast.segments import cleanup_stale_segments
+
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(10)
+    cleanup_stale_segments()
