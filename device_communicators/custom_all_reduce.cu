@@ -38,6 +38,10 @@ struct Signal {
   alignas(128) FlagType peer_counter[2][kMaxBlocks][kMaxRanks];
 };
 
+// custom_all_reduce.py reserves this many bytes for the Signal at the start of
+// each signal buffer; the two-shot scratch area starts right after the struct.
+static_assert(sizeof(Signal) <= 4096, "Signal outgrew the space reserved for it");
+
 struct __align__(16) RankData {
   const void* ptrs[kMaxRanks];
 };

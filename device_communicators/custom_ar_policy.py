@@ -13,6 +13,7 @@ from typing import Any
 from .errors import GroupcoordValueError
 
 __all__ = [
+    "ALGO_SETTINGS",
     "MAX_BLOCKS",
     "ONESHOT_MAX_BYTES_UP_TO_4",
     "ONESHOT_MAX_BYTES_UP_TO_8",
@@ -25,6 +26,7 @@ __all__ = [
     "RankPlacement",
     "TensorDescription",
     "check_enablement",
+    "check_settings",
     "choose_algorithm",
     "describe_tensor",
     "launch_config",
@@ -82,15 +84,23 @@ class GroupTopology:
         return len(self.ranks)
 
 
+def check_settings(world_size: int, *, disabled_by_user: bool) -> Decision:
+    """The part of :func:`check_enablement` that needs no facts about the GPUs."""
+    if disabled_by_user:
+        return Decision(False, "disabled by GROUPCOORD_DISABLE_CUSTOM_ALL_REDUCE")
+    if world_size == 1:
+        return Decision(False, "world size 1: nothing to reduce")
+    if world_size not in SUPPORTED_WORLD_SIZES:
+        return Decision(False, f"world size {world_size} not in {SUPPORTED_WORLD_SIZES}")
+    return _YES
+
+
 def check_enablement(topology: GroupTopology, *, disabled_by_user: bool) -> Decision:
     """Whether custom all-reduce may be set up for this group, and if not, why."""
     world = topology.world_size
-    if disabled_by_user:
-        return Decision(False, "disabled by GROUPCOORD_DISABLE_CUSTOM_ALL_REDUCE")
-    if world == 1:
-        return Decision(False, "world size 1: nothing to reduce")
-    if world not in SUPPORTED_WORLD_SIZES:
-        return Decision(False, f"world size {world} not in {SUPPORTED_WORLD_SIZES}")
+    settings = check_settings(world, disabled_by_user=disabled_by_user)
+    if not settings:
+        return settings
     nodes = sorted({p.node for p in topology.ranks})
     if len(nodes) > 1:
         return Decision(False, f"ranks span {len(nodes)} nodes ({', '.join(nodes)})")
