@@ -210,3 +210,36 @@ def test_unknown_backend_lists_known_ones():
         GroupcoordValueError, match="known backends: allgather_reducescatter, naive"
     ):
         create_all2all_manager("deepep", object())  # type: ignore[arg-type]
+
+
+def _coordinator_rank(rank: int, world_size: int, backend: str, counts: list[int]):
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import override
+
+    init_gloo(rank, world_size)
+    with override(all2all_backend=backend):
+        ep = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="ep")
+    try:
+        assert ep.device_communicator is not None
+        assert ep.device_communicator.all2all_manager.name == backend
+        router, experts = _expert_weights()
+        per_rank = EXPERTS // world_size
+        mine = _tokens(rank, counts[rank])
+        hidden, logits = ep.dispatch(mine, mine @ router)
+        partial = _moe(hidden, logits, experts, range(rank * per_rank, (rank + 1) * per_rank))
+        return ep.combine(partial).tolist()
+    finally:
+        ep.destroy()
+
+
+@pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
+def test_ep_group_coordinator_uses_configured_manager(backend):
+    """GroupCoordinator named "ep" builds the configured manager on its CPU communicator."""
+    counts = [4, 0, 3, 1]
+    results = run_ranks(_coordinator_rank, 4, backend, counts, timeout=90)
+    router, experts = _expert_weights()
+    for rank, got in enumerate(results):
+        mine = _tokens(rank, counts[rank])
+        want = _moe(mine, mine @ router, experts, range(EXPERTS))
+        got_t = torch.tensor(got, dtype=torch.float32).reshape(counts[rank], HIDDEN)
+        torch.testing.assert_close(got_t, want, rtol=1e-5, atol=1e-5)
