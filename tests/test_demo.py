@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,3 +97,94 @@ def test_model_config_refuses_unsplittable_sizes():
         ModelConfig().check(3, 1, 1)
     with pytest.raises(ValueError, match="num_experts=4 must be divisible by the EP size 8"):
         ModelConfig().check(2, 1, 8)
+
+
+# ---- the whole command ------------------------------------------------------------
+
+
+def _run_demo(*args: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GROUPCOORD_TIMEOUT_S": "60", "PYTHONPATH": REPO}
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator", "demo", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of live (non-zombie) processes whose command line contains ``marker``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # the process ended while we looked
+        if marker in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def test_demo_tp2_pp2_passes_its_check():
+    result = _run_demo("--steps", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "starting 4 CPU ranks (tp=2 pp=2 dp=1 ep=off)" in out
+    assert "[demo] step 3/3" in out
+    for column in ("all-reduce ms", "tensor-dict P2P ms", "MQ broadcast ms", "bytes"):
+        assert column in out
+    assert "demo check passed: 3 step outputs match" in out
+
+
+def test_demo_with_expert_parallel_over_dp_and_tp(tmp_path):
+    png = tmp_path / "demo.png"
+    result = _run_demo(
+        "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "--all2all", "naive",
+        "--steps", "2", "--tokens", "5", "--backend-report", "--plot", str(png),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ep: ranks [0, 1, 2, 3]" in result.stdout
+    assert "all2all: naive" in result.stdout
+    assert "demo check passed: 4 step outputs match" in result.stdout
+    assert png.stat().st_size > 1000
+
+
+def test_demo_rank_failure_names_rank_and_ends_every_process():
+    marker = "--timeout=97.25"  # unique in this test's command lines
+    result = _run_demo("--fail-rank", "2", "--fail-step", "1", "--steps", "3", marker)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "demo FAILED: rank 2 raised RuntimeError: injected failure" in result.stderr
+    assert "--- rank 2 traceback ---" in result.stderr
+    assert _processes_with(marker) == []
+
+
+def test_demo_refuses_bad_sizes_before_starting_ranks(capsys):
+    from coordinator.demo import main
+
+    assert main(["--tp", "3"]) == 2
+    assert "num_heads=4 must be divisible by tp=3" in capsys.readouterr().err
+
+
+def test_check_logits_detects_a_mismatch():
+    from coordinator.demo_rank import check_logits
+    from coordinator.demo_report import RankReport, logits_record
+
+    ids = step_input_ids(CFG, 0, 0, 5)
+    good = reference_logits(CFG, ids, False)
+    report = RankReport(rank=0, tp_rank=0, pp_rank=1, dp_rank=0, logits=[logits_record(0, 0, good)])
+    ok, verdict = check_logits(CFG, [report], False, expected=1)
+    assert ok, verdict
+    bad = good.clone()
+    bad[2, 3] += 1e-2
+    report.logits = [logits_record(0, 0, bad)]
+    ok, verdict = check_logits(CFG, [report], False, expected=1)
+    assert not ok and "step 0 replica 0" in verdict
+    ok, verdict = check_logits(CFG, [report], False, expected=2)
+    assert not ok
