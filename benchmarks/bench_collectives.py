@@ -1,0 +1,328 @@
+"""GroupCoordinator collectives vs plain torch.distributed over Gloo, same ranks, same run.
+
+Ops: all_reduce, all_gather, reduce_scatter, broadcast_tensor_dict (8 tensors
+plus plain values), send/recv_tensor_dict (rank 0 -> 1 -> 0 ping-pong, time
+per one-way trip). Sizes are total bytes per rank. The torch side is what an
+engine would write without groupcoord: ``dist.all_reduce``,
+``dist.all_gather_single``, ``dist.reduce_scatter_single``,
+``broadcast_object_list`` of the metadata then one ``broadcast`` per tensor,
+and ``send_object_list`` then one ``send`` per tensor.
+
+    python benchmarks/bench_collectives.py --quick
+    python benchmarks/bench_collectives.py --worlds 2,4 --plot
+
+Numbers are medians over batches after warm-up; ratio = torch time / ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    environment,
+    human_bytes,
+    median,
+    plot_lines,
+    print_table,
+    reproduce_command,
+    write_json,
+)
+
+OPS = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast_tensor_dict",
+    "send_recv_tensor_dict",
+]
+FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+QUICK_SIZES = [4 << 10, 256 << 10, 16 << 20]
+DICT_TENSORS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _timed(fn: Callable[[], Any], barrier: Callable[[], None], iters: int, batches: int) -> float:
+    """Median seconds per call over ``batches`` batches of ``iters`` calls (after one warm batch)."""
+    per_call = []
+    for batch in range(batches + 1):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        elapsed = (time.perf_counter() - start) / iters
+        if batch:
+            per_call.append(elapsed)
+    return median(per_call)
+
+
+def _iters_for(nbytes: int, quick: bool) -> tuple[int, int]:
+    budget = (8 << 20) if quick else (64 << 20)
+    iters = max(2, min(200 if not quick else 50, budget // max(nbytes, 1)))
+    return iters, (3 if quick else 5)
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    sizes: list[int],
+    ops: list[str],
+    quick: bool,
+    use_mq: bool,
+    conn: Connection,
+) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from coordinator.group_coordinator import GroupCoordinator
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    group = GroupCoordinator(
+        [list(range(world))],
+        rank,
+        "gloo",
+        True,
+        use_message_queue_broadcaster=use_mq,
+        group_name="bench",
+    )
+    # The baseline runs on its own Gloo group so neither side sees the other's state.
+    plain = dist.new_group(list(range(world)), backend="gloo")
+    rows = []
+
+    def barrier() -> None:
+        dist.barrier(group=plain)
+
+    for op in ops:
+        for nbytes in sizes:
+            n = max(nbytes // 4, world * DICT_TENSORS)
+            n -= n % (world * DICT_TENSORS)
+            x = torch.randn(n)
+            iters, batches = _iters_for(nbytes, quick)
+            ours, theirs = _pair(op, group, plain, x, rank, world)
+            if ours is None:
+                continue
+            t_ours = _timed(ours, barrier, iters, batches)
+            t_torch = _timed(theirs, barrier, iters, batches)
+            rows.append(
+                {
+                    "world": world,
+                    "op": op,
+                    "bytes": n * 4,
+                    "size": human_bytes(n * 4),
+                    "ours_us": t_ours * 1e6,
+                    "torch_us": t_torch * 1e6,
+                    "ratio": t_torch / t_ours,
+                    "ours_GBps": n * 4 / t_ours / 1e9,
+                }
+            )
+    group.destroy()
+    dist.destroy_process_group()
+    if rank == 0:
+        conn.send_bytes(json.dumps(rows).encode())
+    conn.close()
+
+
+def _pair(op: str, group: Any, plain: Any, x: Any, rank: int, world: int) -> tuple[Any, Any]:
+    """(ours, torch) closures doing the same work for ``op``."""
+    import torch
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        buf = x.clone()
+        return (lambda: group.all_reduce(x)), (lambda: dist.all_reduce(buf, group=plain))
+    if op == "all_gather":
+        out = torch.empty(x.numel() * world)
+        return (lambda: group.all_gather(x, dim=0)), (
+            lambda: dist.all_gather_single(out, x, group=plain)
+        )
+    if op == "reduce_scatter":
+        out = torch.empty(x.numel() // world)
+        return (lambda: group.reduce_scatter(x, dim=0)), (
+            lambda: dist.reduce_scatter_single(out, x, group=plain)
+        )
+    parts = list(x.chunk(DICT_TENSORS))
+    tensor_dict: dict[str, Any] = {f"t{i}": p.clone() for i, p in enumerate(parts)}
+    tensor_dict["step"] = 1
+    tensor_dict["ids"] = [1, 2, 3]
+    if op == "broadcast_tensor_dict":
+
+        def ours_b() -> None:
+            group.broadcast_tensor_dict(tensor_dict if rank == 0 else None, src=0)
+
+        def torch_b() -> None:
+            # What an engine writes by hand: metadata as an object, then each tensor.
+            meta = [
+                [
+                    (k, v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k, v)
+                    for k, v in tensor_dict.items()
+                ]
+            ]
+            dist.broadcast_object_list(meta if rank == 0 else [None], src=0, group=plain)
+            bufs = [
+                tensor_dict[f"t{i}"] if rank == 0 else torch.empty_like(parts[i])
+                for i in range(DICT_TENSORS)
+            ]
+            for b in bufs:
+                dist.broadcast(b, src=0, group=plain)
+
+        return ours_b, torch_b
+    if op == "send_recv_tensor_dict":
+        if rank > 1:
+            return (lambda: None), (lambda: None)
+
+        def ours_p() -> None:
+            if rank == 0:
+                group.send_tensor_dict(tensor_dict, dst=1)
+                group.recv_tensor_dict(src=1)
+            else:
+                got = group.recv_tensor_dict(src=0)
+                group.send_tensor_dict(got, dst=0)
+
+        def torch_send(peer: int) -> None:
+            meta = [
+                [
+                    (k, v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k, v)
+                    for k, v in tensor_dict.items()
+                ]
+            ]
+            dist.send_object_list(meta, dst=peer, group=plain)
+            for i in range(DICT_TENSORS):
+                dist.send(tensor_dict[f"t{i}"], dst=peer, group=plain)
+
+        def torch_recv(peer: int) -> None:
+            meta: list[Any] = [None]
+            dist.recv_object_list(meta, src=peer, group=plain)
+            for i in range(DICT_TENSORS):
+                dist.recv(torch.empty_like(parts[i]), src=peer, group=plain)
+
+        def torch_p() -> None:
+            if rank == 0:
+                torch_send(1)
+                torch_recv(1)
+            else:
+                torch_recv(0)
+                torch_send(0)
+
+        return ours_p, torch_p
+    raise ValueError(f"unknown op {op!r}")
+
+
+def run_world(
+    world: int, sizes: list[int], ops: list[str], quick: bool, use_mq: bool, timeout: float
+) -> list[dict]:
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    recv_end, send_end = ctx.Pipe(duplex=False)
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world, port, sizes, ops, quick, use_mq, send_end),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    send_end.close()
+    try:
+        if not recv_end.poll(timeout):
+            raise TimeoutError(f"world {world}: no result within {timeout:g} s")
+        rows: list[dict] = json.loads(recv_end.recv_bytes())
+        for p in procs:
+            p.join(30)
+        bad = [p.exitcode for p in procs if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"world {world}: ranks exited with {bad}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    # send/recv is a round trip: report the one-way time.
+    for row in rows:
+        if row["op"] == "send_recv_tensor_dict":
+            row["ours_us"] /= 2
+            row["torch_us"] /= 2
+            row["ours_GBps"] *= 2
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    parser.add_argument(
+        "--sizes", default="", help="comma-separated bytes per rank (default 4K..64M)"
+    )
+    parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
+    parser.add_argument("--quick", action="store_true", help="few sizes and iterations (< 90 s)")
+    parser.add_argument(
+        "--no-mq", action="store_true", help="build the group without a message queue"
+    )
+    parser.add_argument("--json", default="bench_results/collectives.json")
+    parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per world size, seconds")
+    args = parser.parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    sizes = (
+        [int(s) for s in args.sizes.split(",")]
+        if args.sizes
+        else (QUICK_SIZES if args.quick else FULL_SIZES)
+    )
+    ops = args.ops.split(",")
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        parser.error(f"--ops: unknown {unknown}; known: {OPS}")
+    command = reproduce_command(None if argv is None else [sys.argv[0], *argv])
+    print(f"# {command}", flush=True)
+    rows: list[dict] = []
+    for world in worlds:
+        rows.extend(run_world(world, sizes, ops, args.quick, not args.no_mq, args.timeout))
+    print_table(rows, ["world", "op", "size", "ours_us", "torch_us", "ratio", "ours_GBps"])
+    path = write_json(args.json, {"command": command, "environment": environment(), "rows": rows})
+    print(f"# wrote {path}")
+    if args.plot:
+        series = {}
+        for world in worlds:
+            for op in ops:
+                pts = [r for r in rows if r["world"] == world and r["op"] == op]
+                if pts:
+                    series[f"{op} w{world}"] = (
+                        [r["bytes"] for r in pts],
+                        [r["ratio"] for r in pts],
+                    )
+        png = plot_lines(
+            os.path.splitext(args.json)[0] + ".png",
+            series,
+            title="groupcoord vs torch.distributed (Gloo): speed-up",
+            xlabel="bytes per rank",
+            ylabel="torch time / ours",
+            logy=True,
+        )
+        print(f"# wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
