@@ -1,0 +1,122 @@
+"""CudaCommunicator and CustomAllreduce on a machine without a GPU.
+
+What can be real here: construction in forked ranks over Gloo, every back end
+refusing with the runtime's/NCCL's own reason (agreed across ranks), the
+back-end order, argument checks at the call site, and capture mode being a
+no-op when custom all-reduce is disabled. Device results are in tests/gpu/.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+
+from shm_broadcast.config import override
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU is present: tests/gpu/ covers this machine"
+)
+pytest.importorskip("cupy_backends.cuda.api.runtime", reason="CuPy not installed (cuda extra)")
+
+
+def _communicator_without_gpu(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from device_communicators.cuda_communicator import CudaCommunicator
+    from device_communicators.errors import GroupcoordValueError
+
+    init_gloo(rank, world_size)
+    try:
+        comm = CudaCommunicator(dist.group.WORLD, torch.device("cuda", rank), unique_name="tp:0")
+        out = {
+            "describe": comm.describe(),
+            "chain": comm.all_reduce_chain.names(),
+            "explain": comm.all_reduce_chain.explain(torch.zeros(64, dtype=torch.float16)),
+        }
+        with pytest.raises(GroupcoordValueError, match="input_ is on cpu"):
+            comm.all_reduce(torch.ones(4))
+        with pytest.raises(GroupcoordValueError, match=f"src={rank} is this rank itself"):
+            comm.recv((4,), torch.float32, src=rank)
+        with comm.capture():
+            out["captured"] = True
+        # The group is still usable after the refused calls.
+        token = torch.tensor([rank + 1])
+        dist.all_reduce(token)
+        out["sum"] = int(token.item())
+        comm.destroy()
+        comm.destroy()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_communicator_without_gpu_disables_fast_paths_with_reasons():
+    results = run_ranks(_communicator_without_gpu, 2, timeout=90)
+    for rank, out in enumerate(results):
+        assert out["chain"] == ["custom_all_reduce", "pynccl", "torch.distributed(gloo)"]
+        reasons = dict(out["describe"])
+        assert "CUDA" in reasons["custom_all_reduce"] and "driver" in reasons["custom_all_reduce"]
+        assert f"ncclCommInitRank on cuda:{rank} failed" in reasons["pynccl"]
+        assert reasons["torch.distributed"].startswith("enabled")
+        explained = dict(out["explain"])
+        assert explained["custom_all_reduce"] == reasons["custom_all_reduce"]
+        assert explained["pynccl"] == reasons["pynccl"]
+        assert explained["torch.distributed(gloo)"] is None
+        assert out["captured"] and out["sum"] == 3
+
+
+def _custom_ar_refusals(rank: int, world_size: int) -> list[str]:
+    import torch.distributed as dist
+
+    from device_communicators.custom_all_reduce import CustomAllreduce
+    from device_communicators.errors import GroupcoordValueError
+
+    init_gloo(rank, world_size)
+    try:
+        reasons = []
+        with override(disable_custom_all_reduce=True):
+            reasons.append(CustomAllreduce(dist.group.WORLD, rank).reason)
+        reasons.append(CustomAllreduce(dist.group.WORLD, rank).reason)
+        with override(custom_all_reduce_algo="fastest"):
+            with pytest.raises(GroupcoordValueError, match="custom_all_reduce_algo"):
+                CustomAllreduce(dist.group.WORLD, rank)
+        with pytest.raises(GroupcoordValueError, match="max_size"):
+            CustomAllreduce(dist.group.WORLD, rank, max_size=1000)
+        ca = CustomAllreduce(dist.group.WORLD, rank)
+        assert ca.disabled and not ca.should_custom_ar(torch.zeros(8))
+        with pytest.raises(GroupcoordValueError, match="cannot take this tensor"):
+            ca.all_reduce(torch.zeros(8))
+        ca.close()
+        return reasons
+    finally:
+        dist.destroy_process_group()
+
+
+def test_custom_all_reduce_refusals():
+    for disabled, no_gpu in run_ranks(_custom_ar_refusals, 2, timeout=90):
+        assert disabled == "disabled by GROUPCOORD_DISABLE_CUSTOM_ALL_REDUCE"
+        assert no_gpu.startswith("CUDA runtime: ") or no_gpu == "no CUDA device"
+
+
+def _custom_ar_world(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    from device_communicators.custom_all_reduce import CustomAllreduce
+
+    init_gloo(rank, world_size)
+    try:
+        return CustomAllreduce(dist.group.WORLD, 0).reason
+    finally:
+        dist.destroy_process_group()
+
+
+def test_custom_all_reduce_refuses_unsupported_world_size():
+    assert run_ranks(_custom_ar_world, 3, timeout=90) == ["world size 3 not in (2, 4, 6, 8)"] * 3
+
+
+def test_coordinator_picks_the_cuda_communicator_for_cuda_groups():
+    from coordinator.group_coordinator import get_device_communicator_cls
+    from device_communicators.cuda_communicator import CudaCommunicator
+
+    assert get_device_communicator_cls(torch.device("cuda", 0)) is CudaCommunicator
