@@ -120,3 +120,22 @@ def test_coordinator_picks_the_cuda_communicator_for_cuda_groups():
     from device_communicators.cuda_communicator import CudaCommunicator
 
     assert get_device_communicator_cls(torch.device("cuda", 0)) is CudaCommunicator
+
+
+def test_cuda_info_describes_this_machine():
+    from device_communicators.cuda_info import describe
+    from device_communicators.nvrtc_compile import nvrtc_version
+    from device_communicators.pynccl_wrapper import load_nccl_library
+
+    rows = describe()
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in rows)
+    info = dict(rows)
+    assert info["CUDA devices"].startswith("0 (")
+    nccl = load_nccl_library()
+    assert info["NCCL library"] == nccl.path and info["NCCL version"] == nccl.version
+    assert info["NVRTC version"] == "{}.{}".format(*nvrtc_version())
+    assert info["pynccl"] == "no: no CUDA device"
+    assert info["custom all-reduce"] == "no: no CUDA device"
+    with override(disable_pynccl=True, nccl_so_path="/nonexistent/libnccl.so.2"):
+        info = dict(describe())
+    assert info["NCCL library"].startswith("not loaded from /nonexistent/libnccl.so.2: cannot load")
