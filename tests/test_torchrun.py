@@ -1,0 +1,76 @@
+"""The coordinator under a real ``torchrun --nproc-per-node 2`` launch (env://)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from multiproc import free_port
+
+WORKER = textwrap.dedent(
+    """
+    import json, os
+    import torch
+    from coordinator import (
+        destroy_distributed_environment, get_tp_group, init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    torch.set_num_threads(1)
+    init_distributed_environment()  # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* from torchrun
+    initialize_model_parallel(tensor_model_parallel_size=2)
+    tp = get_tp_group()
+    x = torch.arange(4.0) * (tp.rank_in_group + 1)
+    out = {
+        "rank": tp.rank,
+        "local_rank": tp.local_rank,
+        "sum": tp.all_reduce(x).tolist(),
+        "gathered": tp.all_gather(x, dim=0).tolist(),
+        "step": tp.broadcast_object({"step": 1} if tp.rank_in_group == 0 else None),
+    }
+    destroy_distributed_environment()
+    print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+def test_two_ranks_under_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = sorted(
+        (
+            json.loads(line.split("RESULT ", 1)[1])
+            for line in proc.stdout.splitlines()
+            if "RESULT " in line
+        ),
+        key=lambda r: r["rank"],
+    )
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["local_rank"] for r in results] == [0, 1]
+    for r in results:
+        assert r["sum"] == [0.0, 3.0, 6.0, 9.0]
+        assert r["gathered"] == [0.0, 1.0, 2.0, 3.0, 0.0, 2.0, 4.0, 6.0]
+        assert r["step"] == {"step": 1}
