@@ -1,0 +1,317 @@
+"""ShmAllReduce with real forked ranks: results, bit-identity, pieces, refusals, faults."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks, start_ranks
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64]
+OPS = ["SUM", "PRODUCT", "MIN", "MAX"]
+
+
+def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Every rank's input is a pure function of (rank, seed), so any rank can rebuild all."""
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    if dtype.is_floating_point:
+        # Near 1 so that products over four ranks stay finite in fp16.
+        return (torch.rand(numel, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    return torch.randint(-3, 4, (numel,), generator=gen, dtype=dtype)
+
+
+def reference(world: int, numel: int, dtype: torch.dtype, op: str, seed: int = 0) -> torch.Tensor:
+    """Reduce in slot order (rank 0, 1, ...), fp16/bf16 sums and products in fp32."""
+    parts = [rank_input(r, numel, dtype, seed) for r in range(world)]
+    combine = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}[
+        op
+    ]
+    widen = dtype in (torch.float16, torch.bfloat16) and op in ("SUM", "PRODUCT")
+    acc = parts[0].float() if widen else parts[0].clone()
+    for p in parts[1:]:
+        acc = combine(acc, p.float() if widen else p)
+    return acc.to(dtype)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def make_shm(**kwargs):
+    import torch.distributed as dist
+
+    from device_communicators.shm_all_reduce import ShmAllReduce
+
+    return ShmAllReduce(dist.group.WORLD, **kwargs)
+
+
+def _every_dtype_and_op(rank: int, world: int) -> list[str]:
+    from torch.distributed import ReduceOp
+
+    init_gloo(rank, world)
+    shm = make_shm(unique_name="t")
+    assert shm.disabled_reason is None
+    digests = []
+    try:
+        # 1000 elements: one-shot; 40000 fp32/fp64 elements: above the one-shot size.
+        for numel in (1, 1000, 40000):
+            for dtype in DTYPES:
+                for op in OPS:
+                    x = rank_input(rank, numel, dtype, seed=numel)
+                    before = x.clone()
+                    out = shm.all_reduce(x, getattr(ReduceOp, op))
+                    assert torch.equal(x, before), "input was modified"
+                    want = reference(world, numel, dtype, op, seed=numel)
+                    assert out.dtype == dtype and out.shape == x.shape
+                    assert torch.equal(out, want), f"{numel} {dtype} {op}: {out[:4]} vs {want[:4]}"
+                    digests.append(digest(out))
+    finally:
+        shm.close()
+    return digests
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_dtype_and_op_matches_fixed_order_reference(world: int) -> None:
+    digests = run_ranks(_every_dtype_and_op, world, timeout=90)
+    assert all(d == digests[0] for d in digests), "ranks got different bits"
+
+
+def _pieces(rank: int, world: int, one_shot_max: int) -> list[str]:
+    import device_communicators.shm_all_reduce as mod
+
+    mod.ONE_SHOT_MAX_BYTES = one_shot_max
+    init_gloo(rank, world)
+    shm = make_shm(max_bytes=256)  # 64 fp32 per piece: many pieces, odd tails
+    assert shm.max_bytes == 256
+    out_digests = []
+    try:
+        for numel in (63, 64, 65, 1000, 4097):
+            x = rank_input(rank, numel, torch.float32, seed=numel).view(-1)
+            start_gen = shm.generation
+            out = shm.all_reduce(x)
+            assert shm.generation - start_gen == -(-numel // 64), "one generation per piece"
+            assert torch.equal(out, reference(world, numel, torch.float32, "SUM", seed=numel))
+            out_digests.append(digest(out))
+    finally:
+        shm.close()
+    return out_digests
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", ["one_shot", "two_shot"])
+def test_tensor_larger_than_the_buffer_goes_in_pieces(world: int, mode: str) -> None:
+    digests = run_ranks(_pieces, world, 1 << 30 if mode == "one_shot" else 0, timeout=90)
+    assert all(d == digests[0] for d in digests)
+
+
+def _large_default_pieces(rank: int, world: int) -> bool:
+    init_gloo(rank, world)
+    shm = make_shm()
+    try:
+        numel = 300_000  # 1.2 MB fp32: a full 1 MiB two-shot piece and a tail
+        x = rank_input(rank, numel, torch.float32, seed=7).view(30, 10_000)[:, ::2]
+        out = shm.all_reduce(x)  # non-contiguous view
+        assert out.shape == x.shape and out.is_contiguous()
+        parts = [
+            rank_input(r, numel, torch.float32, seed=7).view(30, 10_000)[:, ::2]
+            for r in range(world)
+        ]
+        want = parts[0].clone()
+        for p in parts[1:]:
+            want = want + p
+        assert torch.equal(out, want)
+    finally:
+        shm.close()
+    return True
+
+
+def test_large_non_contiguous_tensor_with_default_pieces() -> None:
+    assert run_ranks(_large_default_pieces, 2, timeout=90) == [True, True]
+
+
+def _back_to_back(rank: int, world: int) -> int:
+    import random
+
+    init_gloo(rank, world)
+    shm = make_shm(max_bytes=4096)
+    rng = random.Random(rank)
+    try:
+        for i in range(300):
+            numel = (i * 37) % 3000 + 1
+            if rng.random() < 0.05:
+                time.sleep(0.002)  # a slow rank must not break double buffering
+            x = torch.full((numel,), float(rank + i))
+            out = shm.all_reduce(x)
+            want = float(sum(r + i for r in range(world)))
+            assert torch.equal(out, torch.full((numel,), want)), f"call {i}"
+        return shm.generation
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_back_to_back_calls_with_uneven_pace(world: int) -> None:
+    gens = run_ranks(_back_to_back, world, timeout=90)
+    assert len(set(gens)) == 1 and gens[0] >= 300
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    from device_communicators.cpu_communicator import CpuCommunicator
+
+    init_gloo(rank, world)
+    comm = CpuCommunicator(dist.group.WORLD, unique_name="refuse")
+    shm = comm.shm_all_reduce
+    try:
+        reasons = []
+        int8 = torch.full((5,), rank + 1, dtype=torch.int8)
+        assert not shm.can_handle(int8)
+        reasons.append(str(shm.refusal(int8)))
+        # The chain hands what shm refuses to Gloo, which gets it right.
+        assert comm.all_reduce_chain.select(int8).name == "torch.distributed(gloo)"
+        assert torch.equal(comm.all_reduce(int8), torch.full((5,), 3, dtype=torch.int8))
+        x = torch.tensor([6, 3], dtype=torch.int32) * (rank + 1)
+        assert not shm.can_handle(x, ReduceOp.BAND)
+        reasons.append(str(shm.refusal(x, ReduceOp.BAND)))
+        assert torch.equal(comm.all_reduce(x, ReduceOp.BAND), torch.tensor([6 & 12, 3 & 6]).int())
+        assert shm.can_handle(torch.zeros(3))
+        assert comm.all_reduce_chain.select(torch.zeros(3)) is shm
+        return reasons
+    finally:
+        comm.destroy()
+
+
+def test_shm_refuses_what_it_cannot_take_and_gloo_takes_it() -> None:
+    reasons = run_ranks(_refusals, 2, timeout=60)
+    assert "torch.int8" in reasons[0][0]
+    assert "BAND" in reasons[0][1]
+
+
+def _disabled(rank: int, world: int) -> str | None:
+    import torch.distributed as dist
+
+    from device_communicators.cpu_communicator import CpuCommunicator
+    from shm_broadcast.config import set_config
+
+    init_gloo(rank, world)
+    set_config(disable_shm_all_reduce=True)
+    comm = CpuCommunicator(dist.group.WORLD)
+    try:
+        x = torch.ones(4)
+        assert comm.all_reduce_chain.select(x).name == "torch.distributed(gloo)"
+        assert torch.equal(comm.all_reduce(x), torch.full((4,), 2.0))
+        return comm.shm_all_reduce.disabled_reason
+    finally:
+        comm.destroy()
+
+
+def test_disabled_by_config_falls_back_to_gloo() -> None:
+    reasons = run_ranks(_disabled, 2, timeout=60)
+    assert "disabled" in str(reasons[0])
+    assert reasons[1] is not None
+
+
+def _one_rank_disabled(rank: int, world: int) -> str | None:
+    from shm_broadcast.config import set_config
+
+    init_gloo(rank, world)
+    if rank == 1:
+        set_config(disable_shm_all_reduce=True)
+    shm = make_shm()
+    try:
+        return shm.disabled_reason
+    finally:
+        shm.close()
+
+
+def test_ranks_agree_to_disable_when_one_cannot_take_part() -> None:
+    reasons = run_ranks(_one_rank_disabled, 2, timeout=60)
+    assert "[1]" in str(reasons[0]) and "disabled" in str(reasons[1])
+
+
+def _segment_unlinked_early(rank: int, world: int) -> bool:
+    from shm_broadcast.segments import list_segments
+
+    init_gloo(rank, world)
+    shm = make_shm()
+    try:
+        assert shm._segment is not None
+        name = shm._segment.name
+        # Rank 0 drops the name before its constructor returns; the others
+        # know it is gone once a collective with rank 0 has completed.
+        assert torch.equal(shm.all_reduce(torch.ones(3)), torch.full((3,), float(world)))
+        assert name not in list_segments(), "the name must be gone once everyone mapped it"
+        return True
+    finally:
+        shm.close()
+
+
+def test_segment_is_unlinked_as_soon_as_every_rank_attached() -> None:
+    assert run_ranks(_segment_unlinked_early, 2, timeout=60) == [True, True]
+
+
+def _peer_never_joins(rank: int, world: int) -> tuple[str, list[int], float]:
+    import torch.distributed as dist
+
+    from device_communicators.errors import ClosedError, GroupcoordTimeoutError
+
+    init_gloo(rank, world)
+    shm = make_shm(timeout_s=1.5, unique_name="late")
+    try:
+        if rank == world - 1:
+            dist.barrier()  # never calls all_reduce; waits for the others to give up
+            return "", [], 0.0
+        start = time.monotonic()
+        try:
+            shm.all_reduce(torch.ones(8))
+        except GroupcoordTimeoutError as exc:
+            elapsed = time.monotonic() - start
+            try:
+                shm.all_reduce(torch.ones(8))
+                raise AssertionError("a broken shm all-reduce must not be reused")
+            except ClosedError:
+                pass
+            dist.barrier()
+            return str(exc), exc.missing, elapsed
+        raise AssertionError("all_reduce did not time out")
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_timeout_names_the_rank_that_never_joined(world: int) -> None:
+    results = run_ranks(_peer_never_joins, world, timeout=60)
+    for message, missing, elapsed in results[:-1]:
+        assert missing == [world - 1]
+        assert f"waiting for ranks [{world - 1}]" in message and "shm all-reduce late" in message
+        assert 1.4 <= elapsed < 5.0
+
+
+def _peer_dies(rank: int, world: int) -> tuple[list[int], float]:
+    from device_communicators.errors import PeerDiedError
+
+    init_gloo(rank, world)
+    shm = make_shm(timeout_s=60, unique_name="dies")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        shm.all_reduce(torch.ones(8))
+    except PeerDiedError as exc:
+        return exc.dead, time.monotonic() - start
+    finally:
+        shm.close()
+    raise AssertionError("all_reduce did not notice the dead peer")
+
+
+def test_dead_peer_is_reported_within_seconds() -> None:
+    group = start_ranks(_peer_dies, 2, timeout=60)
+    dead, elapsed = group.collect(killed=[1])[0]
+    assert dead == [1]
+    assert elapsed < 5.0
