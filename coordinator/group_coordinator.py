@@ -440,11 +440,16 @@ class GroupCoordinator:
         if self.rank_in_group == src:
             if tensor_dict is None:
                 raise GroupcoordTypeError("tensor_dict is required on the source rank")
-            meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
-            payload = encode_meta(meta)
             if via_mq:
-                self.mq_broadcaster.broadcast_object(payload)
+                # The queue's codec writes CPU tensors straight into shared
+                # memory, so none need to ride inline or travel over Gloo.
+                meta, tensors = describe(tensor_dict, -1)
+                on_cpu = [t for t in tensors if t.is_cpu]
+                tensors = [t for t in tensors if not t.is_cpu]
+                self.mq_broadcaster.broadcast_object((encode_meta(meta), on_cpu))
             else:
+                meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
+                payload = encode_meta(meta)
                 self._collective("broadcast_tensor_dict", broadcast_bytes, meta_group, payload, src)
             works = [
                 dist.broadcast(
@@ -457,13 +462,17 @@ class GroupCoordinator:
             ]
             self._wait_all("broadcast_tensor_dict", works)
             return dict(tensor_dict)
+        arrived: list[torch.Tensor] = []
         if via_mq:
-            data = self.mq_broadcaster.broadcast_object(None)
+            data, arrived = self.mq_broadcaster.broadcast_object(None)
         else:
             data = self._collective("broadcast_tensor_dict", broadcast_bytes, meta_group, None, src)
+        from_queue = iter(arrived)
         works = []
 
         def receive(item: TensorMeta) -> torch.Tensor:
+            if item.device == "cpu" and via_mq:
+                return next(from_queue)
             out = self._empty_like_meta(item)
             pg = meta_group if out.is_cpu else tensor_group
             works.append(dist.broadcast(out, src=self.ranks[src], group=pg, async_op=True))

@@ -38,7 +38,9 @@ def world_group(rank: int, world_size: int, **kwargs: object) -> GroupCoordinato
 
 
 def _collectives(rank: int, world_size: int) -> None:
-    g = world_group(rank, world_size, group_name="t")
+    # World 4 also has a message queue: objects and tensor dicts from rank 0 use it.
+    g = world_group(rank, world_size, group_name="t", use_message_queue_broadcaster=world_size == 4)
+    assert (g.mq_broadcaster is not None) == (world_size == 4)
     ranks = range(world_size)
     assert (g.rank, g.ranks, g.world_size, g.rank_in_group) == (rank, list(ranks), world_size, rank)
     assert g.first_rank == 0 and g.last_rank == world_size - 1
@@ -110,7 +112,8 @@ def _collectives(rank: int, world_size: int) -> None:
 
     # objects.
     obj = {"rank": rank, "t": (1, "x"), "b": b"\x00"}
-    assert g.broadcast_object(obj, src=1) == {"rank": 1, "t": (1, "x"), "b": b"\x00"}
+    for src in (0, 1):
+        assert g.broadcast_object(obj, src=src) == {"rank": src, "t": (1, "x"), "b": b"\x00"}
     lst = [rank, "mine"]
     assert g.broadcast_object_list(lst, src=0) is lst and lst == [0, "mine"]
     nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
