@@ -365,11 +365,17 @@ class GroupCoordinator:
         if self.world_size == 1:
             return obj
         if self.mq_broadcaster is not None and src == 0:
-            mq = self.mq_broadcaster
-            return mq.broadcast_object(obj if self.rank_in_group == 0 else None)
+            return self._mq_broadcast(obj)
         payload = dumps(obj) if self.rank_in_group == src else None
         data = self._collective("broadcast_object", broadcast_bytes, self.cpu_group, payload, src)
         return loads(data)
+
+    def _mq_broadcast(self, obj: Any) -> Any:
+        """In-group rank 0 writes ``obj`` to the queue, the others read it, within the deadline."""
+        if self.rank_in_group == 0:
+            self.mq_broadcaster.enqueue(obj, timeout=self.timeout_s)
+            return obj
+        return self.mq_broadcaster.dequeue(timeout=self.timeout_s)
 
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: ProcessGroup | None = None
@@ -446,7 +452,7 @@ class GroupCoordinator:
                 meta, tensors = describe(tensor_dict, -1)
                 on_cpu = [t for t in tensors if t.is_cpu]
                 tensors = [t for t in tensors if not t.is_cpu]
-                self.mq_broadcaster.broadcast_object((encode_meta(meta), on_cpu))
+                self._mq_broadcast((encode_meta(meta), on_cpu))
             else:
                 meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
                 payload = encode_meta(meta)
@@ -464,7 +470,7 @@ class GroupCoordinator:
             return dict(tensor_dict)
         arrived: list[torch.Tensor] = []
         if via_mq:
-            data, arrived = self.mq_broadcaster.broadcast_object(None)
+            data, arrived = self._mq_broadcast(None)
         else:
             data = self._collective("broadcast_tensor_dict", broadcast_bytes, meta_group, None, src)
         from_queue = iter(arrived)

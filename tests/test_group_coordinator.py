@@ -296,3 +296,23 @@ def _destroy_only(rank: int, world_size: int) -> None:
     g.all_reduce(torch.ones(8))
     g.destroy()
     assert g.device_communicator is None
+
+
+def _queue_reader_without_writer(rank: int, world_size: int) -> str:
+    g = world_group(rank, world_size, timeout=1.5, use_message_queue_broadcaster=True)
+    if rank == 0:
+        time.sleep(3.5)  # the writer never writes
+        g.destroy()
+        return ""
+    start = time.monotonic()
+    with pytest.raises(GroupcoordTimeoutError) as info:
+        g.broadcast_object()
+    elapsed = time.monotonic() - start
+    assert 1.4 < elapsed < 3.0, elapsed
+    g.destroy()
+    return str(info.value)
+
+
+def test_an_object_broadcast_through_the_queue_honours_the_group_deadline() -> None:
+    message = run_ranks(_queue_reader_without_writer, 2, timeout=60)[1]
+    assert "timed out after 1.5 s" in message
