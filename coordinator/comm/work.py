@@ -94,9 +94,13 @@ class Work:
 
     def abort(self) -> None:
         """Mark an unfinished work ABORTED (its communicator was aborted)."""
-        if not self._done.is_set():
-            self._status = WorkStatus.ABORTED
-            self._finish(ClosedError(f"{self._what()}: {self.op} aborted"))
+        if self._done.is_set():
+            return
+        if self.status is WorkStatus.TIMED_OUT:
+            self._finish(self.timeout_error())  # stays TIMED_OUT: that is what happened
+            return
+        self._status = WorkStatus.ABORTED
+        self._finish(ClosedError(f"{self._what()}: {self.op} aborted"))
 
     # -- what callers see ---------------------------------------------------
     @property

@@ -1,0 +1,57 @@
+"""A missing peer: bounded waits, errors naming op/communicator/peers, clean abort."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from multiproc import run_ranks
+
+from coordinator.comm import WorkStatus, new_comm
+from coordinator.errors import ClosedError, GroupcoordTimeoutError
+
+
+def _last_rank_missing(rank: int, world_size: int) -> float:
+    absent = world_size - 1
+    watched = new_comm("gloo", "cpu", "watched", timeout=30)
+    async_comm = new_comm("gloo", "cpu", "to-async", timeout=30)
+    sync_comm = new_comm("gloo", "cpu", "to-sync", timeout=30)
+    if rank == absent:
+        time.sleep(6)  # alive but never joins: a timeout, not a dead peer
+        return 0.0
+    others = [r for r in range(world_size) if r != rank]
+
+    with pytest.raises(GroupcoordTimeoutError) as caught:
+        watched.monitored_barrier(timeout=1.0)
+    assert caught.value.missing == [absent]
+    assert "'watched': monitored_barrier timed out after 1 s" in str(caught.value)
+    assert f"waiting for ranks [{absent}]" in str(caught.value)
+
+    start = time.monotonic()
+    work = async_comm.all_reduce(torch.ones(2), async_op=True, timeout=1.0)
+    assert not work.is_completed()
+    with pytest.raises(GroupcoordTimeoutError) as caught:
+        work.wait()
+    elapsed = time.monotonic() - start
+    assert work.status is WorkStatus.TIMED_OUT
+    message = str(caught.value)
+    assert "communicator 'to-async': all_reduce timed out after 1 s" in message
+    assert f"waiting for ranks {others}" in message
+    with pytest.raises(ClosedError, match="all_reduce timed out earlier"):
+        async_comm.barrier()
+    async_comm.abort()
+    assert work.status is WorkStatus.TIMED_OUT
+    with pytest.raises(ClosedError, match="aborted"):
+        async_comm.all_reduce(torch.ones(1))
+
+    with pytest.raises(GroupcoordTimeoutError, match="'to-sync': barrier timed out after 0.5 s"):
+        sync_comm.barrier(timeout=0.5)
+    sync_comm.abort()
+    return elapsed
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_timeout_on_a_missing_peer_names_it(world_size: int) -> None:
+    elapsed = run_ranks(_last_rank_missing, world_size, timeout=60)[:-1]
+    assert all(0.9 < t < 5.0 for t in elapsed), elapsed
