@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -134,8 +135,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from .demo_rank import run_rank
 
+        # torchrun ends the other ranks with SIGTERM when one fails; turn it into
+        # SystemExit so teardown runs and this rank's shared memory is unlinked.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return run_rank(args, int(os.environ["RANK"]), world)
     return launch(args, world)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _free_port() -> int:

@@ -188,3 +188,29 @@ def test_check_logits_detects_a_mismatch():
     assert not ok and "step 0 replica 0" in verdict
     ok, verdict = check_logits(CFG, [report], False, expected=2)
     assert not ok
+
+
+def _torchrun_demo(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GROUPCOORD_TIMEOUT_S": "60", "PYTHONPATH": REPO}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return subprocess.run(
+        [*cmd, "-m", "coordinator", "demo", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+
+
+def test_demo_runs_as_one_rank_under_torchrun():
+    result = _torchrun_demo("--tp", "2", "--pp", "1", "--ep", "--steps", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "starting" not in result.stdout  # torchrun started the ranks, not the demo
+    assert "demo check passed: 2 step outputs match" in result.stdout
+
+
+def test_demo_failure_under_torchrun_names_the_rank():
+    result = _torchrun_demo("--tp", "2", "--pp", "1", "--steps", "2", "--fail-rank", "1")
+    assert result.returncode != 0
+    assert "demo: rank 1 failed: RuntimeError: injected failure" in result.stderr
