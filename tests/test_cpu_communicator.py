@@ -1,0 +1,318 @@
+"""CpuCommunicator (and so DeviceCommunicatorBase) with real forked ranks over Gloo.
+
+Every rank's inputs are a pure function of its rank, so each rank rebuilds all
+ranks' inputs locally and checks the collective against that reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+
+
+def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(hash(shape) % 1000 + 7919 * rank)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    return torch.randint(-50, 50, shape, generator=gen, dtype=dtype)
+
+
+def make_comm(rank: int, world: int, name: str = "test"):
+    import torch.distributed as dist
+
+    from device_communicators import CpuCommunicator
+
+    init_gloo(rank, world)
+    return CpuCommunicator(dist.group.WORLD, unique_name=name)
+
+
+def _public_api_and_members(rank: int, world: int) -> dict:
+    import device_communicators as dc
+
+    comm = make_comm(rank, world)
+    try:
+        assert isinstance(comm, dc.DeviceCommunicatorBase)
+        assert comm.device == torch.device("cpu")
+        assert comm.device_group is comm.cpu_group
+        assert comm.all2all_manager is None
+        return {
+            "rank": comm.rank,
+            "rank_in_group": comm.rank_in_group,
+            "world_size": comm.world_size,
+            "ranks": comm.ranks,
+            "chain": comm.all_reduce_chain.names(),
+        }
+    finally:
+        comm.destroy()
+
+
+def test_members_and_backend_order() -> None:
+    out = run_ranks(_public_api_and_members, 2)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert [o["rank_in_group"] for o in out] == [0, 1]
+    assert all(o["world_size"] == 2 and o["ranks"] == [0, 1] for o in out)
+    assert out[0]["chain"] == ["shm", "torch.distributed(gloo)"]
+
+
+def _collectives(rank: int, world: int) -> bool:
+    comm = make_comm(rank, world)
+    try:
+        # all_reduce: every dtype, non-contiguous, empty, scalar.
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.int32, torch.float16):
+            x = data(rank, (6, 5), dtype)
+            got = comm.all_reduce(x.t())
+            parts = [data(r, (6, 5), dtype).t() for r in range(world)]
+            widen = dtype in (torch.float16, torch.bfloat16)
+            want = parts[0].float() if widen else parts[0].clone()
+            for p in parts[1:]:
+                want = want + (p.float() if widen else p)
+            assert torch.equal(got, want.to(dtype)), dtype
+        assert comm.all_reduce(torch.empty(0, 3)).shape == (0, 3)
+        scalar = comm.all_reduce(torch.tensor(float(rank)))
+        assert scalar.shape == () and scalar.item() == sum(range(world))
+
+        # all_gather on every dim, non-contiguous input, empty tensors.
+        for dim in (0, 1, 2, -1, -2):
+            x = data(rank, (2, 3, 4))
+            want = torch.cat([data(r, (2, 3, 4)) for r in range(world)], dim=dim)
+            assert torch.equal(comm.all_gather(x, dim=dim), want), dim
+        xt = data(rank, (4, 3)).t()
+        want = torch.cat([data(r, (4, 3)).t() for r in range(world)], dim=-1)
+        assert torch.equal(comm.all_gather(xt), want)
+        assert comm.all_gather(torch.empty(0, 2), dim=0).shape == (0, 2)
+        assert comm.all_gather(torch.empty(2, 0), dim=0).shape == (2 * world, 0)
+
+        # all_gatherv: lengths differ per rank (rank 1 holds none), sizes known or not.
+        def rows(r: int) -> int:
+            return 0 if r == 1 else r + 2
+
+        sizes = [rows(r) for r in range(world)]
+        for dim in (0, 1, -1):
+            shape = [3, 3, 3]
+            shape[dim] = rows(rank)
+            x = data(rank, tuple(shape))
+            allx = []
+            for r in range(world):
+                s = [3, 3, 3]
+                s[dim] = rows(r)
+                allx.append(data(r, tuple(s)))
+            want = torch.cat(allx, dim=dim)
+            assert torch.equal(comm.all_gatherv(x, dim=dim), want), dim
+            assert torch.equal(comm.all_gatherv(x, dim=dim, sizes=sizes), want), dim
+        pair = [data(rank, (rows(rank), 2)), data(rank, (rows(rank),), torch.int64)]
+        got = comm.all_gatherv(pair, dim=0)
+        assert isinstance(got, list) and len(got) == 2
+        assert torch.equal(got[0], torch.cat([data(r, (rows(r), 2)) for r in range(world)]))
+        want_i = torch.cat([data(r, (rows(r),), torch.int64) for r in range(world)])
+        assert torch.equal(got[1], want_i)
+
+        # gather: unequal lengths, to a non-zero dst, None elsewhere.
+        x = data(rank, (2, rows(rank)))
+        got = comm.gather(x, dst=world - 1, dim=-1)
+        if rank == world - 1:
+            assert got is not None
+            assert torch.equal(got, torch.cat([data(r, (2, rows(r))) for r in range(world)], -1))
+        else:
+            assert got is None
+
+        # reduce_scatter / reduce_scatterv.
+        x = data(rank, (3, 4 * world), torch.int64)
+        total = sum(data(r, (3, 4 * world), torch.int64) for r in range(world))
+        assert isinstance(total, torch.Tensor)
+        got = comm.reduce_scatter(x, dim=-1)
+        assert torch.equal(got, total[:, 4 * rank : 4 * rank + 4])
+        rs_sizes = [2 * r + 1 for r in range(world)]
+        x = data(rank, (sum(rs_sizes), 2), torch.int64)
+        total = sum(data(r, (sum(rs_sizes), 2), torch.int64) for r in range(world))
+        assert isinstance(total, torch.Tensor)
+        start = sum(rs_sizes[:rank])
+        got = comm.reduce_scatterv(x, dim=0, sizes=rs_sizes)
+        assert torch.equal(got, total[start : start + rs_sizes[rank]])
+
+        # broadcast from a non-zero rank into a non-contiguous tensor.
+        base = torch.zeros(4, 3) if rank else data(99, (4, 3))
+        target = base.t()
+        if rank == world - 1:
+            target.copy_(data(7, (3, 4)))
+        returned = comm.broadcast(target, src=world - 1)
+        assert returned is target and torch.equal(target, data(7, (3, 4)))
+
+        # send/recv around the ring with the default peers.
+        # Gloo's send blocks until the peer receives: odd ranks receive first.
+        if rank % 2 == 0:
+            comm.send(data(rank, (2, 2)) + rank)
+            got = comm.recv((2, 2), torch.float32)
+        else:
+            got = comm.recv((2, 2), torch.float32)
+            comm.send(data(rank, (2, 2)) + rank)
+        prev = (rank - 1) % world
+        assert torch.equal(got, data(prev, (2, 2)) + prev)
+        return True
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_collective_matches_the_local_reference(world: int) -> None:
+    assert run_ranks(_collectives, world, timeout=90) == [True] * world
+
+
+def _bad_then_good(rank: int, world: int) -> list[str]:
+    from device_communicators.errors import GroupcoordTypeError, GroupcoordValueError
+
+    comm = make_comm(rank, world)
+    x = torch.ones(4, 2 * world)
+    bad_calls = [
+        (lambda: comm.all_reduce([1, 2]), GroupcoordTypeError, "input_"),  # type: ignore[arg-type]
+        (lambda: comm.all_gather(x, dim=2), GroupcoordValueError, "dim=2"),
+        (lambda: comm.all_gather(torch.tensor(1.0)), GroupcoordValueError, "dim"),
+        (lambda: comm.all_gatherv(x, sizes=[1]), GroupcoordValueError, "sizes"),
+        (lambda: comm.all_gatherv(x, sizes=[5] * world), GroupcoordValueError, "sizes"),
+        (lambda: comm.all_gatherv([]), GroupcoordValueError, "input_"),
+        (
+            lambda: comm.reduce_scatter(torch.ones(4, 2 * world + 1)),
+            GroupcoordValueError,
+            "divisible",
+        ),
+        (lambda: comm.reduce_scatterv(x, dim=-1, sizes=[1] * world), GroupcoordValueError, "sizes"),
+        (lambda: comm.gather(x, dst=world), GroupcoordValueError, "dst"),
+        (lambda: comm.gather(x, dst=-1), GroupcoordValueError, "dst"),
+        (lambda: comm.broadcast(x, src=world), GroupcoordValueError, "src"),
+        (lambda: comm.broadcast(x, src="0"), GroupcoordTypeError, "src"),  # type: ignore[arg-type]
+        (lambda: comm.send(x, dst=rank), GroupcoordValueError, "dst"),
+        (lambda: comm.recv((2,), "float"), GroupcoordTypeError, "dtype"),  # type: ignore[arg-type]
+        (lambda: comm.recv((-1,), torch.float32), GroupcoordValueError, "size"),
+        (lambda: comm.all_gather(x, dim=1.0), GroupcoordTypeError, "dim"),  # type: ignore[arg-type]
+    ]
+    if world > 1:
+        bad_calls.append((lambda: comm.send(x, dst=world + 3), GroupcoordValueError, "dst"))
+    messages = []
+    try:
+        for call, kind, needle in bad_calls:
+            try:
+                call()
+            except kind as exc:
+                assert needle in str(exc), f"{needle!r} not in {exc}"
+                messages.append(str(exc))
+            else:
+                raise AssertionError(f"no {kind.__name__} for a call naming {needle}")
+            # The group is still usable after every refused call.
+            got = comm.all_reduce(torch.full((3,), float(rank)))
+            assert torch.equal(got, torch.full((3,), float(sum(range(world)))))
+        got = comm.all_gatherv(torch.ones(rank + 1, 2), dim=0)
+        assert got.shape == (sum(r + 1 for r in range(world)), 2)
+        return messages
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_bad_call_raises_at_the_call_site_and_the_group_stays_usable(world: int) -> None:
+    messages = run_ranks(_bad_then_good, world, timeout=90)
+    assert len(messages[0]) >= 16
+
+
+def _mismatched_shapes(rank: int, world: int) -> str:
+    from device_communicators.errors import GroupcoordValueError
+
+    comm = make_comm(rank, world)
+    try:
+        x = torch.ones(rank + 1, 3 + rank)  # other dims differ: cannot concatenate
+        try:
+            comm.all_gatherv(x, dim=0)
+        except GroupcoordValueError as exc:
+            message = str(exc)
+        else:
+            raise AssertionError("mismatched shapes were accepted")
+        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        return message
+    finally:
+        comm.destroy()
+
+
+def test_all_gatherv_with_incompatible_shapes_fails_alike_on_every_rank() -> None:
+    messages = run_ranks(_mismatched_shapes, 2, timeout=60)
+    assert all("disagree" in m for m in messages)
+
+
+class RecordingManager:
+    """A stand-in all2all manager that records what the communicator forwards."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def dispatch(self, hidden_states, router_logits, is_sequence_parallel, extra_tensors):
+        self.calls.append(f"dispatch {tuple(hidden_states.shape)} {is_sequence_parallel}")
+        return hidden_states * 2, router_logits
+
+    def combine(self, hidden_states, is_sequence_parallel):
+        self.calls.append(f"combine {is_sequence_parallel}")
+        return hidden_states + 1
+
+    def prepare_communication_buffer_for_model(self, model) -> None:
+        self.calls.append(f"prepare {type(model).__name__}")
+
+    def destroy(self) -> None:
+        self.calls.append("destroy")
+
+
+def _all2all_delegation(rank: int, world: int) -> list[str]:
+    from device_communicators.errors import NotSupportedError
+
+    comm = make_comm(rank, world)
+    h = torch.ones(3, 2)
+    for call in (lambda: comm.dispatch(h, h), lambda: comm.combine(h)):
+        try:
+            call()
+        except NotSupportedError as exc:
+            assert "CpuCommunicator" in str(exc)
+        else:
+            raise AssertionError("dispatch/combine without a manager must raise")
+    comm.prepare_communication_buffer_for_model(torch.nn.Linear(2, 2))  # no manager: no-op
+    manager = RecordingManager()
+    comm.set_all2all_manager(manager)
+    out, _ = comm.dispatch(h, h, is_sequence_parallel=True)
+    assert torch.equal(out, h * 2)
+    assert torch.equal(comm.combine(h), h + 1)
+    comm.prepare_communication_buffer_for_model(torch.nn.Linear(2, 2))
+    comm.destroy()
+    assert comm.all2all_manager is None
+    return manager.calls
+
+
+def test_dispatch_and_combine_go_through_the_all2all_manager() -> None:
+    calls = run_ranks(_all2all_delegation, 2, timeout=60)[0]
+    assert calls == ["dispatch (3, 2) True", "combine False", "prepare Linear", "destroy"]
+
+
+def _subgroup(rank: int, world: int) -> list | None:
+    import torch.distributed as dist
+
+    from device_communicators import CpuCommunicator
+
+    init_gloo(rank, world)
+    group = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return None
+    comm = CpuCommunicator(group, unique_name="sub")
+    try:
+        assert comm.ranks == [1, 2, 3] and comm.rank_in_group == rank - 1
+        # src/dst are in-group indices: src=0 is global rank 1.
+        x = torch.full((2,), float(rank))
+        comm.broadcast(x, src=0)
+        assert torch.equal(x, torch.full((2,), 1.0))
+        got = comm.gather(torch.full((1,), float(rank)), dst=2, dim=0)
+        summed = comm.all_reduce(torch.full((2,), float(rank)))
+        assert torch.equal(summed, torch.full((2,), 6.0))
+        assert comm.shm_all_reduce.disabled_reason is None
+        return [comm.rank_in_group, None if got is None else got.tolist()]
+    finally:
+        comm.destroy()
+
+
+def test_subgroup_uses_in_group_indices() -> None:
+    out = run_ranks(_subgroup, 4, timeout=90)
+    assert out[0] is None
+    assert out[1] == [0, None] and out[2] == [1, None]
+    assert out[3] == [2, [1.0, 2.0, 3.0]]
