@@ -49,7 +49,12 @@ from .custom_ar_policy import (
     launch_config,
     should_custom_ar,
 )
-from .errors import GroupcoordError, GroupcoordValueError, ProtocolError
+from .errors import (
+    BackendUnavailableError,
+    GroupcoordError,
+    GroupcoordValueError,
+    ProtocolError,
+)
 from .nvrtc_compile import DTYPE_SUFFIXES, compile_custom_all_reduce, kernel_name
 
 __all__ = ["CustomAllreduce"]
@@ -327,18 +332,25 @@ class CustomAllreduce(AllReduceBackend):
                 self.register_graph_buffers()
 
     def register_graph_buffers(self) -> None:
-        """Collective: fill the RankData slots of calls captured since the last time."""
+        """Collective: fill the RankData slots of calls captured since the last time.
+
+        A rank that cannot export its buffers (e.g. torch's expandable segments,
+        which CUDA IPC cannot share) makes every rank raise the same error, so
+        no rank replays a graph whose slots were never filled.
+        """
         new = self._graph_inputs[self._registered :]
-        entries = []
-        handles: dict[int, bytes] = {}
-        for ptr in new:
-            base, _size = cuda_ipc.allocation_base(ptr)
-            if base not in handles:
-                handles[base] = cuda_ipc.ipc_handle(base)
-            entries.append((handles[base], ptr - base))
-        gathered = all_gather_bytes(self.group, msgspec.msgpack.encode(entries))
-        per_rank = [msgspec.msgpack.decode(g, type=list[tuple[bytes, int]]) for g in gathered]
-        counts = [len(p) for p in per_rank]
+        entries: list[tuple[bytes, int]] = []
+        local = self._local_step("exporting captured buffers", self._export, new, entries)
+        gathered = all_gather_bytes(self.group, msgspec.msgpack.encode((local, entries)))
+        per_rank = [
+            msgspec.msgpack.decode(g, type=tuple[str, list[tuple[bytes, int]]]) for g in gathered
+        ]
+        for r, (reason, _entries) in enumerate(per_rank):
+            if reason:
+                raise BackendUnavailableError(
+                    "custom all-reduce", f"rank {r}: {reason}; do not replay the captured graphs"
+                )
+        counts = [len(e) for _reason, e in per_rank]
         if len(set(counts)) != 1:
             raise ProtocolError(
                 f"ranks captured different numbers of custom all-reduce calls: {counts}"
@@ -350,13 +362,23 @@ class CustomAllreduce(AllReduceBackend):
                 if r == self.rank:
                     row.append(own_ptr)
                 else:
-                    handle, offset = per_rank[r][i]
+                    handle, offset = per_rank[r][1][i]
                     row.append(self._open(handle) + offset)
             rows.append(row)
         if rows:
             self._write_rank_data(1 + self._registered, rows)
         self._registered += len(new)
         logger.info("custom all-reduce: registered %d captured buffers", len(new))
+
+    @staticmethod
+    def _export(pointers: list[int], entries: list[tuple[bytes, int]]) -> None:
+        """(IPC handle of the allocation, offset in it) for each captured input."""
+        handles: dict[int, bytes] = {}
+        for ptr in pointers:
+            base, _size = cuda_ipc.allocation_base(ptr)
+            if base not in handles:
+                handles[base] = cuda_ipc.ipc_handle(base)
+            entries.append((handles[base], ptr - base))
 
     # ---- teardown -----------------------------------------------------------------
     def close(self) -> None:

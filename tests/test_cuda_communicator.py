@@ -139,3 +139,29 @@ def test_cuda_info_describes_this_machine():
     with override(disable_pynccl=True, nccl_so_path="/nonexistent/libnccl.so.2"):
         info = dict(describe())
     assert info["NCCL library"].startswith("not loaded from /nonexistent/libnccl.so.2: cannot load")
+
+
+def _registration_failure(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    from device_communicators.custom_all_reduce import CustomAllreduce
+    from device_communicators.errors import BackendUnavailableError
+
+    init_gloo(rank, world_size)
+    try:
+        ca = CustomAllreduce(dist.group.WORLD, rank)
+        # Only rank 0 "captured" a call; exporting it needs libcuda, absent here.
+        if rank == 0:
+            ca._graph_inputs.append(0x7F0000000000)
+        with pytest.raises(BackendUnavailableError) as info:
+            ca.register_graph_buffers()
+        assert ca._registered == 0
+        return str(info.value)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_graph_registration_failure_is_raised_on_every_rank():
+    for message in run_ranks(_registration_failure, 2, timeout=90):
+        assert "rank 0: exporting captured buffers failed" in message
+        assert "do not replay the captured graphs" in message
