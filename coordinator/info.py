@@ -1,26 +1,49 @@
-"""``python -m coordinator info``: what groupcoord sees on this machine."""
+"""``python -m coordinator info``: settings and what groupcoord finds on this machine."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from shm_broadcast.config import get_config
+from shm_broadcast.segments import list_segments, shm_free_bytes
 
 
-def config_rows() -> list[tuple[str, str, str]]:
-    """(setting, environment variable, effective value) for every setting."""
+def config_rows() -> list[tuple[str, str]]:
+    """(environment variable, effective value) for every setting."""
     cfg = get_config()
     env = cfg.env_names()
-    return [(f.name, env[f.name], repr(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)]
+    return [(env[f.name], repr(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)]
+
+
+def host_rows() -> list[tuple[str, str]]:
+    """CPU-side facts: cores, shared memory, our segments present now."""
+    cfg = get_config()
+    return [
+        ("CPU cores", str(os.cpu_count())),
+        (f"free in {cfg.shm_dir}", f"{shm_free_bytes() / 2**20:.0f} MiB"),
+        ("groupcoord segments present", str(len(list_segments()))),
+    ]
+
+
+def _print_section(title: str, rows: list[tuple[str, str]]) -> None:
+    print(title)
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    print()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coordinator info")
+    parser = argparse.ArgumentParser(
+        prog="python -m coordinator info",
+        description="Print groupcoord's effective settings and what this machine offers.",
+    )
     parser.parse_args(argv)
-    rows = config_rows()
-    width = max(len(r[1]) for r in rows)
-    print("groupcoord settings (environment variable = effective value)")
-    for _, env_name, value in rows:
-        print(f"  {env_name:<{width}} = {value}")
+    from device_communicators.cuda_info import describe
+
+    _print_section("Settings (environment variable, effective value)", config_rows())
+    _print_section("Host", host_rows())
+    _print_section("CUDA path", describe())
     return 0
