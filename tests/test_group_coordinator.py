@@ -316,3 +316,33 @@ def _queue_reader_without_writer(rank: int, world_size: int) -> str:
 def test_an_object_broadcast_through_the_queue_honours_the_group_deadline() -> None:
     message = run_ranks(_queue_reader_without_writer, 2, timeout=60)[1]
     assert "timed out after 1.5 s" in message
+
+
+def _single_reader_queues(rank: int, world_size: int) -> list:
+    from shm_broadcast.message_queue import MessageQueue
+
+    g = world_group(rank, world_size)
+    mine, handles = g.create_single_reader_mq_broadcasters(reader_rank_in_group=0)
+    got = []
+    if rank == 0:
+        assert len(handles) == world_size
+        # Each queue's writer and reader meet in wait_until_ready.
+        readers = [MessageQueue.create_from_handle(h, 0) for h in handles[1:]]
+        for r in readers:
+            r.wait_until_ready(timeout=30)
+        got = [r.dequeue(timeout=30) for r in readers]
+        for r in readers:
+            r.shutdown()
+    else:
+        assert handles == []
+        mine.wait_until_ready(timeout=30)
+        mine.enqueue({"from": rank}, timeout=30)
+    g.barrier()
+    mine.shutdown()
+    g.destroy()
+    return got
+
+
+def test_single_reader_queues_carry_every_rank_to_the_reader() -> None:
+    got = run_ranks(_single_reader_queues, 3, timeout=60)[0]
+    assert got == [{"from": 1}, {"from": 2}]
