@@ -1,0 +1,201 @@
+"""Shared-memory all-reduce (CpuCommunicator) against torch.distributed.all_reduce on Gloo.
+
+Both run in the same forked ranks on 127.0.0.1, interleaved batch by batch, on
+fp32 tensors from 4 KiB to 64 MiB at world 2 and 4. Ours is out-of-place (it
+returns a new tensor, as the communicator API does); Gloo's is in place, so
+Gloo is spared the output allocation. Each rank runs torch with one thread.
+Numbers are medians over batches of back-to-back calls, after warm-up.
+
+    python benchmarks/bench_all_reduce.py            # full sweep
+    python benchmarks/bench_all_reduce.py --quick    # < 60 s
+    python benchmarks/bench_all_reduce.py --plot     # also a PNG
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    environment,
+    human_bytes,
+    median,
+    plot_lines,
+    print_table,
+    reproduce_command,
+    write_json,
+)
+
+FULL_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+COLUMNS = ["world", "size", "shm_us", "gloo_us", "speedup", "shm_GBps", "gloo_GBps", "backend"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    conn: Connection, rank: int, world: int, port: int, sizes: list[int], quick: bool
+) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from device_communicators import CpuCommunicator
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    comm = CpuCommunicator(dist.group.WORLD, unique_name="bench")
+    budget = 0.03 if quick else 0.1  # seconds per batch
+    batches = 3 if quick else 7
+    rows = []
+    try:
+        for nbytes in sizes:
+            x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+            want = x.clone()
+            dist.all_reduce(want)
+            got = comm.all_reduce(x)
+            # Orders differ (Gloo's ring vs our slot order): equal up to rounding.
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            backend = comm.all_reduce_chain.select(x).name
+
+            def ours(x: torch.Tensor = x) -> None:
+                comm.all_reduce(x)
+
+            def gloo(x: torch.Tensor = x) -> None:
+                dist.all_reduce(x)
+
+            # Rank 0 picks the iteration count so every rank runs the same number.
+            start = time.perf_counter()
+            gloo()
+            once = time.perf_counter() - start
+            iters_t = torch.tensor([max(2, min(300, int(budget / max(once, 1e-6))))])
+            dist.broadcast(iters_t, src=0)
+            iters = int(iters_t.item())
+            for fn in (ours, gloo):
+                fn()  # warm-up: page faults, caches
+            samples: dict[str, list[float]] = {"shm": [], "gloo": []}
+            for _ in range(batches):
+                for name, fn in (("shm", ours), ("gloo", gloo)):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    samples[name].append((time.perf_counter() - start) / iters)
+            shm_s, gloo_s = median(samples["shm"]), median(samples["gloo"])
+            rows.append(
+                {
+                    "world": world,
+                    "size": human_bytes(nbytes),
+                    "bytes": nbytes,
+                    "shm_us": shm_s * 1e6,
+                    "gloo_us": gloo_s * 1e6,
+                    "speedup": gloo_s / shm_s,
+                    "shm_GBps": nbytes / shm_s / 1e9,
+                    "gloo_GBps": nbytes / gloo_s / 1e9,
+                    "backend": backend,
+                    "iters": iters,
+                    "batches": batches,
+                }
+            )
+        if rank == 0:
+            conn.send(("ok", rows))
+    except BaseException as exc:  # noqa: BLE001 - report anything to the parent
+        conn.send(("err", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        comm.destroy()
+        dist.destroy_process_group()
+        conn.close()
+
+
+def run_world(world: int, sizes: list[int], quick: bool, timeout: float) -> list[dict[str, Any]]:
+    """Fork ``world`` ranks, run the sweep, return rank 0's rows."""
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    procs = [
+        ctx.Process(target=_rank_main, args=(child_end, r, world, port, sizes, quick), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    child_end.close()
+    try:
+        if not parent_end.poll(timeout):
+            raise TimeoutError(f"world {world}: no result within {timeout:g} s")
+        kind, value = parent_end.recv()
+        if kind != "ok":
+            raise RuntimeError(value)
+        return list(value)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        parent_end.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 60 s)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--out", default="bench_results/bench_all_reduce.json")
+    parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)  # the parent forks ranks: keep it single-threaded
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    command = reproduce_command(None if argv is None else [sys.argv[0], *argv])
+    print(f"# {command}", flush=True)
+    rows: list[dict[str, Any]] = []
+    for world in args.worlds:
+        rows.extend(run_world(world, sizes, args.quick, args.timeout))
+    print_table(rows, COLUMNS)
+    path = write_json(
+        args.out,
+        {"benchmark": "all_reduce", "command": command, "env": environment(), "rows": rows},
+    )
+    print(f"# wrote {path}")
+    if args.plot:
+        series = {}
+        for world in args.worlds:
+            mine = [r for r in rows if r["world"] == world]
+            xs = [r["bytes"] for r in mine]
+            series[f"shm, world {world}"] = (xs, [r["shm_us"] for r in mine])
+            series[f"gloo, world {world}"] = (xs, [r["gloo_us"] for r in mine])
+        png = plot_lines(
+            os.path.splitext(args.out)[0] + ".png",
+            series,
+            title="all_reduce latency (fp32, CPU ranks on one node)",
+            xlabel="bytes",
+            ylabel="microseconds per call",
+        )
+        print(f"# wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
