@@ -234,6 +234,15 @@ class GroupCoordinator:
         if self.device.type != "cuda":
             yield context
             return
+        from device_communicators.cuda_communicator import CudaCommunicator
+
+        if isinstance(self.device_communicator, CudaCommunicator):
+            # Side stream plus the custom all-reduce's capture mode (its
+            # buffers are registered when the block exits; collective).
+            with self.device_communicator.graph_capture(context.stream) as stream:
+                context.stream = stream
+                yield context
+            return
         if context.stream is None:
             context.stream = torch.cuda.Stream(device=self.device)
         # The capture stream must see everything queued on the current one.
