@@ -6,7 +6,9 @@ plot). This command runs the registered ones one after another with
 JSON back and prints one table of the rows that compare groupcoord with
 ``torch.distributed`` (the rows that carry a ratio). Benchmarks that are
 missing, fail or time out are listed with the reason; the command still
-prints what the others measured. Exit status: 0 when every benchmark ran.
+prints what the others measured. A benchmark that exits 0 without writing
+JSON (e.g. no GPU here) counts as skipped. Exit status: 0 when every benchmark
+ran or skipped itself.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ BENCHMARKS = (
 @dataclasses.dataclass
 class Outcome:
     bench: Benchmark
-    status: str  # "ok", "missing", "failed", "timeout"
+    status: str  # "ok", "skipped", "missing", "failed", "timeout"
     seconds: float = 0.0
     detail: str = ""
     data: Any = None
@@ -97,6 +99,10 @@ def run_benchmark(bench: Benchmark, out_dir: str, full: bool, timeout: float) ->
     if proc.returncode != 0:
         last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
         return Outcome(bench, "failed", seconds, f"exit code {proc.returncode}: {last}")
+    if not os.path.exists(json_path):
+        # A benchmark that cannot run here (e.g. no GPU) says why and writes nothing.
+        said = [ln for ln in proc.stdout.splitlines() if ln.strip() and not ln.startswith("#")]
+        return Outcome(bench, "skipped", seconds, said[0] if said else "wrote no results")
     try:
         with open(json_path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -106,9 +112,9 @@ def run_benchmark(bench: Benchmark, out_dir: str, full: bool, timeout: float) ->
 
 
 def _row_dicts(data: Any) -> Iterator[dict[str, Any]]:
-    """Every dict in the JSON that has a ratio field (rows may nest under any key)."""
+    """Every dict in the JSON that looks like a result row (rows may nest under any key)."""
     if isinstance(data, dict):
-        if any("ratio" in str(k) for k in data):
+        if _times(data) is not None or _ratio_key(data) is not None:
             yield data
         for value in data.values():
             if isinstance(value, (dict, list)):
@@ -116,6 +122,33 @@ def _row_dicts(data: Any) -> Iterator[dict[str, Any]]:
     elif isinstance(data, list):
         for item in data:
             yield from _row_dicts(item)
+
+
+# A time column is "<who>_<unit>"; ours and torch.distributed's are told apart by <who>.
+_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_OURS = ("ours", "groupcoord", "shm", "mq", "custom")
+_TORCH = ("torch", "gloo")
+
+
+def _time_key(row: dict[str, Any], who: tuple[str, ...]) -> tuple[str, float] | None:
+    for key, value in row.items():
+        prefix, _, unit = str(key).rpartition("_")
+        if unit in _UNITS and prefix.lower() in who and isinstance(value, (int, float)):
+            return str(key), float(value) * _UNITS[unit]
+    return None
+
+
+def _times(row: dict[str, Any]) -> tuple[tuple[str, float], tuple[str, float]] | None:
+    ours, torch_time = _time_key(row, _OURS), _time_key(row, _TORCH)
+    return (ours, torch_time) if ours is not None and torch_time is not None else None
+
+
+def _ratio_key(row: dict[str, Any]) -> str | None:
+    for key, value in row.items():
+        low = str(key).lower()
+        if ("ratio" in low or low == "gain") and isinstance(value, (int, float)):
+            return str(key)
+    return None
 
 
 # Fields that say which case a row measures, in the order they are shown.
@@ -127,9 +160,10 @@ CASE_KEYS = (
     "payload",
     "dtype",
     "size",
-    "bytes",
+    "MiB",
     "world",
     "world_size",
+    "readers",
 )
 
 
@@ -137,10 +171,9 @@ def _case(row: dict[str, Any]) -> str:
     parts = []
     for key in CASE_KEYS:
         if key in row and not isinstance(row[key], (dict, list)):
-            value = row[key]
-            if key in ("size", "bytes") and isinstance(value, int):
-                value = _human_bytes(value)
-            parts.append(f"{key}={value}")
+            parts.append(f"{key}={row[key]}")
+    if "size" not in row and isinstance(row.get("bytes"), int):
+        parts.append(f"size={_human_bytes(row['bytes'])}")
     return " ".join(parts) or "-"
 
 
@@ -152,32 +185,25 @@ def _human_bytes(n: float) -> str:
     return f"{n:g} GiB"
 
 
-def _number(row: dict[str, Any], words: tuple[str, ...]) -> str:
-    for key, value in row.items():
-        low = str(key).lower()
-        if any(w in low for w in words) and isinstance(value, (int, float)) and "ratio" not in low:
-            return f"{value:.4g} ({key})"
-    return ""
-
-
 def summary_rows(outcomes: list[Outcome]) -> list[dict[str, str]]:
+    """One line per compared case: both times and speedup = torch.distributed time / ours."""
     rows = []
     for outcome in outcomes:
         if outcome.status != "ok":
             continue
         for row in _row_dicts(outcome.data):
-            ratio_key = next(k for k in row if "ratio" in str(k))
-            ratio = row[ratio_key]
-            rows.append(
-                {
-                    "benchmark": outcome.bench.name,
-                    "case": _case(row),
-                    "groupcoord": _number(row, ("ours", "groupcoord", "shm", "mq_")),
-                    "torch.distributed": _number(row, ("torch", "gloo", "baseline")),
-                    "ratio": f"{ratio:.3g}x" if isinstance(ratio, (int, float)) else str(ratio),
-                    "ratio means": str(ratio_key),
-                }
-            )
+            times = _times(row)
+            line = {"benchmark": outcome.bench.name, "case": _case(row)}
+            if times is not None:
+                (_, ours), (_, theirs) = times
+                line["groupcoord"] = f"{ours * 1e6:,.1f} us"
+                line["torch.distributed"] = f"{theirs * 1e6:,.1f} us"
+                line["speedup"] = f"{theirs / ours:.3g}x" if ours > 0 else "-"
+            else:
+                key = _ratio_key(row)
+                assert key is not None  # _row_dicts yields rows with times or a ratio
+                line["speedup"] = f"{row[key]:.3g} ({key})"
+            rows.append(line)
     return rows
 
 
@@ -206,16 +232,19 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = [run_benchmark(b, out_dir, args.full, args.timeout) for b in selected]
     print("\nbenchmarks run:")
     for o in outcomes:
-        print(f"  {o.bench.name:<16} {o.status:<8} {o.seconds:6.1f} s  {o.detail}")
+        print(f"  {o.bench.name:<16} {o.status:<8} {o.seconds:6.1f} s  {o.bench.what}. {o.detail}")
     rows = summary_rows(outcomes)
     print()
     if rows:
-        columns = ["benchmark", "case", "groupcoord", "torch.distributed", "ratio", "ratio means"]
+        columns = ["benchmark", "case", "groupcoord", "torch.distributed", "speedup"]
         print(format_table(rows, columns))
+        print(
+            "(speedup = torch.distributed time / groupcoord time: above 1 means groupcoord is faster)"
+        )
     else:
         print("no comparison rows: no benchmark produced results")
     print(
         "\n(measured on this machine now; on a shared or loaded machine the numbers are noisy. "
         "Each benchmark's own table has medians and percentiles: run it alone.)"
     )
-    return 0 if all(o.status == "ok" for o in outcomes) else 1
+    return 0 if all(o.status in ("ok", "skipped") for o in outcomes) else 1

@@ -12,12 +12,16 @@ args = sys.argv[1:]
 assert "--quick" in args, args
 path = args[args.index("--json") + 1]
 rows = [
-    {"op": "all_reduce", "size": 4096, "world": 2, "ours_us": 20.0, "torch_us": 300.0,
-     "ratio_torch_over_ours": 15.0},
-    {"op": "all_reduce", "size": 16777216, "world": 2, "note": "no comparison here"},
+    {"op": "all_reduce", "bytes": 4096, "world": 2, "ours_us": 20.0, "torch_ms": 0.3},
+    {"op": "all_reduce", "bytes": 16777216, "world": 2, "note": "no comparison here"},
+    {"op": "overlap", "world": 2, "overlap_ratio": 1.5},
 ]
 json.dump({"command": "x", "results": rows}, open(path, "w"))
 print("table")
+"""
+
+SKIP_SCRIPT = """
+print("no CUDA GPU on this machine: nothing to measure")
 """
 
 BAD_SCRIPT = """
@@ -30,6 +34,7 @@ sys.exit(3)
 def test_bench_runs_scripts_and_summarises(tmp_path, monkeypatch, capsys):
     (tmp_path / "bench_good.py").write_text(GOOD_SCRIPT)
     (tmp_path / "bench_bad.py").write_text(BAD_SCRIPT)
+    (tmp_path / "bench_skip.py").write_text(SKIP_SCRIPT)
     monkeypatch.setattr(bench, "BENCH_DIR", str(tmp_path))
     monkeypatch.setattr(
         bench,
@@ -38,6 +43,7 @@ def test_bench_runs_scripts_and_summarises(tmp_path, monkeypatch, capsys):
             bench.Benchmark("good", "bench_good.py", "a good one"),
             bench.Benchmark("bad", "bench_bad.py", "a failing one"),
             bench.Benchmark("gone", "bench_gone.py", "a missing one"),
+            bench.Benchmark("skip", "bench_skip.py", "one that cannot run here"),
         ),
     )
     out_dir = tmp_path / "out"
@@ -48,11 +54,13 @@ def test_bench_runs_scripts_and_summarises(tmp_path, monkeypatch, capsys):
     assert "good             ok" in text
     assert "bad              failed" in text and "exit code 3: boom: no shared memory" in text
     assert "gone             missing" in text
+    assert "skip             skipped" in text and "no CUDA GPU" in text
     summary = [line for line in text.splitlines() if line.startswith("good ")]
-    assert len(summary) == 1, text  # only the row with a ratio
-    assert "op=all_reduce size=4 KiB world=2" in summary[0]
-    assert "20 (ours_us)" in summary[0] and "300 (torch_us)" in summary[0]
-    assert "15x" in summary[0] and "ratio_torch_over_ours" in summary[0]
+    assert len(summary) == 2, text  # the rows that compare, not the note
+    assert "op=all_reduce world=2 size=4 KiB" in summary[0]
+    assert "20.0 us" in summary[0] and "300.0 us" in summary[0]
+    assert "15x" in summary[0]
+    assert "op=overlap world=2" in summary[1] and "1.5 (overlap_ratio)" in summary[1]
 
 
 def test_bench_only_and_list(tmp_path, monkeypatch, capsys):
