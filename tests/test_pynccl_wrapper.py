@@ -248,3 +248,12 @@ def test_dtype_and_op_maps():
     assert nccl_red_op(ReduceOp.PRODUCT) == NcclRedOp.PROD
     with pytest.raises(GroupcoordValueError, match="op"):
         nccl_red_op(ReduceOp.BAND)
+
+
+def test_a_library_without_nccl_symbols_is_refused_by_name():
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c") or "libc.so.6"
+    with pytest.raises(BackendUnavailableError, match="lacks required NCCL functions") as info:
+        load_nccl_library(libc)
+    assert "ncclGetVersion" in str(info.value) and "ncclCommWindowRegister" not in str(info.value)
