@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 60 s)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--out", default="bench_results/bench_all_reduce.json")
+    parser.add_argument("--json", default="bench_results/bench_all_reduce.json")
     parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(run_world(world, sizes, args.quick, args.timeout))
     print_table(rows, COLUMNS)
     path = write_json(
-        args.out,
+        args.json,
         {"benchmark": "all_reduce", "command": command, "env": environment(), "rows": rows},
     )
     print(f"# wrote {path}")
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             series[f"shm, world {world}"] = (xs, [r["shm_us"] for r in mine])
             series[f"gloo, world {world}"] = (xs, [r["gloo_us"] for r in mine])
         png = plot_lines(
-            os.path.splitext(args.out)[0] + ".png",
+            os.path.splitext(args.json)[0] + ".png",
             series,
             title="all_reduce latency (fp32, CPU ranks on one node)",
             xlabel="bytes",

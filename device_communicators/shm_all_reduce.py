@@ -45,6 +45,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.segments import ShmSegment
 
+from . import futex
 from .all_reduce_backends import AllReduceBackend
 from .errors import (
     ClosedError,
@@ -56,7 +57,13 @@ from .errors import (
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
-_LINE = 64  # bytes per rank's control line (one cache line)
+# Each rank's control line (one cache line): int64 phase counter, int64 pid,
+# int32 "asleep" flag, int32 doorbell (the futex word).
+_LINE = 64
+_QWORDS = _LINE // 8  # int64 index stride between lines
+_DWORDS = _LINE // 4  # int32 index stride between lines
+_ASLEEP = 4  # int32 index within a line
+_BELL = 5
 _PAGE = 4096
 _HANDLE_BYTES = 256  # fixed-size name+token broadcast at set-up
 # Pieces up to this size are reduced by every rank (one barrier); larger ones
@@ -68,6 +75,8 @@ ONE_SHOT_MAX_BYTES = 64 * 1024
 # with a barrier per piece (16 MiB at world 2: 4.2 ms with 1 MiB pieces against
 # 4.7-9 ms with one 16 MiB piece).
 PIPELINE_PIECE_BYTES = 1024 * 1024
+# A waiter yields the core in a loop this long, then sleeps on its doorbell.
+SPIN_BEFORE_SLEEP_S = 20e-6
 
 SHM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -149,7 +158,14 @@ class ShmAllReduce(AllReduceBackend):
         # int64 view of the control lines; memoryview indexing is the cheapest
         # load Python has (about 50 ns) and reads memory on every access.
         self._counters: memoryview = memoryview(b"")
-        self._counter_index = [r * _LINE // 8 for r in range(self.world_size)]
+        self._counter_index = [r * _QWORDS for r in range(self.world_size)]
+        self._others = [r for r in range(self.world_size) if r != self.rank_in_group]
+        self._words: memoryview = memoryview(b"")
+        self._ctrl_address = 0
+        self._ctrl_tensor: torch.Tensor | None = None
+        self._use_futex = futex.available()
+        # Spin (yielding) this long before sleeping on the doorbell.
+        self._spin_s = SPIN_BEFORE_SLEEP_S
         # Busy-poll before yielding only when every rank can have its own core:
         # a yield costs ~50 us when anything else is runnable.
         cores = len(os.sched_getaffinity(0))
@@ -210,7 +226,7 @@ class ShmAllReduce(AllReduceBackend):
         if local_reason is None:
             assert self._segment is not None
             self._counters = self._segment.buf[: self._ctrl_bytes].cast("q")
-            self._counters[self.rank_in_group * (_LINE // 8) + 1] = os.getpid()
+            self._counters[self.rank_in_group * _QWORDS + 1] = os.getpid()
         ok = torch.tensor([0 if local_reason is None else 1], dtype=torch.int32)
         everyone = [torch.empty_like(ok) for _ in self.ranks]
         dist.all_gather(everyone, ok, group=self.group)
@@ -243,8 +259,10 @@ class ShmAllReduce(AllReduceBackend):
     def _map_views(self) -> None:
         assert self._segment is not None
         buf = self._segment.buf
-        stride = _LINE // 8
-        self._pids = [self._counters[r * stride + 1] for r in range(self.world_size)]
+        self._pids = [self._counters[r * _QWORDS + 1] for r in range(self.world_size)]
+        self._words = buf[: self._ctrl_bytes].cast("i")
+        self._ctrl_tensor = torch.frombuffer(buf, dtype=torch.uint8, count=self._ctrl_bytes)
+        self._ctrl_address = self._ctrl_tensor.data_ptr()
         self._slot_bytes = [
             [
                 torch.frombuffer(
@@ -315,9 +333,8 @@ class ShmAllReduce(AllReduceBackend):
         s = gen & 1
         n = src.numel()
         me = self.rank_in_group
-        line = _LINE // 8
         self._view(s, me, src.dtype, n).copy_(src)
-        self._counters[me * line] = 2 * gen - 1
+        self._publish(2 * gen - 1)
         self._wait_all(2 * gen - 1)
         if n * src.element_size() <= ONE_SHOT_MAX_BYTES:
             self._combine_slots(s, src.dtype, 0, n, dst, op)
@@ -326,7 +343,7 @@ class ShmAllReduce(AllReduceBackend):
         lo, hi = min(me * chunk, n), min((me + 1) * chunk, n)
         if hi > lo:
             self._combine_slots(s, src.dtype, lo, hi, self._view(s, 0, src.dtype, n)[lo:hi], op)
-        self._counters[me * line] = 2 * gen
+        self._publish(2 * gen)
         self._wait_all(2 * gen)
         dst.copy_(self._view(s, 0, src.dtype, n))
 
@@ -359,27 +376,38 @@ class ShmAllReduce(AllReduceBackend):
                 return False
         return True
 
+    def _publish(self, phase: int) -> None:
+        """Store this rank's phase, then wake any peer asleep on its doorbell."""
+        me = self.rank_in_group
+        self._counters[me * _QWORDS] = phase
+        if not self._use_futex:
+            return
+        futex.full_fence()  # the counter store must be visible before we read "asleep"
+        words = self._words
+        for r in self._others:
+            if words[r * _DWORDS + _ASLEEP]:
+                bell = r * _DWORDS + _BELL
+                words[bell] = (words[bell] + 1) & 0x7FFFFFFF
+                futex.wake(self._bell_address(r))
+
     def _wait_all(self, phase: int) -> None:
-        """Wait until every rank's counter reaches ``phase``: spin, then yield, then sleep."""
+        """Wait until every rank's counter reaches ``phase``: spin, yield, then sleep."""
         if self._all_reached(phase):
             return
         for _ in range(self._pure_spins):
             if self._all_reached(phase):
                 return
         start = time.monotonic()
+        sleep_from = start + self._spin_s
         deadline = start + self.timeout_s
         next_check = start + self.peer_check_interval_s
-        spins = 0
         while not self._all_reached(phase):
-            spins += 1
-            if spins < 2000:
+            now = time.monotonic()
+            if now < sleep_from:
                 # With more ranks than cores a pure spin would starve the very
                 # peer it waits for: give the core away every turn.
                 os.sched_yield()
                 continue
-            # Waited a while already (a slow or absent peer): stop burning a core.
-            time.sleep(0.0002)
-            now = time.monotonic()
             if now >= next_check:
                 next_check = now + self.peer_check_interval_s
                 self._check_peers_alive(phase)
@@ -392,17 +420,37 @@ class ShmAllReduce(AllReduceBackend):
                     role=f"rank {self.ranks[self.rank_in_group]}",
                     detail=f"generation {self.generation}",
                 )
+            self._sleep(phase, min(next_check, deadline) - now)
+
+    def _sleep(self, phase: int, at_most_s: float) -> None:
+        """Sleep until a peer rings this rank's doorbell (or ``at_most_s`` passes)."""
+        if not self._use_futex:
+            time.sleep(min(at_most_s, 0.0002))
+            return
+        words = self._words
+        me = self.rank_in_group
+        bell = words[me * _DWORDS + _BELL]  # read before re-checking: a ring after it wakes us
+        words[me * _DWORDS + _ASLEEP] = 1
+        futex.full_fence()  # "asleep" must be visible before we read the counters
+        try:
+            if not self._all_reached(phase):
+                futex.wait(self._bell_address(me), bell, max(at_most_s, 1e-4))
+        finally:
+            words[me * _DWORDS + _ASLEEP] = 0
+
+    def _bell_address(self, r: int) -> int:
+        return self._ctrl_address + r * _LINE + _BELL * 4
 
     def _behind(self, phase: int) -> list[int]:
         return [
-            self.ranks[r] for r in range(self.world_size) if self._counters[r * _LINE // 8] < phase
+            self.ranks[r] for r in range(self.world_size) if self._counters[r * _QWORDS] < phase
         ]
 
     def _check_peers_alive(self, phase: int) -> None:
         dead = [
             self.ranks[r]
             for r in range(self.world_size)
-            if self._counters[r * _LINE // 8] < phase and not _pid_alive(self._pids[r])
+            if self._counters[r * _QWORDS] < phase and not _pid_alive(self._pids[r])
         ]
         if dead:
             raise PeerDiedError(
@@ -415,6 +463,9 @@ class ShmAllReduce(AllReduceBackend):
         self._slot_bytes = []
         self._counters.release()
         self._counters = memoryview(b"")
+        self._words.release()
+        self._words = memoryview(b"")
+        self._ctrl_tensor = None
         if self._segment is not None:
             self._segment.close()
             if self._segment.created:

@@ -133,11 +133,15 @@ def test_large_non_contiguous_tensor_with_default_pieces() -> None:
     assert run_ranks(_large_default_pieces, 2, timeout=90) == [True, True]
 
 
-def _back_to_back(rank: int, world: int) -> int:
+def _back_to_back(rank: int, world: int, wait_mode: str) -> int:
     import random
 
     init_gloo(rank, world)
     shm = make_shm(max_bytes=4096)
+    if wait_mode == "sleep_at_once":
+        shm._spin_s = 0.0  # every wait that is not over at once sleeps on the futex
+    elif wait_mode == "no_futex":
+        shm._use_futex = False
     rng = random.Random(rank)
     try:
         for i in range(300):
@@ -154,8 +158,9 @@ def _back_to_back(rank: int, world: int) -> int:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_back_to_back_calls_with_uneven_pace(world: int) -> None:
-    gens = run_ranks(_back_to_back, world, timeout=90)
+@pytest.mark.parametrize("wait_mode", ["default", "sleep_at_once", "no_futex"])
+def test_back_to_back_calls_with_uneven_pace(world: int, wait_mode: str) -> None:
+    gens = run_ranks(_back_to_back, world, wait_mode, timeout=90)
     assert len(set(gens)) == 1 and gens[0] >= 300
 
 
@@ -315,3 +320,20 @@ def test_dead_peer_is_reported_within_seconds() -> None:
     dead, elapsed = group.collect(killed=[1])[0]
     assert dead == [1]
     assert elapsed < 5.0
+
+
+def test_futex_wait_returns_on_changed_value_and_on_timeout() -> None:
+    import ctypes
+
+    from device_communicators import futex
+
+    assert futex.available()
+    word = ctypes.c_int32(5)
+    start = time.monotonic()
+    futex.wait(ctypes.addressof(word), 4, 5.0)  # value differs: returns at once
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    futex.wait(ctypes.addressof(word), 5, 0.05)  # nobody wakes it: the timeout does
+    assert 0.04 <= time.monotonic() - start < 2.0
+    futex.wake(ctypes.addressof(word))  # waking nobody is fine
+    futex.full_fence()
