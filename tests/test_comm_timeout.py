@@ -17,6 +17,7 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
     watched = new_comm("gloo", "cpu", "watched", timeout=30)
     async_comm = new_comm("gloo", "cpu", "to-async", timeout=30)
     sync_comm = new_comm("gloo", "cpu", "to-sync", timeout=30)
+    abort_comm = new_comm("gloo", "cpu", "to-abort", timeout=30)
     if rank == absent:
         time.sleep(6)  # alive but never joins: a timeout, not a dead peer
         return 0.0
@@ -48,6 +49,15 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
     with pytest.raises(GroupcoordTimeoutError, match="'to-sync': barrier timed out after 0.5 s"):
         sync_comm.barrier(timeout=0.5)
     sync_comm.abort()
+
+    # Aborting with an op in flight: it becomes ABORTED at once, nothing hangs.
+    work = abort_comm.all_reduce(torch.ones(2), async_op=True)
+    abort_start = time.monotonic()
+    abort_comm.abort()
+    with pytest.raises(ClosedError, match="all_reduce aborted"):
+        work.wait()
+    assert work.status is WorkStatus.ABORTED
+    assert time.monotonic() - abort_start < 1.0
     return elapsed
 
 

@@ -250,8 +250,10 @@ class Comm:
             from .work import translate_error
 
             raise translate_error(work, exc) from exc
-        self._completer.submit(work, c10d_works, finish)
-        if not async_op:
+        if async_op:
+            self._completer.submit(work, c10d_works, finish)
+        else:
+            Completer.complete_inline(work, c10d_works, finish)
             work.wait()
         return work
 
@@ -762,11 +764,12 @@ class Comm:
         self._close_windows()
 
     def finalize(self) -> None:
-        """Orderly close: let queued works finish, then shut the process group down."""
+        """Orderly close (not collective): let queued works finish, unmap windows,
+        then shut the process group down. Works still running are waited for."""
         if self._closed is not None:
             return
         self._closed = "finalized"
-        self._completer.stop()
+        self._completer.stop(drain=True)
         self._close_windows()
         self._pg.shutdown()
 

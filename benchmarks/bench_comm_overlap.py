@@ -1,0 +1,195 @@
+"""Compute overlapped with an async coordinator.comm all_reduce, against doing them in turn.
+
+Each rank runs ``matmuls`` square matmuls (one torch thread) and an all_reduce
+of ``--mib`` MiB over a ``coordinator.comm`` Gloo communicator, in three ways:
+communication alone, compute alone, then both in sequence (blocking
+all_reduce, then compute) and overlapped (``async_op=True``, compute, then
+``work.wait()``). The compute is sized to take about as long as the
+all_reduce, where overlap can at best halve the time. gain = sequential /
+overlapped; ideal = sequential / max(comm, compute).
+
+    python benchmarks/bench_comm_overlap.py --quick
+    python benchmarks/bench_comm_overlap.py --world 2 --mib 16 --iters 20
+
+Numbers are medians over iterations after warm-up; on a loaded shared machine
+the Gloo threads and the matmuls compete for the same cores, which caps the gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    environment,
+    median,
+    print_table,
+    reproduce_command,
+    write_json,
+)
+
+MATMUL_N = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _interleaved(
+    variants: dict[str, Callable[[], Any]], sync: Callable[[], None], iters: int
+) -> dict[str, float]:
+    """Median seconds of each variant; one run of every variant per round, so
+    load that comes and goes on a shared machine hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(iters + 2):  # two warm-up rounds
+        for name, fn in variants.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {name: median(values) for name, values in times.items()}
+
+
+def _rank_main(
+    rank: int, world: int, port: int, args: argparse.Namespace, conn: Connection
+) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
+    os.environ["WORLD_SIZE"] = str(world)
+    import torch
+
+    from coordinator.comm import new_comm
+
+    torch.set_num_threads(1)
+    comm = new_comm("gloo", "cpu", "overlap", timeout=120)
+    data = torch.ones(int(args.mib * (1 << 20)) // 4)
+    a = torch.randn(MATMUL_N, MATMUL_N)
+    b = torch.randn(MATMUL_N, MATMUL_N)
+
+    def sync() -> None:
+        comm.barrier()
+
+    def compute(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+
+    calib = _interleaved(
+        {"comm": lambda: comm.all_reduce(data), "mm": lambda: compute(8)}, sync, args.iters
+    )
+    # Every rank must run the same amount of compute: agree on rank 0's choice.
+    chosen = torch.tensor([max(1, round(calib["comm"] / (calib["mm"] / 8)))])
+    comm.broadcast(chosen, 0)
+    matmuls = int(chosen.item())
+
+    def sequential() -> None:
+        comm.all_reduce(data)
+        compute(matmuls)
+
+    def overlapped() -> None:
+        work = comm.all_reduce(data, async_op=True)
+        compute(matmuls)
+        work.wait()
+
+    medians = _interleaved(
+        {
+            "comm": lambda: comm.all_reduce(data),
+            "compute": lambda: compute(matmuls),
+            "sequential": sequential,
+            "overlapped": overlapped,
+        },
+        sync,
+        args.iters,
+    )
+    comm_s, compute_s = medians["comm"], medians["compute"]
+    seq_s, ovl_s = medians["sequential"], medians["overlapped"]
+    comm.finalize()
+    result = {
+        "rank": rank,
+        "matmuls": matmuls,
+        "comm_ms": comm_s * 1e3,
+        "compute_ms": compute_s * 1e3,
+        "sequential_ms": seq_s * 1e3,
+        "overlapped_ms": ovl_s * 1e3,
+    }
+    conn.send_bytes(json.dumps(result).encode())  # JSON, not pickle, even for local results
+    conn.close()
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    procs, conns = [], []
+    for rank in range(args.world):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, args=(rank, args.world, port, args, child_end))
+        proc.start()
+        child_end.close()
+        procs.append(proc)
+        conns.append(parent_end)
+    try:
+        results = []
+        for rank, conn in enumerate(conns):
+            if not conn.poll(args.timeout):
+                raise SystemExit(f"rank {rank} produced no result within {args.timeout:g} s")
+            results.append(json.loads(conn.recv_bytes()))
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--mib", type=float, default=16.0, help="all_reduce size per rank")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="4 MiB, 10 iterations")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--json", default="bench_results/comm_overlap.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.mib, args.iters = 4.0, 10
+    import torch
+
+    torch.set_num_threads(1)  # keep the forking parent single-threaded
+    results = run(args)
+    slowest = max(results, key=lambda r: r["overlapped_ms"])
+    row = {
+        "world": args.world,
+        "MiB": args.mib,
+        "matmuls": slowest["matmuls"],
+        "comm_ms": median([r["comm_ms"] for r in results]),
+        "compute_ms": median([r["compute_ms"] for r in results]),
+        "sequential_ms": max(r["sequential_ms"] for r in results),
+        "overlapped_ms": max(r["overlapped_ms"] for r in results),
+    }
+    row["gain"] = row["sequential_ms"] / row["overlapped_ms"]
+    row["ideal_gain"] = row["sequential_ms"] / max(row["comm_ms"], row["compute_ms"])
+    print_table([row], list(row))
+    print(f"overlap gain {row['gain']:.2f}x (ideal {row['ideal_gain']:.2f}x)")
+    path = write_json(
+        args.json,
+        {"summary": row, "per_rank": results, "command": reproduce_command(), "env": environment()},
+    )
+    print(f"wrote {path}")
+    print(f"reproduce: {reproduce_command()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
