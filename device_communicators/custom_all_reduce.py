@@ -57,7 +57,7 @@ from .errors import (
 )
 from .nvrtc_compile import DTYPE_SUFFIXES, compile_custom_all_reduce, kernel_name
 
-__all__ = ["CustomAllreduce"]
+__all__ = ["CustomAllreduce", "kernel_args"]
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
@@ -66,6 +66,28 @@ RANK_DATA_BYTES = 64  # struct RankData: 8 device pointers
 RANK_DATA_SLOTS = 8 * 1024 * 1024 // RANK_DATA_BYTES  # slot 0 eager, the rest graphs
 MAX_RANKS = 8
 _PROBE_MAGIC = 0x6763617270726F62  # "gcarprob"
+
+
+def kernel_args(
+    rank_data: int, signals: list[int], rank: int, out_ptr: int, packs: int
+) -> tuple[Any, ...]:
+    """The parameters of every ``gc_allreduce_*`` kernel, as ctypes values.
+
+    (const RankData*, RankSignals by value, Signal* self, T* result, int rank,
+    int size). cuLaunchKernel reads each from its own address with the size the
+    cubin records, and copies them at the call (also while a stream is being
+    captured), so short-lived values are fine. The sizes are checked against
+    the compiled cubin's parameter table in the tests.
+    """
+    padding = [None] * (MAX_RANKS - len(signals))
+    return (
+        ctypes.c_void_p(rank_data),
+        (ctypes.c_void_p * MAX_RANKS)(*signals, *padding),
+        ctypes.c_void_p(signals[rank]),
+        ctypes.c_void_p(out_ptr),
+        ctypes.c_int(rank),
+        ctypes.c_int(packs),
+    )
 
 
 class CustomAllreduce(AllReduceBackend):
@@ -296,17 +318,12 @@ class CustomAllreduce(AllReduceBackend):
         from cupy_backends.cuda.api import driver
 
         blocks, threads = launch_config(nbytes)
-        # cuLaunchKernel copies the values behind these pointers at the call
-        # (also when the stream is being captured), so locals are enough.
-        args = (
-            ctypes.c_void_p(self._rank_data + slot * RANK_DATA_BYTES),
-            (ctypes.c_void_p * MAX_RANKS)(
-                *self._signals, *([None] * (MAX_RANKS - self.world_size))
-            ),
-            ctypes.c_void_p(self._signals[self.rank]),
-            ctypes.c_void_p(out_ptr),
-            ctypes.c_int(self.rank),
-            ctypes.c_int(nbytes // PACK_BYTES),
+        args = kernel_args(
+            self._rank_data + slot * RANK_DATA_BYTES,
+            self._signals,
+            self.rank,
+            out_ptr,
+            nbytes // PACK_BYTES,
         )
         params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         driver.launchKernel(

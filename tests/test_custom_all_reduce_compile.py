@@ -53,6 +53,54 @@ def elf_function_symbols(image: bytes) -> set[str]:
     return names
 
 
+def elf_sections(image: bytes) -> dict[str, bytes]:
+    (shoff,) = struct.unpack_from("<Q", image, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", image, 0x3A)
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)
+    ]
+    names_at = sections[shstrndx][4]
+    out = {}
+    for name_off, *_rest in sections:
+        end = image.index(b"\0", names_at + name_off)
+        offset, size = _rest[3], _rest[4]
+        out[image[names_at + name_off : end].decode()] = image[offset : offset + size]
+    return out
+
+
+def kernel_param_sizes(image: bytes, kernel: str) -> list[int]:
+    """Parameter sizes by ordinal from the cubin's EIATTR_KPARAM_INFO records."""
+    info = elf_sections(image)[f".nv.info.{kernel}"]
+    sizes: dict[int, int] = {}
+    pos = 0
+    while pos < len(info):
+        fmt, attr = info[pos], info[pos + 1]
+        if fmt == 4:  # EIFMT_SVAL: u16 length, then the value
+            (length,) = struct.unpack_from("<H", info, pos + 2)
+            if attr == 0x17:  # EIATTR_KPARAM_INFO: index, ordinal, offset, flags (size << 18)
+                _index, ordinal, _offset, flags = struct.unpack_from("<IHHI", info, pos + 4)
+                sizes[ordinal] = flags >> 18
+            pos += 4 + length
+        else:  # EIFMT_NVAL / EIFMT_BVAL / EIFMT_HVAL: 4 bytes with padding
+            pos += 4
+    return [sizes[i] for i in range(len(sizes))]
+
+
+def test_launch_arguments_match_the_compiled_kernel_parameters(tmp_path):
+    import ctypes
+
+    from device_communicators.custom_all_reduce import kernel_args
+
+    image = compile_custom_all_reduce("sm_90", cache_dir=str(tmp_path)).cubin
+    for world in (2, 8):
+        args = kernel_args(0x1000, [0x2000 + r for r in range(world)], 1, 0x3000, 64)
+        ours = [ctypes.sizeof(a) for a in args]
+        for algo in ("oneshot", "twoshot"):
+            for dtype in ("float32", "float16", "bfloat16"):
+                name = kernel_name(algo, dtype, world)
+                assert kernel_param_sizes(image, name) == ours == [8, 64, 8, 8, 4, 4], name
+
+
 def test_kernel_names_cover_every_instantiation():
     names = kernel_names()
     assert len(names) == len(set(names)) == 2 * 3 * 4
