@@ -257,3 +257,20 @@ def test_a_library_without_nccl_symbols_is_refused_by_name():
     with pytest.raises(BackendUnavailableError, match="lacks required NCCL functions") as info:
         load_nccl_library(libc)
     assert "ncclGetVersion" in str(info.value) and "ncclCommWindowRegister" not in str(info.value)
+
+
+@needs_wheel
+def test_table_matches_the_wheels_nccl_header():
+    """Each row's argument count and return kind agree with nccl.h's prototype."""
+    import re
+
+    assert WHEEL_PATH is not None
+    header = os.path.join(os.path.dirname(os.path.dirname(WHEEL_PATH)), "include", "nccl.h")
+    text = open(header, encoding="utf-8").read()
+    for row in NCCL_FUNCTIONS:
+        match = re.search(rf"(ncclResult_t|const char\*)\s+{row.name}\s*\(([^;]*?)\)\s*;", text)
+        assert match, f"{row.name} not declared in {header}"
+        returns, params = match.group(1), match.group(2).strip()
+        count = 0 if params in ("", "void") else params.count(",") + 1
+        assert count == len(row.argtypes), (row.name, params)
+        assert (returns == "const char*") == (row.restype is ctypes.c_char_p), row.name
