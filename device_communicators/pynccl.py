@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -299,7 +300,7 @@ class PyNcclCommunicator:
             )
         assert self.nccl is not None
         dtype, handle = self._dtype(input_tensor, reduction=False), self._stream(stream)
-        row = output_tensor[0].numel() if output_tensor.dim() else 1
+        row = math.prod(output_tensor.shape[1:])  # elements per row; 1 for 1-D
         self.nccl.group_start()
         try:
             offset = 0
@@ -356,7 +357,7 @@ class PyNcclCommunicator:
         assert self.nccl is not None
         dtype, nccl_op = self._dtype(input_tensor, reduction=True), nccl_red_op(op)
         handle = self._stream(stream)
-        row = input_tensor[0].numel() if input_tensor.dim() else 1
+        row = math.prod(input_tensor.shape[1:])
         self.nccl.group_start()
         try:
             offset = 0
