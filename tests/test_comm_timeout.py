@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
-from multiproc import run_ranks
+from multiproc import run_ranks, start_ranks
 
 from coordinator.comm import WorkStatus, new_comm
-from coordinator.errors import ClosedError, GroupcoordTimeoutError
+from coordinator.errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
 
 
 def _last_rank_missing(rank: int, world_size: int) -> float:
@@ -65,3 +66,36 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
 def test_timeout_on_a_missing_peer_names_it(world_size: int) -> None:
     elapsed = run_ranks(_last_rank_missing, world_size, timeout=60)[:-1]
     assert all(0.9 < t < 5.0 for t in elapsed), elapsed
+
+
+def _one_rank_exits(rank: int, world_size: int) -> str:
+    comm = new_comm("gloo", "cpu", "dies", timeout=30)
+    last = world_size - 1
+    # The survivors stay alive until every one has checked its error: a rank
+    # that exits early would itself (truthfully) be reported dead.
+    survivors = comm.split([] if rank == last else list(range(last)), "survivors")
+    comm.barrier()
+    if rank == last:
+        os._exit(0)
+    assert survivors is not None
+    start = time.monotonic()
+    with pytest.raises((PeerDiedError, GroupcoordTimeoutError)) as caught:
+        comm.all_reduce(torch.ones(4), timeout=3.0)
+    assert time.monotonic() - start < 6.0
+    comm.abort()
+    outcome = "timeout"  # a rank whose ring neighbours gave up before it heard of the death
+    if isinstance(caught.value, PeerDiedError):
+        # Only the rank that is gone is named, not every peer of the op.
+        assert caught.value.dead == [last], str(caught.value)
+        outcome = "died"
+    survivors.barrier()
+    survivors.finalize()
+    return outcome  # a rank whose ring neighbours gave up before it heard of the death
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_dead_peer_is_named(world_size: int) -> None:
+    outcomes = start_ranks(_one_rank_exits, world_size, timeout=60).collect(
+        killed=[world_size - 1]
+    )[:-1]
+    assert "died" in outcomes, outcomes

@@ -10,6 +10,7 @@ group, and one completer thread that finishes its works in issue order.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from ..errors import (
 )
 from . import checks
 from .bootstrap import default_store, rank_and_size, unique_prefix
+from .liveness import PeerLiveness, host_id
 from .reduce_ops import ReduceOp
 from .work import Completer, Work
 
@@ -137,6 +139,7 @@ class Comm:
         self._split_count = 0
         self._barrier_count = 0
         self._windows: list[Window] = []
+        self._liveness = PeerLiveness({})
 
     @classmethod
     def _create(
@@ -166,7 +169,19 @@ class Comm:
                 missing=[r for r in range(size) if r != rank],
                 detail=f"could not connect all ranks: {exc}",
             ) from exc
-        return cls(pg, base_store, prefix, rank, size, name, device, timeout_s, checked_hints)
+        comm = cls(pg, base_store, prefix, rank, size, name, device, timeout_s, checked_hints)
+        comm._share_identity()
+        return comm
+
+    def _share_identity(self) -> None:
+        """One small all-gather of (host id, pid), so errors can name dead peers."""
+        mine = torch.tensor([host_id(), os.getpid()], dtype=torch.int64)
+        table = torch.empty((self._size, 2), dtype=torch.int64)
+        self.all_gather_single(table, mine)
+        here = host_id()
+        self._liveness = PeerLiveness(
+            {r: int(pid) for r, (host, pid) in enumerate(table.tolist()) if host == here}
+        )
 
     # -- identity ----------------------------------------------------------
     def get_rank(self) -> int:
@@ -244,6 +259,7 @@ class Comm:
         timeout_s = _timeout_s(timeout, self._timeout_s)
         self._check_usable(op)
         work = Work(self._name, op, peers, timeout_s, on_timeout=self._mark_broken)
+        work.find_dead = self._liveness.dead
         try:
             c10d_works = launch(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:

@@ -45,6 +45,7 @@ from ..errors import (
     PeerDiedError,
 )
 from . import bytes_io, checks
+from .liveness import pid_alive
 from .spin import spin_until
 from .work import Work
 
@@ -425,7 +426,7 @@ class Window:
             now = time.monotonic()
             if now >= state["next"]:
                 state["next"] = now + interval
-                dead = [rank for rank, pid in pids.items() if not _alive(pid)]
+                dead = [rank for rank, pid in pids.items() if not pid_alive(pid)]
                 if dead:
                     raise PeerDiedError(
                         f"window of communicator {self._comm.get_name()!r}", "wait_signal", dead
@@ -433,17 +434,3 @@ class Window:
             return False
 
         return watched
-
-
-def _alive(pid: int) -> bool:
-    """False once ``pid`` is gone or a zombie (killed, not yet reaped by its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # no /proc access: assume alive, the timeout still bounds the wait
-    # The state letter follows the parenthesised command name, which may hold spaces.
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state not in (b"Z", b"X")

@@ -62,6 +62,8 @@ class Work:
         self._error: BaseException | None = None
         self._status = WorkStatus.INPROGRESS
         self._poll: Callable[[], bool] | None = None
+        # Set by the communicator: which of the given ranks are known dead.
+        self.find_dead: Callable[[Sequence[int]], list[int]] | None = None
 
     # -- how a work finishes ------------------------------------------------
     @classmethod
@@ -176,7 +178,17 @@ def translate_error(work: Work, exc: BaseException) -> BaseException:
             work._what(), work.op, work.timeout_s, missing=work.peers, detail=text.strip()
         )
     elif any(marker in text for marker in _PEER_GONE_MARKERS):
-        error = PeerDiedError(work._what(), work.op, work.peers, detail=text.strip())
+        dead = work.find_dead(work.peers) if work.find_dead is not None else []
+        if dead:
+            error = PeerDiedError(work._what(), work.op, dead, detail=text.strip())
+        else:
+            error = PeerDiedError(
+                work._what(),
+                work.op,
+                work.peers,
+                detail="a peer closed its connection; which one is unknown (not on this host), "
+                f"so all of the op's peers are listed: {text.strip()}",
+            )
     else:
         error = ProtocolError(f"{work._what()}: {work.op} failed: {text.strip()}")
     error.__cause__ = exc
