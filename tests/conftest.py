@@ -38,10 +38,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _no_leaked_segments():
-    """Every test must leave no groupcoord shared memory behind."""
+    """Every test must leave no groupcoord shared memory behind.
+
+    Only segments created by this process or the ranks it started count: other
+    test runs may share the machine's /dev/shm.
+    """
+    from multiproc import started_pids
+
     from shm_broadcast.segments import list_segments
 
-    before = set(list_segments())
+    def ours() -> set[str]:
+        pids = {os.getpid(), *started_pids}
+        return {n for n in list_segments() if int(n.split("_")[1]) in pids}
+
+    before = ours()
     yield
-    leaked = sorted(set(list_segments()) - before)
+    leaked = sorted(ours() - before)
     assert not leaked, f"test leaked shared-memory segments: {leaked}"

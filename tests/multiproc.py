@@ -27,6 +27,10 @@ from typing import Any
 
 _CTX = mp.get_context("fork")
 
+# Pids of every rank this process has started; the leak check in conftest
+# looks only at segments these (or this process) created.
+started_pids: set[int] = set()
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -117,6 +121,8 @@ class RankGroup:
                 daemon=True,
             )
             proc.start()
+            assert proc.pid is not None
+            started_pids.add(proc.pid)
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
