@@ -2,9 +2,12 @@
 
 Both run in the same forked ranks on 127.0.0.1, interleaved batch by batch, on
 fp32 tensors from 4 KiB to 64 MiB at world 2 and 4. Ours is out-of-place (it
-returns a new tensor, as the communicator API does); Gloo's is in place, so
-Gloo is spared the output allocation. Each rank runs torch with one thread.
-Numbers are medians over batches of back-to-back calls, after warm-up.
+returns a new tensor, as the communicator API does). ``gloo`` is the plain
+in-place ``dist.all_reduce(x)`` (spared the output allocation, which costs
+tens of ms at 64 MiB on a VM); ``gloo_oop`` is ``dist.all_reduce(x.clone())``,
+the like-for-like out-of-place call. ``speedup`` = gloo / shm. Each rank runs
+torch with one thread. Numbers are medians over batches of back-to-back
+calls, after warm-up.
 
     python benchmarks/bench_all_reduce.py            # full sweep
     python benchmarks/bench_all_reduce.py --quick    # < 60 s
@@ -36,7 +39,17 @@ from _common import (  # noqa: E402
 
 FULL_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
-COLUMNS = ["world", "size", "shm_us", "gloo_us", "speedup", "shm_GBps", "gloo_GBps", "backend"]
+COLUMNS = [
+    "world",
+    "size",
+    "shm_us",
+    "gloo_us",
+    "speedup",
+    "gloo_oop_us",
+    "speedup_oop",
+    "shm_GBps",
+    "gloo_GBps",
+]
 
 
 def _free_port() -> int:
@@ -83,6 +96,10 @@ def _rank_main(
             def gloo(x: torch.Tensor = x) -> None:
                 dist.all_reduce(x)
 
+            def gloo_oop(x: torch.Tensor = x) -> None:
+                # Like for like with ours: a fresh result tensor, input untouched.
+                dist.all_reduce(x.clone())
+
             # Rank 0 picks the iteration count so every rank runs the same number.
             start = time.perf_counter()
             gloo()
@@ -90,17 +107,19 @@ def _rank_main(
             iters_t = torch.tensor([max(2, min(300, int(budget / max(once, 1e-6))))])
             dist.broadcast(iters_t, src=0)
             iters = int(iters_t.item())
-            for fn in (ours, gloo):
+            impls = (("shm", ours), ("gloo", gloo), ("gloo_oop", gloo_oop))
+            for _, fn in impls:
                 fn()  # warm-up: page faults, caches
-            samples: dict[str, list[float]] = {"shm": [], "gloo": []}
+            samples: dict[str, list[float]] = {name: [] for name, _ in impls}
             for _ in range(batches):
-                for name, fn in (("shm", ours), ("gloo", gloo)):
+                for name, fn in impls:
                     dist.barrier()
                     start = time.perf_counter()
                     for _ in range(iters):
                         fn()
                     samples[name].append((time.perf_counter() - start) / iters)
             shm_s, gloo_s = median(samples["shm"]), median(samples["gloo"])
+            oop_s = median(samples["gloo_oop"])
             rows.append(
                 {
                     "world": world,
@@ -108,7 +127,9 @@ def _rank_main(
                     "bytes": nbytes,
                     "shm_us": shm_s * 1e6,
                     "gloo_us": gloo_s * 1e6,
+                    "gloo_oop_us": oop_s * 1e6,
                     "speedup": gloo_s / shm_s,
+                    "speedup_oop": oop_s / shm_s,
                     "shm_GBps": nbytes / shm_s / 1e9,
                     "gloo_GBps": nbytes / gloo_s / 1e9,
                     "backend": backend,
