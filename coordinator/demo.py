@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fail-step", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--fail-mode", choices=["raise", "kill"], default="raise", help=argparse.SUPPRESS
+    )
     return p
 
 
@@ -226,7 +229,7 @@ def launch(args: argparse.Namespace, world: int) -> int:
 
 # After the first failure, how long to wait for other ranks' reports: a peer of
 # the failed rank often fails a moment later ("connection closed"), and the
-# earliest report is the cause the user needs to see.
+# user needs to see the cause, not the echoes.
 FAILURE_GRACE_S = 1.0
 
 
@@ -234,51 +237,55 @@ def _supervise(
     procs: list[Any], conns: dict[Connection, int], deadline: float, timeout: float
 ) -> int:
     sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
-    failures: list[RankFailure] = []
-    exits: dict[int, int] = {}
+    failures: list[RankFailure] = []  # reported through the pipe
+    deaths: list[RankFailure] = []  # ended abnormally without a report (killed, crashed)
     first_failure_at: float | None = None
-    while sentinels or conns:
+    while sentinels:
         now = time.monotonic()
-        if first_failure_at is not None and now >= first_failure_at + FAILURE_GRACE_S:
-            break
-        if now >= deadline:
-            running = sorted(sentinels.values())
-            print(
-                f"demo FAILED: ranks {running} did not finish within {timeout:g} s "
-                "(--timeout); ending every rank",
-                file=sys.stderr,
-            )
-            return 1
         limit = deadline if first_failure_at is None else first_failure_at + FAILURE_GRACE_S
-        for obj in wait([*conns, *sentinels], timeout=max(limit - now, 0.0)):
+        if now >= limit:
+            break
+        for obj in wait([*conns, *sentinels], timeout=limit - now):
             if obj in conns:
                 conns.pop(obj)  # type: ignore[call-overload]
                 failure = _read_failure(obj)  # type: ignore[arg-type]
                 if failure is not None:
                     failures.append(failure)
-            else:
+            elif obj in sentinels:
                 rank = sentinels.pop(obj)  # type: ignore[call-overload]
                 procs[rank].join()
-                exits[rank] = procs[rank].exitcode
-                if exits[rank] == 0:
-                    continue
-            if first_failure_at is None and (failures or any(exits.values())):
-                first_failure_at = time.monotonic()
-    if failures:
-        _report_failures(failures, procs)
+                code = procs[rank].exitcode
+                # A rank that reported then exited left its report in the pipe.
+                for conn in [c for c, r in conns.items() if r == rank]:
+                    del conns[conn]
+                    failure = _read_failure(conn) if conn.poll(0) else None
+                    if failure is not None:
+                        failures.append(failure)
+                if code != 0 and not any(f.rank == rank for f in failures):
+                    deaths.append(RankFailure(rank, _describe_exit(code), "", time.time()))
+        if first_failure_at is None and (failures or deaths):
+            first_failure_at = time.monotonic()
+    if failures or deaths:
+        _report_failures(failures, deaths, procs)
         return 1
-    bad = {rank: code for rank, code in exits.items() if code != 0}
-    if bad:
+    if sentinels:
         print(
-            "demo FAILED: "
-            + ", ".join(
-                f"rank {rank} exited with code {code}" for rank, code in sorted(bad.items())
-            )
-            + " (see its output above)",
+            f"demo FAILED: ranks {sorted(sentinels.values())} did not finish within "
+            f"{timeout:g} s (--timeout); ending every rank",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} without reporting an error"
+    return f"exited with code {code} (see its output above)"
 
 
 def _read_failure(conn: Connection) -> RankFailure | None:
@@ -289,18 +296,27 @@ def _read_failure(conn: Connection) -> RankFailure | None:
     return msgspec.msgpack.decode(data, type=RankFailure)
 
 
-def _report_failures(failures: list[RankFailure], procs: list[Any]) -> None:
+def _report_failures(
+    failures: list[RankFailure], deaths: list[RankFailure], procs: list[Any]
+) -> None:
+    # A rank that died without a word is the likelier cause: its peers' errors
+    # ("connection closed", "peer died") are what its death looks like to them.
+    deaths.sort(key=lambda f: f.when)
     failures.sort(key=lambda f: f.when)
-    cause = failures[0]
+    events = deaths + failures
+    cause = events[0]
     others = [r for r, p in enumerate(procs) if r != cause.rank and p.is_alive()]
-    lines = [
-        f"\ndemo FAILED: rank {cause.rank} raised {cause.error}",
-        f"--- rank {cause.rank} traceback ---",
-        cause.traceback.rstrip(),
-    ]
-    lines += [
-        f"--- then rank {f.rank} raised {f.error.splitlines()[0][:200]}" for f in failures[1:]
-    ]
+    if cause.traceback:
+        lines = [
+            f"\ndemo FAILED: rank {cause.rank} raised {cause.error}",
+            f"--- rank {cause.rank} traceback ---",
+            cause.traceback.rstrip(),
+        ]
+    else:
+        lines = [f"\ndemo FAILED: rank {cause.rank} {cause.error}"]
+    for f in events[1:]:
+        what = f"raised {f.error.splitlines()[0][:200]}" if f.traceback else f.error
+        lines.append(f"--- then rank {f.rank} {what}")
     lines.append(f"--- ending the ranks still running: {others} ---")
     print("\n".join(lines), file=sys.stderr, flush=True)
 

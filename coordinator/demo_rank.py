@@ -8,6 +8,8 @@ the previous one, runs its layers and sends on; the last stage holds logits.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -139,7 +141,7 @@ def _run_steps(args: argparse.Namespace, rank: int) -> RankReport:
         record = meter.start_step(step, num_tokens)
         start = time.perf_counter()
         if args.fail_rank == rank and args.fail_step == step:
-            raise RuntimeError(f"injected failure (--fail-rank {rank} --fail-step {step})")
+            _inject_failure(args.fail_mode, rank, step)
         with torch.inference_mode():
             if stage.is_first:
                 inputs = None
@@ -169,6 +171,13 @@ def _run_steps(args: argparse.Namespace, rank: int) -> RankReport:
                     flush=True,
                 )
     return report
+
+
+def _inject_failure(mode: str, rank: int, step: int) -> None:
+    """``--fail-rank``: raise (a Python error) or die by SIGKILL (a crash, no report)."""
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected failure (--fail-rank {rank} --fail-step {step})")
 
 
 def _describe_backends(use_ep: bool) -> list[str]:

@@ -214,3 +214,11 @@ def test_demo_failure_under_torchrun_names_the_rank():
     result = _torchrun_demo("--tp", "2", "--pp", "1", "--steps", "2", "--fail-rank", "1")
     assert result.returncode != 0
     assert "demo: rank 1 failed: RuntimeError: injected failure" in result.stderr
+
+
+def test_demo_rank_killed_is_named_and_its_shared_memory_removed():
+    marker = "--timeout=97.5"
+    result = _run_demo("--fail-rank", "1", "--fail-mode", "kill", "--steps", "3", marker)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "demo FAILED: rank 1 was killed by SIGKILL without reporting an error" in result.stderr
+    assert _processes_with(marker) == []
