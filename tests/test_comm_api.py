@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
@@ -77,3 +78,16 @@ def _construction_paths(rank: int, world_size: int, store_port: int) -> str:
 
 def test_explicit_store_and_default_store_paths() -> None:
     assert run_ranks(_construction_paths, 2, free_port(), timeout=60) == ["ok", "ok"]
+
+
+def _doc_example(rank: int, world_size: int, code: str) -> str:
+    exec(compile(code, "docs/comm.md", "exec"), {})
+    return "ok"
+
+
+def test_the_docs_example_runs() -> None:
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "comm.md")
+    with open(path) as f:
+        text = f.read()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert run_ranks(_doc_example, 2, code, timeout=60) == ["ok", "ok"]
