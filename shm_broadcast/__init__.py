@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .codec import dumps, loads
 from .config import GroupcoordConfig, get_config, override, set_config
 from .errors import (
     BackendUnavailableError,
@@ -14,7 +15,11 @@ from .errors import (
     ProtocolError,
     ShmSpaceError,
 )
+from .group_io import ObjectGroup, all_gather_bytes, broadcast_bytes
+from .message_queue import Handle, MessageQueue, cleanup_stale_ipc_files
+from .ring import ShmRingBuffer
 from .segments import ShmSegment, cleanup_owned_segments, cleanup_stale_segments
+from .topology import in_the_same_node_as
 
 __all__ = [
     "BackendUnavailableError",
@@ -24,13 +29,23 @@ __all__ = [
     "GroupcoordTimeoutError",
     "GroupcoordTypeError",
     "GroupcoordValueError",
+    "Handle",
+    "MessageQueue",
+    "ObjectGroup",
     "PeerDiedError",
     "ProtocolError",
+    "ShmRingBuffer",
     "ShmSegment",
     "ShmSpaceError",
+    "all_gather_bytes",
+    "broadcast_bytes",
     "cleanup_owned_segments",
+    "cleanup_stale_ipc_files",
     "cleanup_stale_segments",
+    "dumps",
     "get_config",
+    "in_the_same_node_as",
+    "loads",
     "override",
     "set_config",
 ]

@@ -44,6 +44,7 @@ __all__ = [
     "Codec",
     "EncodedMessage",
     "dumps",
+    "frames_as_buffers",
     "loads",
     "read_message",
     "write_message",
@@ -466,6 +467,14 @@ def read_message(codec: Codec, src: memoryview, offset: int = 0) -> Any:
         header.release()
         for f in frames:
             f.release()
+
+
+def frames_as_buffers(msg: EncodedMessage) -> list[Any]:
+    """``[header, frame0, ...]`` as contiguous buffers, for transports that keep frame
+    boundaries themselves (ZeroMQ multipart); decode with ``codec.decode(parts[0], parts[1:])``."""
+    return [msg.header] + [
+        f if isinstance(f, (memoryview, bytes)) else _contiguous_bytes(f) for f in msg.frames
+    ]
 
 
 # -- single-buffer form -------------------------------------------------------

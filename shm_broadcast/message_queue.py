@@ -1,0 +1,783 @@
+"""MessageQueue: one writer, many readers, in order, nothing lost.
+
+Local readers (same node) read a :class:`ShmRingBuffer`. A message larger than
+a chunk leaves an *overflow marker* in its chunk and travels over a ZeroMQ
+``ipc://`` PUB socket; the marker keeps the order and the ring's flags keep at
+most ``max_chunks`` such messages in flight, so the PUB socket (unlimited
+high-water mark, subscriptions confirmed in ``wait_until_ready``) never drops.
+Remote readers get every message over TCP (:mod:`.tcp_channel`: MACs, credit
+flow control). Every wait has a deadline; a dead peer raises
+:class:`PeerDiedError`; :meth:`MessageQueue.shutdown` wakes a waiting reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from .codec import (
+    Codec,
+    dumps,
+    frames_as_buffers,
+    loads,
+    read_message,
+    write_message,
+)
+from .config import get_config, resolve_timeout
+from .errors import (
+    ClosedError,
+    GroupcoordTimeoutError,
+    GroupcoordValueError,
+    PeerDiedError,
+    ProtocolError,
+)
+from .group_io import all_gather_bytes, broadcast_bytes, group_rank_and_size
+from .ring import READER_DETACHED, ShmRingBuffer, pid_namespace, process_alive
+from .segments import unlink_segment
+from .tcp_channel import KIND_READY, TcpReader, TcpWriter
+from .topology import in_the_same_node_as
+
+__all__ = ["Handle", "MessageQueue", "cleanup_stale_ipc_files"]
+
+logger = logging.getLogger("groupcoord.shm_broadcast")
+
+# First byte of a chunk: what the chunk holds. The message itself starts
+# _MSG_OFFSET bytes in, so its frames are 64-byte aligned.
+_INLINE = 1
+_OVERFLOW = 2
+_MSG_OFFSET = 64
+_READY = b"READY"
+# Spin (yielding the CPU) this long before sleeping between polls: short waits
+# stay in microseconds, long idle waits stop burning a core.
+_SPIN_S = 0.002
+_IPC_PREFIX = "groupcoord_mq_"
+_IPC_RE = re.compile(r"^groupcoord_mq_groupcoord_(\d+)_ring_[0-9a-f]+\.sock$")
+_IDLE_SLEEP_S = 0.0001
+
+
+class Handle(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a reader needs to join a queue (plain data; travels without pickle)."""
+
+    name: str
+    n_reader: int
+    local_reader_ranks: list[int]
+    writer_rank: int
+    writer_pid: int
+    writer_host: str
+    max_chunk_bytes: int
+    max_chunks: int
+    buffer_name: str | None
+    local_address: str | None
+    remote_address: str | None
+    key: bytes
+    window: int
+    allow_pickle: bool
+
+
+def _default_ip() -> str:
+    """This host's outward interface address (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def _ipc_path(ring_name: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"{_IPC_PREFIX}{ring_name}.sock")
+
+
+def _remove_ipc_file(address: str | None) -> None:
+    if address and address.startswith("ipc://"):
+        try:
+            os.unlink(address[len("ipc://") :])
+        except FileNotFoundError:
+            return
+
+
+def cleanup_stale_ipc_files() -> list[str]:
+    """Remove overflow socket files whose creating process is gone (named after its ring)."""
+    removed = []
+    folder = tempfile.gettempdir()
+    for entry in os.listdir(folder):
+        match = _IPC_RE.match(entry)
+        if match and not process_alive(int(match.group(1))):
+            try:
+                os.unlink(os.path.join(folder, entry))
+            except FileNotFoundError:
+                continue
+            removed.append(entry)
+    return removed
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise GroupcoordValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+class MessageQueue:
+    """Single-writer multi-reader broadcast queue (vLLM-compatible API)."""
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None = None,
+        max_chunk_bytes: int | None = None,
+        max_chunks: int | None = None,
+        connect_ip: str | None = None,
+        *,
+        name: str | None = None,
+        allow_pickle: bool = False,
+        writer_rank: int = 0,
+    ) -> None:
+        cfg = get_config()
+        _check_int("n_reader", n_reader, 0)
+        _check_int("n_local_reader", n_local_reader, 0)
+        if n_local_reader > n_reader:
+            raise GroupcoordValueError(
+                f"n_local_reader={n_local_reader} exceeds n_reader={n_reader}"
+            )
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        if (
+            len(local_reader_ranks) != n_local_reader
+            or len(set(local_reader_ranks)) != n_local_reader
+        ):
+            raise GroupcoordValueError(
+                f"local_reader_ranks={local_reader_ranks} must hold {n_local_reader} distinct ranks"
+            )
+        max_chunk_bytes = _check_int(
+            "max_chunk_bytes",
+            cfg.mq_max_chunk_bytes if max_chunk_bytes is None else max_chunk_bytes,
+            256,
+        )
+        max_chunks = _check_int(
+            "max_chunks", cfg.mq_max_chunks if max_chunks is None else max_chunks, 1
+        )
+        if connect_ip in ("*", "0.0.0.0", "::"):
+            raise GroupcoordValueError(f"connect_ip must name one interface, got {connect_ip!r}")
+        self.name = name or f"mq{secrets.token_hex(3)}"
+        self.what = f"MessageQueue {self.name}"
+        self.n_reader = n_reader
+        self.n_local_reader = n_local_reader
+        self.local_reader_ranks = list(local_reader_ranks)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunks = max_chunks
+        self.allow_pickle = allow_pickle
+        self.writer_rank = writer_rank
+        self.role = "writer"
+        self.rank = writer_rank
+        self._codec = Codec(allow_pickle=allow_pickle)
+        self._closed = False
+        self._released = False
+        self._busy = False
+        self._key = secrets.token_bytes(32)
+        self._window = max(16, max_chunks)
+        self._ctx = zmq.Context()
+        self._ring: ShmRingBuffer | None = None
+        self._local_sock: zmq.Socket | None = None
+        self._local_address: str | None = None
+        self._tcp_writer: TcpWriter | None = None
+        self._tcp_reader: TcpReader | None = None
+        self._idx = 0
+        self._local_index = -1
+        self._handle: Handle | None = None
+        try:
+            if n_local_reader:
+                self._ring = ShmRingBuffer.create(n_local_reader, max_chunk_bytes, max_chunks)
+                self._local_sock = self._ctx.socket(zmq.XPUB)
+                self._local_sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+                self._local_sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the ring instead
+                self._local_sock.setsockopt(zmq.LINGER, 2000)
+                cleanup_stale_ipc_files()
+                self._local_address = f"ipc://{_ipc_path(self._ring.name)}"
+                self._local_sock.bind(self._local_address)
+            if n_reader > n_local_reader:
+                self._tcp_writer = TcpWriter(
+                    self._ctx,
+                    connect_ip or _default_ip(),
+                    self._key,
+                    n_reader - n_local_reader,
+                    self._window,
+                    max_chunks * max_chunk_bytes,
+                    self.what,
+                )
+        except BaseException:
+            self._abandon()
+            raise
+        self._capacity = max_chunk_bytes - _MSG_OFFSET
+
+    # -- construction -------------------------------------------------------
+
+    def export_handle(self) -> Handle:
+        """The handle readers pass to :meth:`create_from_handle` (writer only)."""
+        if self.role != "writer":
+            raise GroupcoordValueError(f"{self.what}: only the writer exports a handle")
+        return Handle(
+            name=self.name,
+            n_reader=self.n_reader,
+            local_reader_ranks=self.local_reader_ranks,
+            writer_rank=self.writer_rank,
+            writer_pid=os.getpid(),
+            writer_host=socket.gethostname(),
+            max_chunk_bytes=self.max_chunk_bytes,
+            max_chunks=self.max_chunks,
+            buffer_name=self._ring.name if self._ring else None,
+            local_address=self._local_address,
+            remote_address=self._tcp_writer.address if self._tcp_writer else None,
+            key=self._key,
+            window=self._window,
+            allow_pickle=self.allow_pickle,
+        )
+
+    @classmethod
+    def create_from_handle(cls, handle: Handle, rank: int) -> MessageQueue:
+        """Join as a reader: a local one if ``rank`` is in the handle's local ranks."""
+        if not isinstance(handle, Handle):
+            raise GroupcoordValueError(f"handle must be a Handle, got {type(handle).__qualname__}")
+        self = cls.__new__(cls)
+        self.name = handle.name
+        self.what = f"MessageQueue {handle.name}"
+        self.n_reader = handle.n_reader
+        self.n_local_reader = len(handle.local_reader_ranks)
+        self.local_reader_ranks = list(handle.local_reader_ranks)
+        self.max_chunk_bytes = handle.max_chunk_bytes
+        self.max_chunks = handle.max_chunks
+        self.allow_pickle = handle.allow_pickle
+        self.writer_rank = handle.writer_rank
+        self.rank = rank
+        self._codec = Codec(allow_pickle=handle.allow_pickle)
+        self._closed = False
+        self._released = False
+        self._busy = False
+        self._key = handle.key
+        self._window = handle.window
+        self._ctx = zmq.Context()
+        self._ring = None
+        self._local_sock = None
+        self._local_address = handle.local_address
+        self._tcp_writer = None
+        self._tcp_reader = None
+        self._idx = 0
+        self._handle = handle
+        self._capacity = handle.max_chunk_bytes - _MSG_OFFSET
+        try:
+            if rank in handle.local_reader_ranks:
+                self.role = "local reader"
+                self._local_index = handle.local_reader_ranks.index(rank)
+                if handle.buffer_name is None or handle.local_address is None:
+                    raise ProtocolError(f"{self.what}: handle has local readers but no ring")
+                self._ring = ShmRingBuffer.attach(handle.buffer_name)
+                self._ring.set_reader_pid(self._local_index, os.getpid())
+                self._local_sock = self._ctx.socket(zmq.SUB)
+                self._local_sock.setsockopt(zmq.RCVHWM, 0)
+                self._local_sock.setsockopt(zmq.LINGER, 0)
+                self._local_sock.setsockopt(zmq.SUBSCRIBE, b"")
+                self._local_sock.connect(handle.local_address)
+            else:
+                self.role = "remote reader"
+                self._local_index = -1
+                if handle.remote_address is None:
+                    raise GroupcoordValueError(
+                        f"{self.what}: rank {rank} is not a local reader "
+                        f"({handle.local_reader_ranks}) and the queue has no remote readers"
+                    )
+                self._tcp_reader = TcpReader(
+                    self._ctx,
+                    handle.remote_address,
+                    handle.key,
+                    rank,
+                    handle.window,
+                    self.what,
+                    handle.writer_rank,
+                )
+        except BaseException:
+            self._abandon()
+            raise
+        return self
+
+    # -- readiness ---------------------------------------------------------
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Collective: return once every reader is connected (writer) / the writer is (reader)."""
+        timeout_s = resolve_timeout(timeout)
+        deadline = time.monotonic() + timeout_s
+        if self.role == "writer":
+            self._writer_wait_ready(deadline, timeout_s)
+        elif self.role == "local reader":
+            self._local_reader_wait_ready(deadline, timeout_s)
+        else:
+            assert self._tcp_reader is not None
+            self._tcp_reader.receive(
+                deadline,
+                "wait_until_ready",
+                lambda: self._reader_timeout("wait_until_ready", timeout_s, "no READY yet"),
+                self._check_open,
+            )
+
+    def _writer_wait_ready(self, deadline: float, timeout_s: float) -> None:
+        if self._ring is not None:
+            assert self._local_sock is not None
+            ring = self._ring
+            subscribed = 0
+            while subscribed < self.n_local_reader or any(
+                ring.reader_pid(r) == 0 for r in range(self.n_local_reader)
+            ):
+                if self._local_sock.poll(20, zmq.POLLIN):
+                    if self._local_sock.recv()[:1] == b"\x01":
+                        subscribed += 1
+                    continue
+                if time.monotonic() > deadline:
+                    missing = [
+                        self.local_reader_ranks[r]
+                        for r in range(self.n_local_reader)
+                        if ring.reader_pid(r) == 0
+                    ]
+                    raise GroupcoordTimeoutError(
+                        self.what,
+                        "wait_until_ready",
+                        timeout_s,
+                        missing,
+                        "writer",
+                        f"{subscribed}/{self.n_local_reader} local readers subscribed",
+                    )
+                self._check_open()
+            self._local_sock.send(_READY)
+        if self._tcp_writer is not None:
+            self._tcp_writer.wait_ready(deadline, timeout_s, self._check_open)
+
+    def _local_reader_wait_ready(self, deadline: float, timeout_s: float) -> None:
+        assert self._local_sock is not None
+        while not self._local_sock.poll(20, zmq.POLLIN):
+            if time.monotonic() > deadline:
+                raise self._reader_timeout("wait_until_ready", timeout_s, "no READY yet")
+            self._check_writer_alive("wait_until_ready")
+        msg = self._local_sock.recv()
+        if msg != _READY:
+            raise ProtocolError(f"{self.what}: expected READY, got {len(msg)} other bytes")
+
+    # -- writer ------------------------------------------------------------
+
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Send ``obj`` to every reader; waits (bounded) while readers are behind."""
+        if self.role != "writer":
+            raise GroupcoordValueError(f"{self.what}: enqueue on a {self.role} (rank {self.rank})")
+        self._check_open()
+        msg = self._codec.encode(obj)  # refuses bad objects before anything is sent
+        timeout_s = resolve_timeout(timeout)
+        deadline = time.monotonic() + timeout_s
+        self._busy = True
+        try:
+            body: list[Any] | None = None
+            ring = self._ring
+            if ring is not None:
+                idx = self._idx
+                if not ring.chunk_free(idx):
+                    self._writer_wait_chunk(idx, deadline, timeout_s)
+                buf = ring.begin_write(idx)
+                at = ring.chunk_at[idx]
+                if msg.nbytes <= self._capacity:
+                    buf[at] = _INLINE
+                    write_message(msg, buf, at + _MSG_OFFSET)
+                    ring.publish(idx)
+                else:
+                    buf[at] = _OVERFLOW
+                    ring.publish(idx)
+                    body = frames_as_buffers(msg)
+                    assert self._local_sock is not None
+                    # Copied: the caller may change its tensors once enqueue returns.
+                    self._local_sock.send_multipart(body)
+                self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+            if self._tcp_writer is not None:
+                if body is None:
+                    body = frames_as_buffers(msg)
+                self._tcp_writer.send_message(
+                    body, msg.nbytes, deadline, timeout_s, self._check_open
+                )
+        finally:
+            self._busy = False
+            if self._closed:
+                self._release()
+
+    def _writer_wait_chunk(self, idx: int, deadline: float, timeout_s: float) -> None:
+        ring = self._ring
+        assert ring is not None
+
+        def missing() -> list[int]:
+            return [self.local_reader_ranks[r] for r in ring.readers_missing(idx)]
+
+        def check() -> None:
+            dead = []
+            for r in range(self.n_local_reader):
+                pid = ring.reader_pid(r)
+                if pid == READER_DETACHED:
+                    raise ClosedError(
+                        f"{self.what}: reader rank {self.local_reader_ranks[r]} shut down"
+                    )
+                if pid and not process_alive(pid):
+                    dead.append(self.local_reader_ranks[r])
+            if dead:
+                raise PeerDiedError(self.what, "enqueue", dead, "reader process is gone")
+
+        _spin_wait(
+            lambda: ring.chunk_free(idx),
+            deadline,
+            self._check_open,
+            check,
+            lambda: GroupcoordTimeoutError(
+                self.what,
+                "enqueue",
+                timeout_s,
+                missing(),
+                "writer",
+                f"chunk {idx} not yet read by every local reader",
+            ),
+        )
+
+    # -- reader ------------------------------------------------------------
+
+    def dequeue(self, timeout: float | None = None) -> Any:
+        """Next object from the writer, in order; waits up to ``timeout`` seconds."""
+        self._check_open()
+        timeout_s = resolve_timeout(timeout)
+        deadline = time.monotonic() + timeout_s
+        self._busy = True
+        try:
+            if self.role == "local reader":
+                return self._dequeue_local(deadline, timeout_s)
+            if self.role == "remote reader":
+                return self._dequeue_remote(deadline, timeout_s)
+            raise GroupcoordValueError(f"{self.what}: dequeue on the writer (rank {self.rank})")
+        finally:
+            self._busy = False
+            if self._closed:
+                self._release()
+
+    def _dequeue_local(self, deadline: float, timeout_s: float) -> Any:
+        ring = self._ring
+        assert ring is not None
+        idx = self._idx
+        me = self._local_index
+        if not ring.ready(idx, me):
+            self._reader_wait_chunk(idx, deadline, timeout_s)
+        at = ring.chunk_at[idx]
+        kind = ring.buf[at]
+        parts = None
+        if kind == _OVERFLOW:
+            # A timeout here keeps the chunk: the next dequeue waits for the same message.
+            parts = self._recv_overflow(deadline, timeout_s)
+        try:
+            if kind == _INLINE:
+                return read_message(self._codec, ring.buf, at + _MSG_OFFSET)
+            if parts is not None:
+                return self._codec.decode(parts[0].buffer, [p.buffer for p in parts[1:]])
+            raise ProtocolError(f"{self.what}: chunk {idx} has unknown kind {kind}")
+        finally:
+            # Released even when decoding failed, so the queue stays usable.
+            ring.release(idx, me)
+            self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+
+    def _reader_wait_chunk(self, idx: int, deadline: float, timeout_s: float) -> None:
+        ring = self._ring
+        assert ring is not None
+        me = self._local_index
+
+        def quick() -> None:
+            self._check_open()
+            if ring.shutdown_flag:
+                raise ClosedError(f"{self.what}: the writer shut the queue down")
+
+        _spin_wait(
+            lambda: ring.ready(idx, me),
+            deadline,
+            quick,
+            lambda: self._check_writer_alive("dequeue"),
+            lambda: self._reader_timeout("dequeue", timeout_s, f"chunk {idx} not written"),
+        )
+
+    def _recv_overflow(self, deadline: float, timeout_s: float) -> list[Any]:
+        sock = self._local_sock
+        assert sock is not None
+        while True:
+            while not sock.poll(20, zmq.POLLIN):
+                if time.monotonic() > deadline:
+                    raise self._reader_timeout("dequeue", timeout_s, "overflow message missing")
+                self._check_open()
+                self._check_writer_alive("dequeue")
+            parts = sock.recv_multipart(copy=False)
+            if len(parts) == 1 and parts[0].bytes == _READY:
+                continue  # a reader that skipped wait_until_ready
+            return parts
+
+    def _dequeue_remote(self, deadline: float, timeout_s: float) -> Any:
+        tcp = self._tcp_reader
+        assert tcp is not None
+        while True:
+            kind, body = tcp.receive(
+                deadline,
+                "dequeue",
+                lambda: self._reader_timeout("dequeue", timeout_s, "nothing received over TCP"),
+                self._check_open,
+            )
+            if kind == KIND_READY:
+                continue
+            try:
+                return self._codec.decode(body[0].buffer, [f.buffer for f in body[1:]])
+            finally:
+                tcp.consumed()
+
+    def _reader_timeout(
+        self, operation: str, timeout_s: float, detail: str
+    ) -> GroupcoordTimeoutError:
+        return GroupcoordTimeoutError(
+            self.what,
+            operation,
+            timeout_s,
+            [self.writer_rank],
+            f"{self.role} rank {self.rank}",
+            f"the writer has not written: {detail}",
+        )
+
+    def _check_writer_alive(self, operation: str) -> None:
+        ring = self._ring
+        assert ring is not None
+        if ring.writer_pid_namespace != pid_namespace():
+            return  # pids of another namespace cannot be checked here
+        if not process_alive(ring.writer_pid):
+            self._cleanup_dead_writer()
+            raise PeerDiedError(
+                self.what, operation, [self.writer_rank], f"writer pid {ring.writer_pid} is gone"
+            )
+
+    def _cleanup_dead_writer(self) -> None:
+        """The writer cannot unlink its ring any more: do it for it."""
+        assert self._ring is not None
+        unlink_segment(self._ring.name)
+        _remove_ipc_file(self._local_address)
+
+    # -- both --------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Writer: enqueue ``obj`` and return it; reader: return the next object."""
+        if self.role == "writer":
+            self.enqueue(obj)
+            return obj
+        return self.dequeue()
+
+    @property
+    def bad_frames(self) -> int:
+        """TCP frames dropped because their MAC (or shape) was wrong."""
+        if self._tcp_writer is not None:
+            return self._tcp_writer.bad_frames
+        if self._tcp_reader is not None:
+            return self._tcp_reader.bad_frames
+        return 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(
+                f"{self.what}: the queue was shut down ({self.role} rank {self.rank})"
+            )
+
+    def shutdown(self) -> None:
+        """Stop the queue; a reader waiting in ``dequeue`` (another thread) raises ClosedError.
+
+        The writer marks the ring shut and tells remote readers, after the
+        messages already sent; readers then get what is queued and then
+        ClosedError. Safe to call more than once.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.role == "writer":
+                if self._ring is not None:
+                    self._ring.set_shutdown()
+                if self._tcp_writer is not None:
+                    self._tcp_writer.shutdown()
+            elif self._ring is not None and self._local_index >= 0:
+                self._ring.set_reader_pid(self._local_index, READER_DETACHED)
+        finally:
+            if not self._busy:
+                self._release()
+
+    close = shutdown
+
+    def _release(self) -> None:
+        """Close sockets and unmap (the writer also unlinks its ring); idempotent."""
+        if self._released:
+            return
+        self._released = True
+        if self._tcp_writer is not None:
+            self._tcp_writer.close()
+            self._tcp_writer = None
+        if self._tcp_reader is not None:
+            self._tcp_reader.close()
+            self._tcp_reader = None
+        if self._local_sock is not None:
+            self._local_sock.close()
+            self._local_sock = None
+            if self.role == "writer":
+                _remove_ipc_file(self._local_address)
+        if self._ring is not None:
+            self._ring.close()
+            if self.role == "writer":
+                self._ring.unlink()
+            self._ring = None
+        # term() waits (up to each socket's linger) for queued messages to leave.
+        self._ctx.term()
+
+    def _abandon(self) -> None:
+        """Construction failed: drop every socket at once, then unmap/unlink."""
+        self._ctx.destroy(linger=0)
+        self._release()
+
+    def __enter__(self) -> MessageQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- group constructors ---------------------------------------------------
+
+    @staticmethod
+    def create_from_process_group(
+        pg: Any,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        writer_rank: int = 0,
+        external_writer_handle: Handle | None = None,
+        blocking: bool = True,
+        *,
+        allow_pickle: bool = False,
+        connect_ip: str | None = None,
+    ) -> MessageQueue:
+        """Collective over ``pg``: ``writer_rank`` (in-group) writes, every other rank reads.
+
+        Ranks that share /dev/shm with the writer read the ring; the rest use
+        TCP. With ``external_writer_handle`` every rank joins that queue as a
+        reader instead.
+        """
+        rank, world_size = group_rank_and_size(pg)
+        if not 0 <= writer_rank < world_size:
+            raise GroupcoordValueError(
+                f"writer_rank={writer_rank} is not in a group of {world_size}"
+            )
+        same_node = in_the_same_node_as(pg, source_rank=writer_rank)
+        mq: MessageQueue | None = None
+        data: bytes | None = None
+        if rank == writer_rank:
+            if external_writer_handle is not None:
+                mq = MessageQueue.create_from_handle(external_writer_handle, rank)
+                handle = external_writer_handle
+            else:
+                local = [r for r in range(world_size) if same_node[r] and r != writer_rank]
+                mq = MessageQueue(
+                    world_size - 1,
+                    len(local),
+                    local,
+                    max_chunk_bytes,
+                    max_chunks,
+                    connect_ip,
+                    allow_pickle=allow_pickle,
+                    writer_rank=writer_rank,
+                )
+                handle = mq.export_handle()
+            data = dumps(handle)
+        handle = loads(broadcast_bytes(pg, data, src=writer_rank))
+        if mq is None:
+            mq = MessageQueue.create_from_handle(handle, rank)
+        if blocking:
+            mq.wait_until_ready()
+        return mq
+
+    @staticmethod
+    def create_from_process_group_single_reader(
+        pg: Any,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        reader_rank: int = 0,
+        blocking: bool = False,
+        *,
+        allow_pickle: bool = False,
+        connect_ip: str | None = None,
+    ) -> tuple[MessageQueue, list[Handle]]:
+        """Collective: every rank writes its own one-reader queue read by ``reader_rank``.
+
+        Returns ``(my queue, handles)``; ``handles`` (one per rank, in group
+        order) is filled only on ``reader_rank``, which joins each with
+        ``MessageQueue.create_from_handle(handle, reader_rank)``.
+        """
+        rank, world_size = group_rank_and_size(pg)
+        if not 0 <= reader_rank < world_size:
+            raise GroupcoordValueError(
+                f"reader_rank={reader_rank} is not in a group of {world_size}"
+            )
+        same_node = in_the_same_node_as(pg, source_rank=reader_rank)
+        mq = MessageQueue(
+            1,
+            1 if same_node[rank] else 0,
+            [reader_rank] if same_node[rank] else [],
+            max_chunk_bytes,
+            max_chunks,
+            connect_ip,
+            allow_pickle=allow_pickle,
+            writer_rank=rank,
+        )
+        try:
+            gathered = all_gather_bytes(pg, dumps(mq.export_handle()))
+            handles = [loads(g) for g in gathered] if rank == reader_rank else []
+            if blocking:
+                mq.wait_until_ready()
+        except BaseException:
+            mq.shutdown()
+            raise
+        return mq, handles
+
+
+def _spin_wait(
+    ready: Callable[[], bool],
+    deadline: float,
+    quick_check: Callable[[], None],
+    slow_check: Callable[[], None],
+    on_timeout: Callable[[], BaseException],
+) -> None:
+    """Wait until ``ready()``, yielding the CPU each poll and sleeping when idle.
+
+    ``quick_check`` (flags: shut down?) runs every few polls, ``slow_check``
+    (peer pids) every ``peer_check_interval_s``; either raises to stop.
+    """
+    interval = get_config().peer_check_interval_s
+    start = time.monotonic()
+    next_slow = start + min(interval, 0.05)
+    spins = 0
+    yield_ = os.sched_yield
+    while not ready():
+        spins += 1
+        if spins & 31:
+            yield_()
+            continue
+        now = time.monotonic()
+        if now > deadline:
+            raise on_timeout()
+        quick_check()
+        if now >= next_slow:
+            slow_check()
+            next_slow = now + interval
+        if now - start > _SPIN_S:
+            time.sleep(_IDLE_SLEEP_S)
+        else:
+            yield_()

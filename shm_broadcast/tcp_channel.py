@@ -1,0 +1,438 @@
+"""The MessageQueue's path to remote readers: ZeroMQ over TCP with MACs and credits.
+
+The writer binds one ROUTER socket on one interface (never ``*``); each remote
+reader connects a DEALER and says HELLO. Every frame in either direction
+carries a keyed BLAKE2b MAC (the HMAC-style construction BLAKE2 was designed
+for; key from the queue handle) over its kind, sequence number and body; a
+frame that fails it is dropped, counted in ``bad_frames`` and logged, and the
+channel carries on.
+
+No silent drops: ZeroMQ PUB sockets discard messages at their high-water mark,
+so instead each reader acknowledges what it has consumed and the writer sends
+message ``s`` only while every reader has fewer than ``window`` messages (and
+``window_bytes`` bytes) unacknowledged, waiting otherwise (bounded by the
+caller's deadline). With at most ``window`` messages queued per reader the
+socket never reaches its high-water mark.
+
+A peer that dies raises :class:`PeerDiedError` on the side waiting for it. A
+reader notices the writer's connection closing through its socket monitor
+(ZMTP heartbeats close a silent connection after ``heartbeat_timeout_s``).
+The writer cannot tell which peer a closed connection belonged to (the
+ROUTER_NOTIFY option is a libzmq draft), so each remote reader runs a small
+thread that sends a MAC'd heartbeat every ``peer_check_interval_s``; a reader
+the writer waits on whose heartbeat is older than ``heartbeat_timeout_s`` is
+taken as dead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .config import get_config
+from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError, ProtocolError
+
+__all__ = ["TcpReader", "TcpWriter", "frame_mac"]
+
+logger = logging.getLogger("groupcoord.shm_broadcast")
+
+KIND_MESSAGE = b"M"
+KIND_HELLO = b"H"
+KIND_READY = b"R"
+KIND_ACK = b"A"
+KIND_SHUTDOWN = b"S"
+KIND_BEAT = b"B"
+_SEQ = struct.Struct("<Q")
+_RANK = struct.Struct("<QQ")  # rank, pid
+MAC_BYTES = 16
+# How long one poll may block inside a wait loop, ms: bounds how late a
+# deadline or a shutdown is noticed.
+_POLL_MS = 50
+
+
+def frame_mac(key: bytes, kind: bytes, seq: bytes, body: Sequence[Any]) -> bytes:
+    """MAC over kind, sequence number and each body frame (length-prefixed)."""
+    mac = hashlib.blake2b(key=key, digest_size=MAC_BYTES)
+    mac.update(kind)
+    mac.update(seq)
+    for part in body:
+        view = memoryview(part)
+        mac.update(_SEQ.pack(view.nbytes))
+        mac.update(view)
+    return mac.digest()
+
+
+def _tcp_options(sock: zmq.Socket) -> None:
+    cfg = get_config()
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(int(cfg.peer_check_interval_s * 1000), 100))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(int(cfg.heartbeat_timeout_s * 1000), 200))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, max(int(cfg.heartbeat_timeout_s * 1000), 200))
+
+
+class _BadFrames:
+    """Counts and logs (rate-limited) frames that failed verification."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0
+        self._last_log = 0.0
+
+    def drop(self, reason: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self._last_log > 1.0:
+            self._last_log = now
+            logger.warning("%s: dropped a bad frame (%s); %d so far", self.what, reason, self.count)
+
+
+class TcpWriter:
+    """Writer end: one ROUTER socket, per-reader credits, HELLO/ACK/disconnect handling."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        connect_ip: str,
+        key: bytes,
+        n_remote: int,
+        window: int,
+        window_bytes: int,
+        what: str,
+    ) -> None:
+        self.key = key
+        self.n_remote = n_remote
+        self.window = window
+        self.window_bytes = window_bytes
+        self.what = what
+        self.sock = ctx.socket(zmq.ROUTER)
+        _tcp_options(self.sock)
+        # Refuse (raise) instead of silently dropping a message to an unknown peer.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.SNDHWM, window + 16)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        port = self.sock.bind_to_random_port(f"tcp://{connect_ip}")
+        self.address = f"tcp://{connect_ip}:{port}"
+        self.peers: dict[bytes, int] = {}  # socket identity -> reader rank
+        self.acked: dict[int, int] = {}  # reader rank -> messages consumed
+        self.last_beat: dict[int, float] = {}  # reader rank -> monotonic time of last heartbeat
+        self.sent = 0
+        # cumulative bytes after each sent message still unacknowledged by someone
+        self._cum_bytes: dict[int, int] = {0: 0}
+        self.bad = _BadFrames(what)
+
+    @property
+    def bad_frames(self) -> int:
+        return self.bad.count
+
+    # -- incoming ---------------------------------------------------------
+
+    def _handle_incoming(self, operation: str) -> None:
+        """Process every frame waiting on the socket (non-blocking)."""
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident = parts[0]
+            if len(parts) != 5:
+                self.bad.drop(f"{len(parts) - 1} frames")
+                continue
+            _, kind, seq, mac, body = parts
+            if len(seq) != _SEQ.size or frame_mac(self.key, kind, seq, [body]) != mac:
+                self.bad.drop("MAC mismatch")
+                continue
+            if len(body) != _RANK.size:
+                self.bad.drop("bad body size")
+                continue
+            rank, _pid = _RANK.unpack(body)
+            if kind == KIND_BEAT:
+                self.last_beat[rank] = time.monotonic()
+            elif kind == KIND_HELLO:
+                self.peers[ident] = rank
+                self.acked.setdefault(rank, 0)
+                self.last_beat[rank] = time.monotonic()
+            elif kind == KIND_ACK:
+                if self.peers.get(ident) != rank:
+                    self.bad.drop("ACK from an unknown peer")
+                    continue
+                n = _SEQ.unpack(seq)[0]
+                if n > self.acked[rank]:
+                    self.acked[rank] = n
+                    self._prune()
+            else:
+                self.bad.drop(f"unexpected kind {kind!r}")
+
+    def _prune(self) -> None:
+        low = min(self.acked.values(), default=0)
+        for seq in [s for s in self._cum_bytes if s < low]:
+            del self._cum_bytes[seq]
+
+    def _poll(
+        self, deadline: float, operation: str, missing: Any, check: Callable[[], None]
+    ) -> None:
+        check()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GroupcoordTimeoutError(
+                self.what,
+                operation,
+                self._timeout_s,
+                missing=missing(),
+                role="writer",
+                detail="remote readers over TCP",
+            )
+        if self.sock.poll(min(int(left * 1000) + 1, _POLL_MS), zmq.POLLIN):
+            self._handle_incoming(operation)
+
+    # -- set-up -------------------------------------------------------------
+
+    def wait_ready(self, deadline: float, timeout_s: float, check: Callable[[], None]) -> None:
+        """Wait for every remote reader's HELLO, then tell each it may start."""
+        self._timeout_s = timeout_s
+        while len(self.peers) < self.n_remote:
+            self._handle_incoming("wait_until_ready")
+            if len(self.peers) < self.n_remote:
+                self._poll(deadline, "wait_until_ready", lambda: [], check)
+        for ident in self.peers:
+            self._send(ident, KIND_READY, 0, [b""])
+
+    def _send(self, ident: bytes, kind: bytes, seq: int, body: Sequence[Any]) -> None:
+        seq_bytes = _SEQ.pack(seq)
+        mac = frame_mac(self.key, kind, seq_bytes, body)
+        try:
+            # Non-blocking: credits keep every reader's queue below the
+            # high-water mark, so EAGAIN here would be a bug, not back-pressure.
+            # Copied (copy=True): the caller may reuse a tensor once enqueue returns.
+            self.sock.send_multipart([ident, kind, seq_bytes, mac, *body], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise PeerDiedError(
+                    self.what, "enqueue", [self.peers.get(ident, -1)], "reader is unreachable"
+                ) from exc
+            raise
+
+    # -- messages -------------------------------------------------------------
+
+    def _credit_ok(self, nbytes: int) -> bool:
+        seq = self.sent
+        for acked in self.acked.values():
+            if seq - acked >= self.window:
+                return False
+            in_flight = self._cum_bytes[seq] - self._cum_bytes.get(acked, 0)
+            if in_flight and in_flight + nbytes > self.window_bytes:
+                return False
+        return True
+
+    def send_message(
+        self,
+        body: Sequence[Any],
+        nbytes: int,
+        deadline: float,
+        timeout_s: float,
+        check: Callable[[], None],
+    ) -> None:
+        """Send one message to every remote reader, first waiting for their credit."""
+        self._timeout_s = timeout_s
+        self._handle_incoming("enqueue")
+        while not self._credit_ok(nbytes):
+            self._poll(deadline, "enqueue", self._lagging, check)
+        seq = self.sent + 1
+        for ident in self.peers:
+            self._send(ident, KIND_MESSAGE, seq, body)
+        self.sent = seq
+        self._cum_bytes[seq] = self._cum_bytes[seq - 1] + nbytes
+
+    def _lagging(self) -> list[int]:
+        return [r for r, acked in self.acked.items() if acked < self.sent]
+
+    def shutdown(self) -> None:
+        """Tell every reader the stream ended (in order, after all messages)."""
+        for ident in self.peers:
+            try:
+                self._send(ident, KIND_SHUTDOWN, self.sent + 1, [b""])
+            except (zmq.ZMQError, PeerDiedError) as exc:
+                # That reader is gone already; the others still get their notice.
+                logger.debug("%s: shutdown notice not sent: %s", self.what, exc)
+
+    def close(self) -> None:
+        self.sock.close(linger=500)
+
+
+class TcpReader:
+    """Reader end: DEALER socket, MAC checks, in-order delivery, acknowledgements."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        key: bytes,
+        rank: int,
+        window: int,
+        what: str,
+        writer_rank: int,
+    ) -> None:
+        self.writer_rank = writer_rank
+        self.key = key
+        self.rank = rank
+        self.what = what
+        self.ack_every = max(1, window // 2)
+        self.sock = ctx.socket(zmq.DEALER)
+        _tcp_options(self.sock)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
+        self.sock.connect(address)
+        self.connected = False
+        self.writer_gone = False
+        self.received = 0
+        self.consumed_count = 0
+        self.acked = 0
+        self.bad = _BadFrames(what)
+        self._body = _RANK.pack(rank, 0)
+        self._send(KIND_HELLO, 0, [self._body])
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
+        self._beat = _HeartbeatThread(ctx, address, key, self._body, what)
+        self._beat.start()
+
+    @property
+    def bad_frames(self) -> int:
+        return self.bad.count
+
+    def _send(self, kind: bytes, seq: int, body: Sequence[Any]) -> None:
+        seq_bytes = _SEQ.pack(seq)
+        self.sock.send_multipart(
+            [kind, seq_bytes, frame_mac(self.key, kind, seq_bytes, body), *body]
+        )
+
+    def _check_monitor(self, operation: str) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+                self.writer_gone = True
+
+    def receive(
+        self,
+        deadline: float,
+        operation: str,
+        on_timeout: Callable[[], BaseException],
+        check: Callable[[], None],
+    ) -> tuple[bytes, list[Any]]:
+        """Next verified frame as (kind, body frames); raises on timeout/death/shutdown."""
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                # About to wait: acknowledge everything consumed so far, or a
+                # writer waiting for credit and this reader would wait forever.
+                if self.writer_gone:
+                    # Raised only once the socket is drained: what the writer
+                    # sent before it went (a shutdown notice, say) comes first.
+                    raise PeerDiedError(
+                        self.what,
+                        operation,
+                        [self.writer_rank],
+                        "the writer's TCP connection closed (writer exited or heartbeat lost)",
+                    ) from None
+                self._ack_all()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise on_timeout() from None
+                check()
+                events = dict(self._poller.poll(min(int(left * 1000) + 1, _POLL_MS)))
+                if self.monitor in events:
+                    self._check_monitor(operation)
+                continue
+            if len(parts) < 4:
+                self.bad.drop(f"{len(parts)} frames")
+                continue
+            kind, seq, mac = (parts[0].bytes, parts[1].bytes, parts[2].bytes)
+            body = parts[3:]
+            if (
+                len(seq) != _SEQ.size
+                or frame_mac(self.key, kind, seq, [f.buffer for f in body]) != mac
+            ):
+                self.bad.drop("MAC mismatch")
+                continue
+            n = _SEQ.unpack(seq)[0]
+            if kind == KIND_MESSAGE:
+                if n != self.received + 1:
+                    raise ProtocolError(
+                        f"{self.what}: expected message #{self.received + 1}, got #{n}"
+                    )
+                self.received = n
+                return kind, body
+            if kind == KIND_SHUTDOWN:
+                raise ClosedError(f"{self.what}: the writer shut the queue down")
+            if kind == KIND_READY:
+                return kind, body
+            self.bad.drop(f"unexpected kind {kind!r}")
+
+    def consumed(self) -> None:
+        """The last received message is fully decoded: acknowledge in batches."""
+        self.consumed_count = self.received
+        if self.consumed_count - self.acked >= self.ack_every:
+            self._ack_all()
+
+    def _ack_all(self) -> None:
+        if self.consumed_count > self.acked:
+            self.acked = self.consumed_count
+            self._send(KIND_ACK, self.acked, [self._body])
+
+    def close(self) -> None:
+        self._beat.stop()
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class _HeartbeatThread(threading.Thread):
+    """Sends this reader's MAC'd heartbeat to the writer on its own socket."""
+
+    def __init__(self, ctx: zmq.Context, address: str, key: bytes, body: bytes, what: str):
+        super().__init__(name=f"groupcoord-heartbeat {what}", daemon=True)
+        self._ctx = ctx
+        self._address = address
+        self._key = key
+        self._body = body
+        self._stop_event = threading.Event()
+        self._interval = get_config().peer_check_interval_s
+
+    def run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)  # used by this thread only
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # a stale beat is worthless: drop, never queue
+        sock.connect(self._address)
+        seq = 0
+        try:
+            while True:
+                seq += 1
+                seq_bytes = _SEQ.pack(seq)
+                mac = frame_mac(self._key, KIND_BEAT, seq_bytes, [self._body])
+                try:
+                    sock.send_multipart([KIND_BEAT, seq_bytes, mac, self._body], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # writer not reachable right now; the next beat retries
+                if self._stop_event.wait(self._interval):
+                    return
+        finally:
+            sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)

@@ -1,0 +1,277 @@
+"""MessageQueue with real forked processes: order, overflow, TCP readers, group constructors."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+
+from shm_broadcast.codec import dumps, loads
+from shm_broadcast.errors import ClosedError, GroupcoordValueError
+from shm_broadcast.group_io import broadcast_bytes
+from shm_broadcast.message_queue import Handle, MessageQueue
+
+
+def make_queue(rank, world_size, n_local, max_chunk_bytes=1 << 14, max_chunks=8, **kw):
+    """Rank 0 writes; ranks 1..n_local read the ring, the rest read over TCP (127.0.0.1)."""
+    import torch.distributed as dist
+
+    init_gloo(rank, world_size)
+    if rank == 0:
+        mq = MessageQueue(
+            world_size - 1,
+            n_local,
+            list(range(1, n_local + 1)),
+            max_chunk_bytes,
+            max_chunks,
+            "127.0.0.1",
+            **kw,
+        )
+        broadcast_bytes(dist.group.WORLD, dumps(mq.export_handle()))
+    else:
+        handle = loads(broadcast_bytes(dist.group.WORLD, None))
+        mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=30)
+    return mq
+
+
+def mixed_message(i):
+    """Small dicts, tuples, tensors, and every 97th one too large for a chunk."""
+    kind = i % 5
+    if i % 97 == 0:
+        return ("big", i, torch.full((6000,), i, dtype=torch.int32))  # 24 KB > 16 KiB chunk
+    if kind == 0:
+        return {"i": i, "s": "x" * (i % 13), "t": (i, -i)}
+    if kind == 1:
+        return torch.arange(i % 50, dtype=torch.float32) + i
+    if kind == 2:
+        return [i, b"b" * (i % 100), None, 1.5]
+    if kind == 3:
+        return np.full((3, 2), i, dtype=np.int64)
+    return ("tuple", i)
+
+
+def check_message(i, got):
+    want = mixed_message(i)
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), i
+    elif isinstance(want, np.ndarray):
+        assert np.array_equal(got, want), i
+    elif isinstance(want, tuple) and want[0] == "big":
+        assert got[:2] == want[:2] and torch.equal(got[2], want[2]), i
+    else:
+        assert type(got) is type(want) and got == want, (i, got, want)
+
+
+def _ordering_rank(rank, world_size, n_local, count):
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, n_local)
+    if rank == 0:
+        for i in range(count):
+            mq.enqueue(mixed_message(i), timeout=60)
+        result = count
+    else:
+        for i in range(count):
+            check_message(i, mq.dequeue(timeout=60))
+        result = i + 1
+    dist.barrier()
+    mq.shutdown()
+    return result
+
+
+def test_order_kept_over_10000_mixed_messages_with_three_local_readers():
+    assert run_ranks(_ordering_rank, 4, 3, 10_000, timeout=120) == [10_000] * 4
+
+
+def test_order_kept_with_local_and_remote_readers():
+    # rank 1 reads the ring, ranks 2 and 3 read over TCP; overflow messages included.
+    assert run_ranks(_ordering_rank, 4, 1, 3_000, timeout=120) == [3_000] * 4
+
+
+def _slow_remote_rank(rank, world_size, count):
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, 0, max_chunks=4)
+    if rank == 0:
+        start = time.monotonic()
+        for i in range(count):
+            mq.enqueue(i, timeout=60)
+        result = time.monotonic() - start
+    else:
+        got = []
+        for i in range(count):
+            if i % 1000 == 0:
+                time.sleep(0.05 * rank)  # readers of different slowness
+            got.append(mq.dequeue(timeout=60))
+        assert got == list(range(count))
+        result = len(got)
+    dist.barrier()
+    mq.shutdown()
+    return result
+
+
+def test_burst_to_slow_remote_readers_loses_nothing():
+    out = run_ranks(_slow_remote_rank, 4, 20_000, timeout=120)
+    assert out[1:] == [20_000] * 3
+
+
+def _refusal_rank(rank, world_size):
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, 1)
+    if rank == 0:
+        with pytest.raises(TypeError, match="set"):
+            mq.enqueue({"bad": {1, 2}})
+        with pytest.raises(TypeError, match="lock"):
+            mq.enqueue([threading.Lock()])
+        mq.enqueue("still works")
+        with pytest.raises(GroupcoordValueError):
+            mq.dequeue()
+        result = "writer"
+    else:
+        result = mq.dequeue(timeout=30)
+        with pytest.raises(GroupcoordValueError):
+            mq.enqueue(1)
+    dist.barrier()
+    mq.shutdown()
+    return result
+
+
+def test_unknown_types_are_refused_and_the_queue_stays_usable():
+    assert run_ranks(_refusal_rank, 3, timeout=60) == ["writer", "still works", "still works"]
+
+
+def _pickle_rank(rank, world_size):
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, 1, allow_pickle=True)
+    if rank == 0:
+        mq.enqueue({"set": {1, 2}})
+        result = None
+    else:
+        result = mq.dequeue(timeout=30)
+    dist.barrier()
+    mq.shutdown()
+    return result
+
+
+def test_allow_pickle_queue_carries_other_types():
+    assert run_ranks(_pickle_rank, 3, timeout=60)[1:] == [{"set": {1, 2}}] * 2
+
+
+def _group_rank(rank, world_size, writer_rank):
+    pg_kind = os.environ.get("PG_KIND")
+    import torch.distributed as dist
+
+    init_gloo(rank, world_size)
+    mq = MessageQueue.create_from_process_group(
+        dist.group.WORLD, 1 << 12, 4, writer_rank=writer_rank
+    )
+    assert mq.role == ("writer" if rank == writer_rank else "local reader")
+    got = []
+    for i in range(50):
+        obj = {"step": i, "data": torch.ones(i)} if rank == writer_rank else None
+        got.append(mq.broadcast_object(obj)["step"])
+    big = mq.broadcast_object(b"z" * 20000 if rank == writer_rank else None)
+    dist.barrier()
+    mq.shutdown()
+    return pg_kind, got, len(big)
+
+
+def test_create_from_process_group_and_broadcast_object():
+    for res in run_ranks(_group_rank, 3, 1, timeout=60):
+        assert res[1] == list(range(50)) and res[2] == 20000
+
+
+def _single_reader_rank(rank, world_size):
+    import torch.distributed as dist
+
+    init_gloo(rank, world_size)
+    mq, handles = MessageQueue.create_from_process_group_single_reader(
+        dist.group.WORLD, 1 << 12, 4, reader_rank=0
+    )
+    readers = []
+    if rank == 0:
+        assert len(handles) == world_size and all(isinstance(h, Handle) for h in handles)
+        readers = [MessageQueue.create_from_handle(h, 0) for h in handles]
+    mq.wait_until_ready(timeout=30)
+    for r in readers:
+        r.wait_until_ready(timeout=30)
+    mq.enqueue({"from": rank})
+    got = [r.dequeue(timeout=30)["from"] for r in readers]
+    dist.barrier()
+    for r in readers:
+        r.shutdown()
+    mq.shutdown()
+    return got
+
+
+def test_single_reader_queues_from_every_rank():
+    assert run_ranks(_single_reader_rank, 3, timeout=60)[0] == [0, 1, 2]
+
+
+def _shutdown_wakes_rank(rank, world_size, n_local):
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, n_local)
+    result = None
+    if rank == 0:
+        mq.enqueue("last", timeout=30)
+    else:
+        assert mq.dequeue(timeout=30) == "last"
+    if rank == 1:
+        # A reader idle in dequeue on one thread; shutdown() from another wakes it.
+        caught = []
+
+        def idle():
+            try:
+                mq.dequeue(timeout=60)
+            except ClosedError:
+                caught.append(time.monotonic())
+
+        t = threading.Thread(target=idle)
+        t.start()
+        time.sleep(0.3)
+        stop = time.monotonic()
+        mq.shutdown()
+        t.join(10)
+        assert not t.is_alive() and caught
+        result = caught[0] - stop
+        with pytest.raises(ClosedError):
+            mq.dequeue(timeout=1)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(0.3)
+        mq.shutdown()
+    if rank == 2:
+        # The writer's shutdown ends a reader waiting in dequeue, promptly.
+        start = time.monotonic()
+        with pytest.raises(ClosedError, match="shut"):
+            mq.dequeue(timeout=30)
+        result = time.monotonic() - start
+        mq.shutdown()
+    return result
+
+
+@pytest.mark.parametrize("n_local", [2, 0], ids=["ring", "tcp"])
+def test_shutdown_wakes_an_idle_reader_promptly(n_local):
+    results = run_ranks(_shutdown_wakes_rank, 3, n_local, timeout=60)
+    assert results[1] < 1.0, f"reader woke {results[1]:.3f} s after its shutdown()"
+    assert results[2] < 2.0, f"reader woke {results[2]:.3f} s after the writer's shutdown()"
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(GroupcoordValueError, match="n_local_reader"):
+        MessageQueue(1, 2)
+    with pytest.raises(GroupcoordValueError, match="local_reader_ranks"):
+        MessageQueue(2, 2, [1, 1])
+    with pytest.raises(GroupcoordValueError, match="connect_ip"):
+        MessageQueue(1, 0, connect_ip="*")
+    with pytest.raises(GroupcoordValueError, match="max_chunk_bytes"):
+        MessageQueue(1, 1, max_chunk_bytes=0)
