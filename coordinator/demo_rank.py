@@ -28,6 +28,7 @@ from .demo_report import (
     format_table,
     logits_record,
     logits_tensor,
+    mean_row,
     step_rows,
     write_plot,
 )
@@ -248,7 +249,8 @@ def _finish(args: argparse.Namespace, reports: list[RankReport]) -> int:
             print(f"  {line}")
     rows = step_rows(reports)
     print()
-    print(format_table(rows, TABLE_COLUMNS))
+    mean = mean_row(rows)
+    print(format_table(rows + ([mean] if mean else []), TABLE_COLUMNS))
     print(f"({TABLE_NOTE})")
     ok, verdict = check_logits(cfg, reports, args.ep, args.steps * args.dp)
     print(verdict)

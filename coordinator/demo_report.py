@@ -112,6 +112,19 @@ def step_rows(reports: list[RankReport]) -> list[dict[str, float | int | str]]:
     return rows
 
 
+def mean_row(rows: list[dict[str, float | int | str]]) -> dict[str, float | int | str] | None:
+    """Mean of every column over the steps after the first (which pays for warm-up)."""
+    steady = rows[1:]
+    if not steady:
+        return None
+    out: dict[str, float | int | str] = {"step": f"mean {steady[0]['step']}-{steady[-1]['step']}"}
+    for column in TABLE_COLUMNS[1:]:
+        values = [float(r[column]) for r in steady]
+        mean = sum(values) / len(values)
+        out[column] = round(mean) if column in ("tokens", "bytes") else mean
+    return out
+
+
 TABLE_COLUMNS = [
     "step",
     "tokens",
