@@ -76,11 +76,11 @@ class DeviceCommunicatorBase:
         """Concatenate every rank's equally shaped ``input_`` along ``dim``."""
         self._check_tensor(input_, "input_")
         dim = self._check_dim(input_, dim, "dim")
-        parts = [
-            torch.empty_like(input_, memory_format=torch.contiguous_format) for _ in self.ranks
-        ]
-        dist.all_gather(parts, input_.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=dim)
+        stacked = self._all_gather_stacked(input_)
+        # (world, ..., n_dim, ...) -> (..., world * n_dim, ...), rank-major along dim.
+        shape = list(input_.shape)
+        shape[dim] *= self.world_size
+        return stacked.movedim(0, dim).reshape(shape)
 
     def all_gatherv(
         self,
@@ -165,6 +165,26 @@ class DeviceCommunicatorBase:
         self._check_peer(src, "src", allow_self=True)
         if self.world_size == 1:
             return input_
+        return self._broadcast_(input_, src)
+
+    # ---- transport hooks (subclasses route these through faster paths) ----------
+
+    def _all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's equally shaped ``tensor``, stacked: ``(world, *shape)``."""
+        out = torch.empty(
+            (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
+        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.device_group)
+        return out
+
+    def _all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``_all_gather_stacked`` of a small CPU tensor over ``cpu_group`` (metadata)."""
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
+        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.cpu_group)
+        return out
+
+    def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite ``input_`` with in-group rank ``src``'s (arguments already checked)."""
         work = input_ if input_.is_contiguous() else input_.contiguous()
         dist.broadcast(work, src=self.ranks[src], group=self.device_group)
         if work is not input_:
@@ -284,9 +304,7 @@ class DeviceCommunicatorBase:
             fingerprint = zlib.crc32(f"{t.dtype}|{t.dim()}|{others}".encode())
             rows.append([t.shape[d], fingerprint])
         mine = torch.tensor(rows, dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in self.ranks]
-        dist.all_gather(everyone, mine, group=self.cpu_group)
-        table = torch.stack(everyone).tolist()  # [rank][tensor][length, fingerprint]
+        table = self._all_gather_control(mine).tolist()  # [rank][tensor][length, fingerprint]
         out = []
         for i, t in enumerate(tensors):
             prints = {table[r][i][1] for r in range(self.world_size)}
@@ -310,9 +328,9 @@ class DeviceCommunicatorBase:
         moved = tensor.movedim(dim, 0)
         padded = moved.new_zeros((longest, *moved.shape[1:]))
         padded[: moved.shape[0]] = moved
+        parts: list[torch.Tensor] | torch.Tensor | None
         if dst is None:
-            parts: list[torch.Tensor] | None = [torch.empty_like(padded) for _ in self.ranks]
-            dist.all_gather(parts, padded, group=self.device_group)
+            parts = self._all_gather_stacked(padded)
         else:
             mine = self.rank_in_group == dst
             parts = [torch.empty_like(padded) for _ in self.ranks] if mine else None

@@ -1,10 +1,11 @@
-"""The CPU communicator: Gloo for everything, shared memory first for all-reduce.
+"""The CPU communicator: shared memory first for all-reduce, all-gather and broadcast.
 
 ``CpuCommunicator`` is ``DeviceCommunicatorBase`` on a Gloo device group with
 :class:`~device_communicators.shm_all_reduce.ShmAllReduce` in front of the
-``torch.distributed`` all-reduce. When the ranks do not share a node (or the
-shm path is disabled) the shm back end is built disabled and says why, and
-Gloo takes every tensor.
+``torch.distributed`` all-reduce; all-gather (hence all_gatherv and the size
+exchange of gather) and broadcast use its slots too. When the ranks do not
+share a node (or the shm path is disabled) the shm back end is built
+disabled and says why, and Gloo takes everything.
 """
 
 from __future__ import annotations
@@ -32,3 +33,23 @@ class CpuCommunicator(DeviceCommunicatorBase):
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
         self.shm_all_reduce = ShmAllReduce(self.cpu_group, unique_name=self.unique_name)
         return [self.shm_all_reduce]
+
+    # all_gather, all_gatherv, gather's size exchange and broadcast go through
+    # the same shared-memory slots when the shm path is up (any dtype: bytes
+    # are copied). The condition depends only on the group, never on the
+    # tensor's layout, so every rank takes the same path.
+
+    def _all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.shm_all_reduce.copy_refusal(tensor) is None:
+            return self.shm_all_reduce.all_gather(tensor)
+        return super()._all_gather_stacked(tensor)
+
+    def _all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.shm_all_reduce.copy_refusal(tensor) is None:
+            return self.shm_all_reduce.all_gather(tensor)
+        return super()._all_gather_control(tensor)
+
+    def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
+        if self.shm_all_reduce.copy_refusal(input_) is None:
+            return self.shm_all_reduce.broadcast_(input_, src)
+        return super()._broadcast_(input_, src)

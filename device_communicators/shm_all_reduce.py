@@ -31,12 +31,13 @@ ranks never share a cache line when spinning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -99,6 +100,11 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (0-dim included)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs; a zombie (killed, not yet reaped by its parent) counts as dead."""
     try:
@@ -154,6 +160,7 @@ class ShmAllReduce(AllReduceBackend):
         self.disabled_reason: str | None = None
         self.generation = 0
         self._failure: str | None = None
+        self._operation = "all_reduce"  # named in timeout / peer-death errors
         self._segment: ShmSegment | None = None
         # int64 view of the control lines; memoryview indexing is the cheapest
         # load Python has (about 50 ns) and reads memory on every access.
@@ -292,11 +299,7 @@ class ShmAllReduce(AllReduceBackend):
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
-        reason = self.refusal(tensor, op)
-        if reason is not None:
-            raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
-        if self._failure is not None:
-            raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
+        self._start("all_reduce", self.refusal(tensor, op))
         out = torch.empty(tensor.shape, dtype=tensor.dtype)
         numel = tensor.numel()
         if numel == 0:
@@ -304,15 +307,88 @@ class ShmAllReduce(AllReduceBackend):
         src = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         flat_out = out.view(-1)
         piece = self.max_bytes // tensor.element_size()
-        for start in range(0, numel, piece):
-            stop = min(start + piece, numel)
-            try:
+        with self._fail_on_desync():
+            for start in range(0, numel, piece):
+                stop = min(start + piece, numel)
                 self._reduce_piece(src[start:stop], flat_out[start:stop], op)
-            except (GroupcoordTimeoutError, PeerDiedError) as exc:
-                # Peers now disagree on the generation: this object cannot recover.
-                self._failure = str(exc)
-                raise
         return out
+
+    # ---- copies through the same slots ---------------------------------------------
+
+    def copy_refusal(self, tensor: torch.Tensor) -> str | None:
+        """Like ``refusal``, for ``all_gather``/``broadcast_`` (bytes are copied, any dtype)."""
+        if self.disabled_reason is not None:
+            return self.disabled_reason
+        if tensor.device.type != "cpu":
+            return f"tensor is on {tensor.device}, not the CPU"
+        return None
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``."""
+        self._start("all_gather", self.copy_refusal(tensor))
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
+        if tensor.numel() == 0:
+            return out
+        src = _bytes_of(tensor.contiguous())
+        dst = out.view(self.world_size, -1).view(torch.uint8)
+        with self._fail_on_desync():
+            for start in range(0, src.numel(), self.max_bytes):
+                stop = min(start + self.max_bytes, src.numel())
+                gen = self._next_generation()
+                s = gen & 1
+                self._view(s, self.rank_in_group, torch.uint8, stop - start).copy_(src[start:stop])
+                self._publish(2 * gen - 1)
+                self._wait_all(2 * gen - 1)
+                for r in range(self.world_size):
+                    dst[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
+        return out
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite ``tensor`` with in-group rank ``src``'s; returns ``tensor``."""
+        self._start("broadcast", self.copy_refusal(tensor))
+        if tensor.numel() == 0:
+            return tensor
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        data = _bytes_of(work)
+        sender = self.rank_in_group == src
+        with self._fail_on_desync():
+            for start in range(0, data.numel(), self.max_bytes):
+                stop = min(start + self.max_bytes, data.numel())
+                gen = self._next_generation()
+                slot = self._view(gen & 1, src, torch.uint8, stop - start)
+                if sender:
+                    slot.copy_(data[start:stop])
+                # Everyone publishes and waits for everyone (not just src): the
+                # double-buffering argument needs every call to be a full barrier.
+                self._publish(2 * gen - 1)
+                self._wait_all(2 * gen - 1)
+                if not sender:
+                    data[start:stop].copy_(slot)
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    # ---- call bookkeeping -------------------------------------------------------------
+
+    def _start(self, operation: str, reason: str | None) -> None:
+        if reason is not None:
+            raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
+        if self._failure is not None:
+            raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
+        self._operation = operation
+
+    @contextlib.contextmanager
+    def _fail_on_desync(self) -> Iterator[None]:
+        try:
+            yield
+        except (GroupcoordTimeoutError, PeerDiedError) as exc:
+            # Peers now disagree on the generation: this object cannot recover.
+            self._failure = str(exc)
+            raise
+
+    def _next_generation(self) -> int:
+        self.generation += 1
+        return self.generation
 
     def close(self) -> None:
         self.disabled_reason = self.disabled_reason or "closed"
@@ -328,8 +404,7 @@ class ShmAllReduce(AllReduceBackend):
         return typed[:n]
 
     def _reduce_piece(self, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp.RedOpType) -> None:
-        self.generation += 1
-        gen = self.generation
+        gen = self._next_generation()
         s = gen & 1
         n = src.numel()
         me = self.rank_in_group
@@ -414,7 +489,7 @@ class ShmAllReduce(AllReduceBackend):
             if now >= deadline:
                 raise GroupcoordTimeoutError(
                     self.what,
-                    "all_reduce",
+                    self._operation,
                     self.timeout_s,
                     missing=self._behind(phase),
                     role=f"rank {self.ranks[self.rank_in_group]}",
@@ -454,7 +529,7 @@ class ShmAllReduce(AllReduceBackend):
         ]
         if dead:
             raise PeerDiedError(
-                self.what, "all_reduce", dead, detail=f"generation {self.generation}"
+                self.what, self._operation, dead, detail=f"generation {self.generation}"
             )
 
     def _release(self) -> None:

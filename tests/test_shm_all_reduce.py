@@ -337,3 +337,37 @@ def test_futex_wait_returns_on_changed_value_and_on_timeout() -> None:
     assert 0.04 <= time.monotonic() - start < 2.0
     futex.wake(ctypes.addressof(word))  # waking nobody is fine
     futex.full_fence()
+
+
+def _gather_and_broadcast(rank: int, world: int) -> bool:
+    init_gloo(rank, world)
+    shm = make_shm(max_bytes=256)  # many pieces for anything but tiny tensors
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64):
+            for shape in ((), (0,), (3,), (37, 5), (100, 9)):
+                mine = torch.arange(max(1, int(torch.tensor(shape).prod())) if shape else 1) + rank
+                mine = (
+                    mine.reshape(shape).to(dtype) if shape != (0,) else torch.empty(0, dtype=dtype)
+                )
+                got = shm.all_gather(mine)
+                assert got.shape == (world, *mine.shape) and got.dtype == dtype
+                for r in range(world):
+                    theirs = (torch.arange(got[r].numel()) + r).reshape(mine.shape).to(dtype)
+                    assert torch.equal(got[r], theirs), (dtype, shape, r)
+                # Broadcast from the last rank into a non-contiguous view.
+                base = torch.zeros((*mine.shape, 2), dtype=dtype)
+                target = base[..., 1]
+                if rank == world - 1:
+                    target.copy_(mine)
+                assert shm.broadcast_(target, world - 1) is target
+                want = (torch.arange(mine.numel()) + world - 1).reshape(mine.shape).to(dtype)
+                assert torch.equal(target, want), (dtype, shape)
+                assert not base[..., 0].any()  # only the view's elements were written
+        return True
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_and_broadcast_through_the_slots_any_dtype_in_pieces(world: int) -> None:
+    assert run_ranks(_gather_and_broadcast, world, timeout=90) == [True] * world
