@@ -223,3 +223,29 @@ def _every_op(rank: int, world_size: int) -> str:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_op_sync_and_async_every_reduce_op(world_size: int) -> None:
     assert run_ranks(_every_op, world_size, timeout=90) == ["ok"] * world_size
+
+
+def _independent_completion(rank: int, world_size: int) -> str:
+    comm = new_comm("gloo", "cpu", "indep", timeout=20)
+    t = torch.ones(2)
+    got = torch.zeros(1)
+    if rank == 0:
+        # The recv is satisfied only after this rank sends, which it does only
+        # after the all_reduce is seen complete: the two works must not queue.
+        pending_recv = comm.recv(got, 1, async_op=True)
+        reduced = comm.all_reduce(t, async_op=True)
+        reduced.wait(timeout=10)
+        assert not pending_recv.is_completed()
+        comm.send(torch.tensor([5.0]), 1)
+        pending_recv.wait()
+        assert got.item() == 6.0
+    else:
+        comm.all_reduce(t)
+        comm.recv(got, 0)
+        comm.send(got + 1, 0)
+    assert t.tolist() == [2.0, 2.0]
+    return "ok"
+
+
+def test_async_works_complete_independently() -> None:
+    assert run_ranks(_independent_completion, 2, timeout=60) == ["ok", "ok"]

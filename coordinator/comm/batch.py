@@ -76,7 +76,6 @@ class P2PBatch:
         from .comm import _P2P_TAG
 
         checks.flag(async_op, "async_op")
-
         pg = comm._pg
 
         def launch(td: datetime.timedelta) -> list[Any]:
@@ -88,6 +87,13 @@ class P2PBatch:
                     works.append(pg.recv([op.tensor], op.peer, _P2P_TAG))
             return works
 
-        work = comm._run("batch", sorted({op.peer for op in ops}), timeout, async_op, hints, launch)
-        self._issued = True
-        return work
+        self._issued = True  # even if the wait below times out: the ops were posted
+        return comm._run(
+            "batch",
+            sorted({op.peer for op in ops}),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            completes_in_wait=True,
+        )

@@ -42,7 +42,7 @@ from . import checks
 from .bootstrap import default_store, rank_and_size, unique_prefix
 from .liveness import PeerLiveness, host_id
 from .reduce_ops import ReduceOp
-from .work import Completer, Work
+from .work import Completer, Work, translate_error
 
 if TYPE_CHECKING:
     from .batch import P2PBatch
@@ -252,6 +252,7 @@ class Comm:
         hints: Mapping[str, str] | None,
         launch: _Launch,
         finish: Callable[[], None] | None = None,
+        completes_in_wait: bool = False,
     ) -> Work:
         """Check, launch the c10d work(s), hand them to the completer, maybe wait."""
         checks.flag(async_op, "async_op")
@@ -263,13 +264,11 @@ class Comm:
         try:
             c10d_works = launch(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
-            from .work import translate_error
-
             raise translate_error(work, exc) from exc
         if async_op:
-            self._completer.submit(work, c10d_works, finish)
+            self._completer.track(work, c10d_works, finish, completes_in_wait)
         else:
-            Completer.complete_inline(work, c10d_works, finish)
+            Completer.run_inline(work, c10d_works, finish)
             work.wait()
         return work
 
@@ -457,6 +456,7 @@ class Comm:
             hints,
             launch,
             lambda: op.finish(output, self._size),
+            completes_in_wait=True,  # Gloo's reduce_scatter work has no future
         )
 
     def reduce_scatter(
@@ -713,6 +713,7 @@ class Comm:
             async_op,
             hints,
             lambda td: [self._pg.send([tensor], dst, _P2P_TAG)],
+            completes_in_wait=True,
         )
 
     def recv(
@@ -732,6 +733,7 @@ class Comm:
             async_op,
             hints,
             lambda td: [self._pg.recv([tensor], src, _P2P_TAG)],
+            completes_in_wait=True,
         )
 
     def batch_op_create(self) -> P2PBatch:
@@ -776,7 +778,6 @@ class Comm:
         self._closed = "aborted"
         self._pg.abort()
         self._completer.abort_outstanding()
-        self._completer.stop()
         self._close_windows()
 
     def finalize(self) -> None:
@@ -785,7 +786,7 @@ class Comm:
         if self._closed is not None:
             return
         self._closed = "finalized"
-        self._completer.stop(drain=True)
+        self._completer.drain()
         self._close_windows()
         self._pg.shutdown()
 

@@ -1,19 +1,16 @@
 """Work handles: what every :class:`~coordinator.comm.Comm` operation returns.
 
-Gloo marks a send or receive complete only once someone calls ``wait()`` on
-it, so completion cannot be polled. Each communicator therefore owns one
-:class:`Completer` thread that waits on the c10d works in issue order, runs
-the finishing step of an emulated operation (AVG division, copy-out of a
-padded result) and then sets the work's event. The caller's thread never
-blocks unless it calls :meth:`Work.wait`, which waits on that event until the
-operation's own deadline.
+A :class:`Work` is settled (results final, or an error recorded) by the
+communicator's :class:`Completer`, which also runs the finishing step of an
+emulated operation (AVG division, copy-out of a staged result) before it
+marks the work done. The caller's thread never blocks unless it calls
+:meth:`Work.wait`, which waits for that until the operation's own deadline.
 """
 
 from __future__ import annotations
 
 import datetime
 import enum
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +23,7 @@ from ..errors import (
     PeerDiedError,
     ProtocolError,
 )
+from .spin import spin_until
 
 # The completer waits on a c10d work this much longer than the operation's
 # deadline, so the caller's own timeout (named, with peers) fires first.
@@ -156,8 +154,6 @@ class Work:
             self._finish(None)
 
     def _spin(self, deadline: float) -> None:
-        from .spin import spin_until
-
         spin_until(lambda: self._done.is_set() or bool(self._poll and self._poll()), deadline)
         self._check_poll()
 
@@ -195,67 +191,99 @@ def translate_error(work: Work, exc: BaseException) -> BaseException:
     return error
 
 
-class _Pending:
-    __slots__ = ("work", "c10d_works", "finish")
-
-    def __init__(self, work: Work, c10d_works: Sequence[Any], finish: Callable[[], None] | None):
-        self.work = work
-        self.c10d_works = c10d_works
-        self.finish = finish
+def _wait_all(
+    work: Work, c10d_works: Sequence[Any], finish: Callable[[], None] | None, grace_s: float
+) -> None:
+    """Wait on every c10d work (bounded by the op's deadline), finish, settle ``work``."""
+    left = max(0.0, work.deadline - time.monotonic()) + grace_s
+    try:
+        for c10d_work in c10d_works:
+            c10d_work.wait(datetime.timedelta(seconds=left))
+        if finish is not None:
+            finish()
+    except Exception as exc:  # noqa: BLE001 - handed to the caller through wait()
+        work._finish(translate_error(work, exc))
+        return
+    work._finish(None)
 
 
 class Completer:
-    """One thread per communicator that waits on c10d works in issue order."""
+    """Finishes a communicator's works without making one wait behind another.
+
+    Most Gloo collectives return an AsyncWork with a future: its done-callback
+    (on Gloo's thread) runs the finishing step and settles the Work. Gloo's
+    send, recv and reduce_scatter works have no future and complete only
+    inside ``wait()`` (``completes_in_wait``), so each asynchronous one gets
+    its own short-lived daemon thread. A blocking op of either kind is
+    finished on the caller's thread. Works never queue behind each other, so
+    an async recv that waits on the peer cannot delay an unrelated
+    all_reduce's completion.
+    """
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._name = name
         self._lock = threading.Lock()
         self._outstanding: set[Work] = set()
 
     @staticmethod
-    def complete_inline(
+    def run_inline(
         work: Work, c10d_works: Sequence[Any], finish: Callable[[], None] | None
     ) -> None:
-        """Finish a blocking op on the caller's thread: no hand-off to the completer
-        (two context switches saved, which matters on a loaded machine)."""
-        Completer._complete(_Pending(work, c10d_works, finish), grace_s=0.0)
+        _wait_all(work, c10d_works, finish, grace_s=0.0)
 
-    def submit(
-        self, work: Work, c10d_works: Sequence[Any], finish: Callable[[], None] | None
+    def track(
+        self,
+        work: Work,
+        c10d_works: Sequence[Any],
+        finish: Callable[[], None] | None,
+        completes_in_wait: bool,
     ) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"groupcoord-comm-{self._name}", daemon=True
-                )
-                self._thread.start()
             self._outstanding.add(work)
-        self._queue.put(_Pending(work, c10d_works, finish))
+        if completes_in_wait:
+            threading.Thread(
+                target=self._wait_in_thread,
+                args=(work, c10d_works, finish),
+                name=f"groupcoord-{self._name}-{work.op}",
+                daemon=True,
+            ).start()
+        else:
+            self._chain_futures(work, c10d_works, finish)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._complete(item)
-            with self._lock:
-                self._outstanding.discard(item.work)
+    def _wait_in_thread(
+        self, work: Work, c10d_works: Sequence[Any], finish: Callable[[], None] | None
+    ) -> None:
+        _wait_all(work, c10d_works, finish, _COMPLETER_GRACE_S)
+        self._settled(work)
 
-    @staticmethod
-    def _complete(item: _Pending, grace_s: float = _COMPLETER_GRACE_S) -> None:
-        work = item.work
-        left = max(0.0, work.deadline - time.monotonic()) + grace_s
-        try:
-            for c10d_work in item.c10d_works:
-                c10d_work.wait(datetime.timedelta(seconds=left))
-            if item.finish is not None:
-                item.finish()
-        except Exception as exc:  # noqa: BLE001 - handed to the caller through wait()
-            work._finish(translate_error(work, exc))
-            return
-        work._finish(None)
+    def _chain_futures(
+        self, work: Work, c10d_works: Sequence[Any], finish: Callable[[], None] | None
+    ) -> None:
+        lock = threading.Lock()
+        remaining = [len(c10d_works)]
+
+        def on_done(future: Any) -> None:
+            try:
+                future.value()  # re-raises the c10d error, if any
+                with lock:
+                    remaining[0] -= 1
+                    last = remaining[0] == 0
+                if not last:
+                    return
+                if finish is not None:
+                    finish()
+            except Exception as exc:  # noqa: BLE001 - handed to the caller through wait()
+                work._finish(translate_error(work, exc))
+            else:
+                work._finish(None)
+            self._settled(work)
+
+        for c10d_work in c10d_works:
+            c10d_work.get_future().add_done_callback(on_done)
+
+    def _settled(self, work: Work) -> None:
+        with self._lock:
+            self._outstanding.discard(work)
 
     def abort_outstanding(self) -> None:
         with self._lock:
@@ -263,15 +291,9 @@ class Completer:
         for work in outstanding:
             work.abort()
 
-    def stop(self, drain: bool = False) -> None:
-        """Let the thread exit after the works already queued; with ``drain``,
-        wait for them (each is bounded by its own deadline)."""
+    def drain(self) -> None:
+        """Wait for the outstanding works, each bounded by its own deadline."""
         with self._lock:
-            thread, self._thread = self._thread, None
-            deadlines = [work.deadline for work in self._outstanding]
-        if thread is None:
-            return
-        self._queue.put(None)
-        if drain:
-            latest = max(deadlines, default=time.monotonic())
-            thread.join(max(0.0, latest - time.monotonic()) + _COMPLETER_GRACE_S)
+            outstanding = list(self._outstanding)
+        for work in outstanding:
+            work._done.wait(max(0.0, work.deadline - time.monotonic()) + _COMPLETER_GRACE_S)
