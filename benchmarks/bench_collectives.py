@@ -297,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     command = reproduce_command(None if argv is None else [sys.argv[0], *argv])
     print(f"# {command}", flush=True)
     rows: list[dict] = []
+    columns = ["world", "op", "size", "ours_us", "torch_us", "ratio", "ours_GBps"]
     for world in worlds:
         rows.extend(run_world(world, sizes, ops, args.quick, not args.no_mq, args.timeout))
-    print_table(rows, ["world", "op", "size", "ours_us", "torch_us", "ratio", "ours_GBps"])
+        if len(worlds) > 1:
+            print(f"# world {world} done", flush=True)
+    print_table(rows, columns)
     path = write_json(args.json, {"command": command, "environment": environment(), "rows": rows})
     print(f"# wrote {path}")
     if args.plot:
