@@ -1,18 +1,21 @@
 """Compute overlapped with an async coordinator.comm all_reduce, against doing them in turn.
 
-Each rank runs ``matmuls`` square matmuls (one torch thread) and an all_reduce
-of ``--mib`` MiB over a ``coordinator.comm`` Gloo communicator, in three ways:
-communication alone, compute alone, then both in sequence (blocking
-all_reduce, then compute) and overlapped (``async_op=True``, compute, then
-``work.wait()``). The compute is sized to take about as long as the
-all_reduce, where overlap can at best halve the time. gain = sequential /
-overlapped; ideal = sequential / max(comm, compute).
+Each rank runs an all_reduce of ``--mib`` MiB over a ``coordinator.comm``
+Gloo communicator and some compute, four ways: communication alone, compute
+alone, both in sequence (blocking all_reduce, then compute) and overlapped
+(``async_op=True``, compute, then ``work.wait()``). Two kinds of compute,
+each sized to take about as long as the all_reduce (where overlap can at
+best halve the time): ``matmul`` (square matmuls on one torch thread, CPU
+work that competes with Gloo's threads for the cores) and ``sleep`` (the host
+idles, as it does while a GPU computes). gain = sequential / overlapped;
+ideal = sequential / max(comm, compute).
 
     python benchmarks/bench_comm_overlap.py --quick
     python benchmarks/bench_comm_overlap.py --world 2 --mib 16 --iters 20
 
 Numbers are medians over iterations after warm-up; on a loaded shared machine
-the Gloo threads and the matmuls compete for the same cores, which caps the gain.
+the Gloo threads and the matmuls compete for the same cores, which caps the
+matmul gain (two ranks busy on two cores leave Gloo no idle core).
 """
 
 from __future__ import annotations
@@ -81,53 +84,60 @@ def _rank_main(
     def sync() -> None:
         comm.barrier()
 
-    def compute(count: int) -> None:
+    def matmuls(count: int) -> None:
         for _ in range(count):
             torch.mm(a, b)
 
     calib = _interleaved(
-        {"comm": lambda: comm.all_reduce(data), "mm": lambda: compute(8)}, sync, args.iters
+        {"comm": lambda: comm.all_reduce(data), "mm": lambda: matmuls(8)}, sync, args.iters
     )
     # Every rank must run the same amount of compute: agree on rank 0's choice.
-    chosen = torch.tensor([max(1, round(calib["comm"] / (calib["mm"] / 8)))])
+    chosen = torch.tensor([max(1, round(calib["comm"] / (calib["mm"] / 8))), calib["comm"] * 1e6])
     comm.broadcast(chosen, 0)
-    matmuls = int(chosen.item())
-
-    def sequential() -> None:
-        comm.all_reduce(data)
-        compute(matmuls)
-
-    def overlapped() -> None:
-        work = comm.all_reduce(data, async_op=True)
-        compute(matmuls)
-        work.wait()
-
-    medians = _interleaved(
-        {
-            "comm": lambda: comm.all_reduce(data),
-            "compute": lambda: compute(matmuls),
-            "sequential": sequential,
-            "overlapped": overlapped,
-        },
-        sync,
-        args.iters,
-    )
-    comm_s, compute_s = medians["comm"], medians["compute"]
-    seq_s, ovl_s = medians["sequential"], medians["overlapped"]
-    comm.finalize()
-    result = {
-        "rank": rank,
-        "matmuls": matmuls,
-        "comm_ms": comm_s * 1e3,
-        "compute_ms": compute_s * 1e3,
-        "sequential_ms": seq_s * 1e3,
-        "overlapped_ms": ovl_s * 1e3,
+    n_matmuls, sleep_s = int(chosen[0].item()), chosen[1].item() / 1e6
+    computes: dict[str, Callable[[], None]] = {
+        # CPU work on the cores the Gloo threads also need.
+        "matmul": lambda: matmuls(n_matmuls),
+        # The host idles, as it does while a GPU computes.
+        "sleep": lambda: time.sleep(sleep_s),
     }
-    conn.send_bytes(json.dumps(result).encode())  # JSON, not pickle, even for local results
+    results = []
+    for kind in args.compute.split(","):
+        compute = computes[kind]
+
+        def sequential(compute: Callable[[], None] = compute) -> None:
+            comm.all_reduce(data)
+            compute()
+
+        def overlapped(compute: Callable[[], None] = compute) -> None:
+            work = comm.all_reduce(data, async_op=True)
+            compute()
+            work.wait()
+
+        medians = _interleaved(
+            {
+                "comm": lambda: comm.all_reduce(data),
+                "compute": compute,
+                "sequential": sequential,
+                "overlapped": overlapped,
+            },
+            sync,
+            args.iters,
+        )
+        results.append(
+            {
+                "rank": rank,
+                "compute": kind,
+                "matmuls": n_matmuls if kind == "matmul" else 0,
+                **{f"{name}_ms": value * 1e3 for name, value in medians.items()},
+            }
+        )
+    comm.finalize()
+    conn.send_bytes(json.dumps(results).encode())  # JSON, not pickle, even for local results
     conn.close()
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
     ctx = mp.get_context("fork")
     port = _free_port()
     procs, conns = [], []
@@ -159,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=16.0, help="all_reduce size per rank")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="4 MiB, 10 iterations")
+    parser.add_argument(
+        "--compute",
+        default="matmul,sleep",
+        help="matmul (CPU work competing for the cores), sleep (host idle, as under GPU compute)",
+    )
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", default="bench_results/comm_overlap.json")
     args = parser.parse_args(argv)
@@ -167,24 +182,33 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # keep the forking parent single-threaded
-    results = run(args)
-    slowest = max(results, key=lambda r: r["overlapped_ms"])
-    row = {
-        "world": args.world,
-        "MiB": args.mib,
-        "matmuls": slowest["matmuls"],
-        "comm_ms": median([r["comm_ms"] for r in results]),
-        "compute_ms": median([r["compute_ms"] for r in results]),
-        "sequential_ms": max(r["sequential_ms"] for r in results),
-        "overlapped_ms": max(r["overlapped_ms"] for r in results),
-    }
-    row["gain"] = row["sequential_ms"] / row["overlapped_ms"]
-    row["ideal_gain"] = row["sequential_ms"] / max(row["comm_ms"], row["compute_ms"])
-    print_table([row], list(row))
-    print(f"overlap gain {row['gain']:.2f}x (ideal {row['ideal_gain']:.2f}x)")
+    per_rank = [row for rank_rows in run(args) for row in rank_rows]
+    rows = []
+    for kind in args.compute.split(","):
+        mine = [r for r in per_rank if r["compute"] == kind]
+        row = {
+            "compute": kind,
+            "world": args.world,
+            "MiB": args.mib,
+            "comm_ms": median([r["comm_ms"] for r in mine]),
+            "compute_ms": median([r["compute_ms"] for r in mine]),
+            "sequential_ms": max(r["sequential_ms"] for r in mine),
+            "overlapped_ms": max(r["overlapped_ms"] for r in mine),
+        }
+        row["gain"] = row["sequential_ms"] / row["overlapped_ms"]
+        row["ideal_gain"] = row["sequential_ms"] / max(row["comm_ms"], row["compute_ms"])
+        rows.append(row)
+    print_table(rows, list(rows[0]))
+    for row in rows:
+        print(f"{row['compute']}: overlap gain {row['gain']:.2f}x (ideal {row['ideal_gain']:.2f}x)")
     path = write_json(
         args.json,
-        {"summary": row, "per_rank": results, "command": reproduce_command(), "env": environment()},
+        {
+            "summary": rows,
+            "per_rank": per_rank,
+            "command": reproduce_command(),
+            "env": environment(),
+        },
     )
     print(f"wrote {path}")
     print(f"reproduce: {reproduce_command()}")
