@@ -175,10 +175,20 @@ class TcpWriter:
         for seq in [s for s in self._cum_bytes if s < low]:
             del self._cum_bytes[seq]
 
+    def _check_beats(self, operation: str, waiting_on: list[int]) -> None:
+        now = time.monotonic()
+        limit = get_config().heartbeat_timeout_s
+        dead = [r for r in waiting_on if now - self.last_beat.get(r, now) > limit]
+        if dead:
+            raise PeerDiedError(
+                self.what, operation, dead, f"no heartbeat for more than {limit:g} s"
+            )
+
     def _poll(
         self, deadline: float, operation: str, missing: Any, check: Callable[[], None]
     ) -> None:
         check()
+        self._check_beats(operation, missing())
         left = deadline - time.monotonic()
         if left <= 0:
             raise GroupcoordTimeoutError(

@@ -1,0 +1,277 @@
+"""MessageQueue under faults: timeouts, SIGKILLed peers, forged TCP frames."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+import zmq
+from multiproc import start_ranks
+from test_mq_queue import make_queue
+
+from shm_broadcast.codec import Codec, frames_as_buffers
+from shm_broadcast.errors import GroupcoordTimeoutError, PeerDiedError
+from shm_broadcast.message_queue import Handle, MessageQueue
+from shm_broadcast.segments import list_segments
+from shm_broadcast.tcp_channel import KIND_MESSAGE, frame_mac
+
+SHORT_HEARTBEAT = 2.0
+
+
+def _fast_peer_checks():
+    from shm_broadcast.config import set_config
+
+    set_config(heartbeat_timeout_s=SHORT_HEARTBEAT, peer_check_interval_s=0.2)
+
+
+def _timeout_rank(rank, world_size, n_local):
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, n_local, max_chunks=2)
+    result = None
+    if rank == 0:
+        with pytest.raises(GroupcoordTimeoutError) as info:
+            for i in range(100):  # ring holds 2, TCP credit 16: both run out
+                mq.enqueue(i, timeout=0.5)
+        result = (str(info.value), info.value.missing, isinstance(info.value, TimeoutError))
+    dist.barrier()  # readers read nothing until the writer timed out
+    if rank != 0:
+        with pytest.raises(GroupcoordTimeoutError) as info:
+            for _ in range(100):
+                mq.dequeue(timeout=0.5)
+        result = (str(info.value), info.value.missing)
+    dist.barrier()
+    mq.shutdown()
+    return result
+
+
+@pytest.mark.parametrize("n_local", [2, 0], ids=["ring", "tcp"])
+def test_timeouts_name_queue_role_and_missing_ranks(n_local):
+    group = start_ranks(_timeout_rank, 3, n_local, timeout=60)
+    writer, r1, r2 = group.collect()
+    message, missing, is_timeout = writer
+    assert is_timeout
+    assert missing == [1, 2]
+    assert "MessageQueue" in message and "enqueue" in message and "writer" in message
+    assert "[1, 2]" in message and "0.5 s" in message
+    for rank, (message, missing) in ((1, r1), (2, r2)):
+        assert missing == [0]
+        assert (
+            "dequeue" in message
+            and f"rank {rank}" in message
+            and "waiting for ranks [0]" in message
+        )
+        assert "the writer has not written" in message
+
+
+def _no_writer_rank(rank, world_size):
+    handle = Handle(
+        name="nowriter",
+        n_reader=1,
+        local_reader_ranks=[],
+        writer_rank=0,
+        writer_pid=os.getpid(),
+        writer_host="h",
+        max_chunk_bytes=1024,
+        max_chunks=2,
+        buffer_name=None,
+        local_address=None,
+        remote_address="tcp://127.0.0.1:1",  # nobody listens
+        key=b"k" * 32,
+        window=16,
+        allow_pickle=False,
+    )
+    mq = MessageQueue.create_from_handle(handle, 3)
+    start = time.monotonic()
+    with pytest.raises(GroupcoordTimeoutError) as info:
+        mq.dequeue(timeout=0.3)
+    took = time.monotonic() - start
+    mq.shutdown()
+    return str(info.value), took
+
+
+def test_reader_without_a_writer_times_out():
+    ((message, took),) = start_ranks(_no_writer_rank, 1, timeout=30).collect()
+    assert "MessageQueue nowriter: dequeue timed out after 0.3 s" in message
+    assert "remote reader rank 3" in message and "waiting for ranks [0]" in message
+    assert took < 2.0
+
+
+def _mark(flag_dir, name):
+    with open(os.path.join(flag_dir, name), "w") as fh:
+        fh.write(str(time.monotonic()))
+
+
+def _killed_writer_rank(rank, world_size, n_local, flag_dir):
+    _fast_peer_checks()
+    mq = make_queue(rank, world_size, n_local)
+    if rank == 0:
+        _mark(flag_dir, "ready")
+        i = 0
+        while True:  # until SIGKILLed mid-stream
+            mq.enqueue(i, timeout=60)
+            i += 1
+    got = []
+    with pytest.raises(PeerDiedError) as info:
+        while True:
+            got.append(mq.dequeue(timeout=60))
+    assert got == list(range(len(got)))
+    return time.monotonic(), info.value.dead, len(got)
+
+
+@pytest.mark.parametrize("n_local", [2, 0], ids=["ring", "tcp"])
+def test_sigkilled_writer_is_detected_by_readers(n_local):
+    with tempfile.TemporaryDirectory() as flag_dir:
+        group = start_ranks(_killed_writer_rank, 3, n_local, flag_dir, timeout=60)
+        _wait_for(os.path.join(flag_dir, "ready"))
+        time.sleep(0.3)
+        killed_at = time.monotonic()
+        group.kill(0)
+        results = group.collect(killed=[0])
+    for detected_at, dead, count in results[1:]:
+        assert dead == [0]
+        assert detected_at - killed_at < 5.0
+        assert count > 0
+    # The readers unlinked the dead writer's ring.
+    assert not [s for s in list_segments() if s.startswith(f"groupcoord_{group.pid(0)}_")]
+
+
+def _killed_reader_rank(rank, world_size, n_local, flag_dir):
+    _fast_peer_checks()
+    mq = make_queue(rank, world_size, n_local)
+    if rank == 0:
+        with pytest.raises(PeerDiedError) as info:
+            for i in range(10**9):
+                mq.enqueue(i, timeout=60)
+        detected_at = time.monotonic()
+        mq.shutdown()
+        return detected_at, info.value.dead
+    if rank == 2:
+        mq.dequeue(timeout=30)
+        _mark(flag_dir, "ready")
+        time.sleep(60)  # SIGKILLed here
+    # rank 1 keeps reading until the writer gives up
+    with pytest.raises((PeerDiedError, Exception)):
+        while True:
+            mq.dequeue(timeout=30)
+    mq.shutdown()
+    return None
+
+
+@pytest.mark.parametrize("n_local", [2, 0], ids=["ring", "tcp"])
+def test_sigkilled_reader_is_detected_by_the_writer(n_local):
+    with tempfile.TemporaryDirectory() as flag_dir:
+        group = start_ranks(_killed_reader_rank, 3, n_local, flag_dir, timeout=60)
+        _wait_for(os.path.join(flag_dir, "ready"))
+        killed_at = time.monotonic()
+        group.kill(2)
+        results = group.collect(killed=[2])
+    detected_at, dead = results[0]
+    assert dead == [2]
+    assert detected_at - killed_at < 5.0
+
+
+def _wait_for(path, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _forged_to_writer_rank(rank, world_size):
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, 0)
+    forged = 0
+    if rank == 2:
+        # A stranger on the writer's TCP port: garbage, and frames with a wrong key.
+        handle = mq._handle
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.connect(handle.remote_address)
+        rogue.send_multipart([b"garbage"])
+        seq = (1).to_bytes(8, "little")
+        body = (1).to_bytes(8, "little") + bytes(8)
+        for kind in (b"H", b"A", b"B"):
+            rogue.send_multipart([kind, seq, frame_mac(b"wrong" * 6, kind, seq, [body]), body])
+        forged = 4
+        time.sleep(0.5)
+        rogue.close(linger=0)
+        ctx.term()
+    dist.barrier()
+    if rank == 0:
+        for i in range(50):
+            mq.enqueue(("after", i), timeout=30)
+        result = mq.bad_frames
+    else:
+        got = [mq.dequeue(timeout=30) for _ in range(50)]
+        assert got == [("after", i) for i in range(50)]
+        result = forged
+    dist.barrier()
+    mq.shutdown()
+    return result
+
+
+def test_forged_frames_to_the_writer_are_dropped_and_counted():
+    group = start_ranks(_forged_to_writer_rank, 3, timeout=60)
+    bad_frames, _, forged = group.collect()
+    assert bad_frames == forged == 4
+
+
+def _forged_to_reader_rank(rank, world_size):
+    # This rank plays the writer's TCP end itself to send a forged frame.
+    key = os.urandom(32)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    handle = Handle(
+        name="forged",
+        n_reader=1,
+        local_reader_ranks=[],
+        writer_rank=0,
+        writer_pid=os.getpid(),
+        writer_host="h",
+        max_chunk_bytes=1024,
+        max_chunks=2,
+        buffer_name=None,
+        local_address=None,
+        remote_address=f"tcp://127.0.0.1:{port}",
+        key=key,
+        window=16,
+        allow_pickle=False,
+    )
+    reader = MessageQueue.create_from_handle(handle, 1)
+    assert router.poll(10_000)
+    ident, kind, *_ = router.recv_multipart()
+    assert kind == b"H"
+    codec = Codec()
+
+    def send(obj, seq, mac_key):
+        body = frames_as_buffers(codec.encode(obj))
+        seq_b = seq.to_bytes(8, "little")
+        router.send_multipart(
+            [ident, KIND_MESSAGE, seq_b, frame_mac(mac_key, KIND_MESSAGE, seq_b, body), *body]
+        )
+
+    send("forged", 1, b"not the key")
+    body = frames_as_buffers(codec.encode("genuine"))
+    seq_b = (1).to_bytes(8, "little")
+    mac = frame_mac(key, KIND_MESSAGE, seq_b, body)
+    router.send_multipart(
+        [ident, KIND_MESSAGE, seq_b, mac, *frames_as_buffers(codec.encode("altered"))]
+    )
+    send("genuine", 1, key)
+    got = reader.dequeue(timeout=10)
+    bad = reader.bad_frames
+    reader.shutdown()
+    router.close(linger=0)
+    ctx.term()
+    return got, bad
+
+
+def test_forged_frames_to_a_reader_are_dropped_and_counted():
+    ((got, bad),) = start_ranks(_forged_to_reader_rank, 1, timeout=30).collect()
+    assert got == "genuine"
+    assert bad == 2
