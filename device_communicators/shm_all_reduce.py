@@ -149,7 +149,8 @@ class ShmAllReduce(AllReduceBackend):
         self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
         self.world_size = len(self.ranks)
         self.rank_in_group = self.ranks.index(dist.get_rank())
-        self.what = f"shm all-reduce {unique_name or 'unnamed'}"
+        # Errors start with the group's name, like the coordinator's own errors.
+        self.what = unique_name or "shm group"
         cap = config.shm_all_reduce_max_bytes if max_bytes is None else max_bytes
         if cap <= 0:
             raise GroupcoordValueError(f"max_bytes must be positive, got {cap}")
@@ -493,7 +494,7 @@ class ShmAllReduce(AllReduceBackend):
                     self.timeout_s,
                     missing=self._behind(phase),
                     role=f"rank {self.ranks[self.rank_in_group]}",
-                    detail=f"generation {self.generation}",
+                    detail=f"shared-memory path, generation {self.generation}",
                 )
             self._sleep(phase, min(next_check, deadline) - now)
 
@@ -529,7 +530,10 @@ class ShmAllReduce(AllReduceBackend):
         ]
         if dead:
             raise PeerDiedError(
-                self.what, self._operation, dead, detail=f"generation {self.generation}"
+                self.what,
+                self._operation,
+                dead,
+                detail=f"shared-memory path, generation {self.generation}",
             )
 
     def _release(self) -> None:
