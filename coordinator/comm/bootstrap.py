@@ -62,11 +62,14 @@ def default_store(rank: int, size: int, timeout_s: float) -> dist.Store:
     with _stores_lock:
         store = _stores.get((host, port))
         if store is None:
+            # Under torchrun the elastic agent already serves a store on
+            # MASTER_PORT; every rank is then a client (as torch's env:// does).
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             store = dist.TCPStore(
                 host,
                 port,
                 size,
-                is_master=rank == 0,
+                is_master=rank == 0 and not agent_store,
                 timeout=datetime.timedelta(seconds=timeout_s),
                 wait_for_workers=False,
             )
@@ -83,4 +86,6 @@ def unique_prefix(name: str) -> str:
     with _stores_lock:
         count = _name_counts.get(name, 0)
         _name_counts[name] = count + 1
-    return f"groupcoord/comm/{name}/{count}"
+    # An agent store outlives worker restarts: keep each attempt's keys apart.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"groupcoord/comm/attempt{attempt}/{name}/{count}"

@@ -797,3 +797,13 @@ class Comm:
 
     def is_closed(self) -> bool:
         return self._closed is not None
+
+    def __enter__(self) -> Comm:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """``finalize()`` after a clean block, ``abort()`` after an exception."""
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
