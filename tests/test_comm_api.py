@@ -37,6 +37,10 @@ def test_refusals_before_any_connection() -> None:
         new_comm("nccl", "cuda", "x", rank=0, size=1)
     with pytest.raises(GroupcoordValueError, match="device"):
         new_comm("gloo", "cuda", "x", rank=0, size=1)
+    with pytest.raises(GroupcoordValueError, match="not a torch device"):
+        new_comm("gloo", "tpu-ish", "x", rank=0, size=1)
+    with pytest.raises(GroupcoordTypeError, match="hints"):
+        new_comm("gloo", "cpu", "x", hints={"k": 1}, rank=0, size=1)  # type: ignore[dict-item]
     with pytest.raises(GroupcoordValueError, match="name"):
         new_comm("gloo", "cpu", "", rank=0, size=1)
     with pytest.raises(GroupcoordValueError, match="rank=2 size=2"):
@@ -44,7 +48,7 @@ def test_refusals_before_any_connection() -> None:
 
 
 def _construction_paths(rank: int, world_size: int, store_port: int) -> str:
-    # An explicit store, rank and size.
+    # An explicit store, rank and size (and a device spelled with an index).
     store = torch.distributed.TCPStore(
         "127.0.0.1",
         store_port,
@@ -53,7 +57,7 @@ def _construction_paths(rank: int, world_size: int, store_port: int) -> str:
         timeout=datetime.timedelta(seconds=30),
     )
     explicit = new_comm(
-        "gloo", "cpu", "explicit", timeout=30, store=store, rank=rank, size=world_size
+        "gloo", "cpu:0", "explicit", timeout=30, store=store, rank=rank, size=world_size
     )
     t = torch.ones(1)
     explicit.all_reduce(t)

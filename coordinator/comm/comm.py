@@ -94,11 +94,16 @@ def new_comm(
         raise BackendUnavailableError(
             backend, "coordinator.comm runs on Gloo here (CPU tensors); pass backend='gloo'"
         )
-    torch_device = torch.device(device)
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise GroupcoordValueError(f"device={device!r} is not a torch device: {exc}") from exc
     if torch_device.type != "cpu":
         raise GroupcoordValueError(f"device={device!r}: the gloo backend runs on 'cpu'")
+    torch_device = torch.device("cpu")  # CPU tensors report no index: compare like with like
     if not isinstance(name, str) or not name:
         raise GroupcoordValueError(f"name must be a non-empty str, got {name!r}")
+    checks.hints(hints)
     timeout_s = _timeout_s(timeout, resolve_timeout(None))
     rank, size = rank_and_size(rank, size)
     base_store = default_store(rank, size, timeout_s) if store is None else store
