@@ -31,13 +31,12 @@ ranks never share a cache line when spinning.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import platform
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,6 +65,7 @@ _DWORDS = _LINE // 4  # int32 index stride between lines
 _ASLEEP = 4  # int32 index within a line
 _BELL = 5
 _PAGE = 4096
+_VIEW_CACHE_ENTRIES = 512
 _HANDLE_BYTES = 256  # fixed-size name+token broadcast at set-up
 # Pieces up to this size are reduced by every rank (one barrier); larger ones
 # are split so each rank reduces 1/world of them (two barriers, less work each).
@@ -77,7 +77,10 @@ ONE_SHOT_MAX_BYTES = 64 * 1024
 # 4.7-9 ms with one 16 MiB piece).
 PIPELINE_PIECE_BYTES = 1024 * 1024
 # A waiter yields the core in a loop this long, then sleeps on its doorbell.
-SPIN_BEFORE_SLEEP_S = 20e-6
+# Waking a sleeper costs 0.1-2 ms on a VM (the idle vCPU must be rescheduled
+# by the host), so sleeping is for long waits only: 20 us here doubled the
+# 4 KiB latency at world 4 on 2 cores, 1 ms matched pure yielding.
+SPIN_BEFORE_SLEEP_S = 1e-3
 
 SHM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -126,6 +129,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class _DesyncGuard:
+    """Marks the owner unusable when a wait fails: peers no longer agree on the generation.
+
+    A plain class rather than ``contextlib.contextmanager``: it is entered on
+    every call, and a generator-based manager costs about a microsecond more.
+    """
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: ShmAllReduce) -> None:
+        self.owner = owner
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, (GroupcoordTimeoutError, PeerDiedError)):
+            self.owner._failure = str(exc)
+
+
 class ShmAllReduce(AllReduceBackend):
     """All-reduce through one shared-memory segment; a collective constructor.
 
@@ -162,6 +185,7 @@ class ShmAllReduce(AllReduceBackend):
         self.generation = 0
         self._failure: str | None = None
         self._operation = "all_reduce"  # named in timeout / peer-death errors
+        self._desync_guard = _DesyncGuard(self)
         self._segment: ShmSegment | None = None
         # int64 view of the control lines; memoryview indexing is the cheapest
         # load Python has (about 50 ns) and reads memory on every access.
@@ -177,9 +201,9 @@ class ShmAllReduce(AllReduceBackend):
         # Busy-poll before yielding only when every rank can have its own core:
         # a yield costs ~50 us when anything else is runnable.
         cores = len(os.sched_getaffinity(0))
-        self._pure_spins = 200 if self.world_size <= cores else 0
+        self._pure_spins = 50 if self.world_size <= cores else 0
         self._slot_bytes: list[list[torch.Tensor]] = []
-        self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._typed: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
         self._pids: list[int] = []
         try:
             self._set_up(local_reason=self._local_refusal(config.disable_shm_all_reduce))
@@ -308,7 +332,10 @@ class ShmAllReduce(AllReduceBackend):
         src = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         flat_out = out.view(-1)
         piece = self.max_bytes // tensor.element_size()
-        with self._fail_on_desync():
+        with self._desync_guard:
+            if numel <= piece:  # the common case: no slicing at all
+                self._reduce_piece(src, flat_out, op)
+                return out
             for start in range(0, numel, piece):
                 stop = min(start + piece, numel)
                 self._reduce_piece(src[start:stop], flat_out[start:stop], op)
@@ -332,7 +359,7 @@ class ShmAllReduce(AllReduceBackend):
             return out
         src = _bytes_of(tensor.contiguous())
         dst = out.view(self.world_size, -1).view(torch.uint8)
-        with self._fail_on_desync():
+        with self._desync_guard:
             for start in range(0, src.numel(), self.max_bytes):
                 stop = min(start + self.max_bytes, src.numel())
                 gen = self._next_generation()
@@ -352,7 +379,7 @@ class ShmAllReduce(AllReduceBackend):
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         data = _bytes_of(work)
         sender = self.rank_in_group == src
-        with self._fail_on_desync():
+        with self._desync_guard:
             for start in range(0, data.numel(), self.max_bytes):
                 stop = min(start + self.max_bytes, data.numel())
                 gen = self._next_generation()
@@ -378,15 +405,6 @@ class ShmAllReduce(AllReduceBackend):
             raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
         self._operation = operation
 
-    @contextlib.contextmanager
-    def _fail_on_desync(self) -> Iterator[None]:
-        try:
-            yield
-        except (GroupcoordTimeoutError, PeerDiedError) as exc:
-            # Peers now disagree on the generation: this object cannot recover.
-            self._failure = str(exc)
-            raise
-
     def _next_generation(self) -> int:
         self.generation += 1
         return self.generation
@@ -398,11 +416,18 @@ class ShmAllReduce(AllReduceBackend):
     # ---- one piece --------------------------------------------------------------
 
     def _view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-        key = (s, r, dtype)
-        typed = self._typed.get(key)
-        if typed is None:
-            typed = self._typed[key] = self._slot_bytes[s][r].view(dtype)
-        return typed[:n]
+        """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``.
+
+        Cached: making a tensor view costs about a microsecond, and a small
+        call makes several; real workloads repeat a handful of sizes.
+        """
+        key = (s, r, dtype, n)
+        view = self._typed.get(key)
+        if view is None:
+            if len(self._typed) >= _VIEW_CACHE_ENTRIES:
+                self._typed.clear()
+            view = self._typed[key] = self._slot_bytes[s][r].view(dtype)[:n]
+        return view
 
     def _reduce_piece(self, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp.RedOpType) -> None:
         gen = self._next_generation()
@@ -434,7 +459,10 @@ class ShmAllReduce(AllReduceBackend):
     ) -> None:
         """out = slot0 op slot1 op ... over [lo, hi), always in slot order."""
         combine = _COMBINE[op]
-        parts = [self._view(s, r, dtype, hi)[lo:] for r in range(self.world_size)]
+        if lo == 0:
+            parts = [self._view(s, r, dtype, hi) for r in range(self.world_size)]
+        else:
+            parts = [self._view(s, r, dtype, hi)[lo:] for r in range(self.world_size)]
         if dtype in _HALF and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
             acc = parts[0].float()
             for part in parts[1:]:
