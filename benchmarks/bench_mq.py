@@ -1,0 +1,330 @@
+"""Benchmark the MessageQueue against torch.distributed.broadcast_object_list (Gloo).
+
+One writer with 1 and 3 readers (world 2 and 4, forked ranks on this machine):
+a small-object stream (a dict of a few ints and a short string) and 64 B,
+4 KiB, 1 MiB, 16 MiB payloads as ``bytes`` and as tensors. For each case:
+throughput (msgs/s, GB/s delivered per reader), one-way latency p50/p99 (a
+timestamp inside the message, messages spaced so none waits in the queue), and
+Gloo's ``broadcast_object_list`` in the same world and run, with the ratio.
+
+    python benchmarks/bench_mq.py            # full run
+    python benchmarks/bench_mq.py --quick    # < 60 s
+    python benchmarks/bench_mq.py --plot     # also bench_results/mq.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    environment,
+    human_bytes,
+    median,
+    percentile,
+    plot_lines,
+    print_table,
+    reproduce_command,
+    write_json,
+)
+
+SIZES = [64, 4 << 10, 1 << 20, 16 << 20]
+
+
+def _cases(quick: bool) -> list[dict[str, Any]]:
+    """(name, kind, size, messages for ours, messages for Gloo, latency samples)."""
+    scale = 0.25 if quick else 1.0
+    cases = [
+        {
+            "name": "small-object",
+            "kind": "object",
+            "size": 0,
+            "n": 40_000,
+            "gloo": 2_000,
+            "lat": 2_000,
+        }
+    ]
+    for size in SIZES:
+        n, gloo, lat = {
+            64: (40_000, 2_000, 2_000),
+            4 << 10: (20_000, 2_000, 2_000),
+            1 << 20: (400, 100, 100),
+            16 << 20: (40, 12, 20),
+        }[size]
+        for kind in ("bytes", "tensor"):
+            cases.append(
+                {
+                    "name": f"{kind} {human_bytes(size)}",
+                    "kind": kind,
+                    "size": size,
+                    "n": n,
+                    "gloo": gloo,
+                    "lat": lat,
+                }
+            )
+    for case in cases:
+        for key in ("n", "gloo", "lat"):
+            case[key] = max(int(case[key] * scale), 8)
+    return cases
+
+
+def _payload(kind: str, size: int) -> Any:
+    import torch
+
+    if kind == "object":
+        return {"request": 12345, "step": 7, "tokens": 512, "flags": 3, "name": "req-12345"}
+    if kind == "bytes":
+        return os.urandom(size)
+    return torch.randint(0, 255, (size,), dtype=torch.uint8)
+
+
+def _spin_until(t: float) -> None:
+    while time.perf_counter() < t:
+        os.sched_yield()
+
+
+def _bench_rank(
+    rank: int, world: int, port: int, cases: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    from shm_broadcast.message_queue import MessageQueue
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    group = dist.group.WORLD
+    results = []
+    for case in cases:
+        size = case["size"]
+        # A chunk holds the largest message of the case: every message rides the ring.
+        chunk = max(1 << 16, size + (1 << 16))
+        chunks = 10 if size <= (1 << 20) else 4
+        mq = MessageQueue.create_from_process_group(group, chunk, chunks)
+        payload = _payload(case["kind"], size) if rank == 0 else None
+        out: dict[str, Any] = {}
+
+        # Throughput: the writer streams n messages; time until the last reader has all.
+        n = case["n"]
+        for _ in range(min(200, n)):  # warm-up
+            mq.broadcast_object(payload)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            for _ in range(n):
+                mq.enqueue(payload)
+        else:
+            for _ in range(n):
+                mq.dequeue()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        out["ours_s"] = elapsed.item()
+
+        # Latency: a timestamp travels with the payload; messages are spaced so
+        # each finds the queue empty. perf_counter is CLOCK_MONOTONIC: one clock
+        # for every process on the machine.
+        gap = max(2.0 * out["ours_s"] / n, 50e-6)
+        lat = []
+        dist.barrier()
+        for _ in range(case["lat"]):
+            if rank == 0:
+                mq.enqueue((time.perf_counter(), payload))
+                _spin_until(time.perf_counter() + gap)
+            else:
+                sent, _ = mq.dequeue()
+                lat.append(time.perf_counter() - sent)
+        out["lat"] = lat
+        dist.barrier()
+        mq.shutdown()
+
+        # Gloo's broadcast_object_list (pickle + two broadcasts) in the same world.
+        gloo_lat = []
+        for _ in range(min(20, case["gloo"])):
+            dist.broadcast_object_list([payload], src=0, group=group)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(case["gloo"]):
+            t1 = time.perf_counter()
+            objs = [payload]
+            dist.broadcast_object_list(objs, src=0, group=group)
+            gloo_lat.append(time.perf_counter() - t1)
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        out["gloo_s"] = elapsed.item()
+        out["gloo_lat"] = gloo_lat
+        results.append(out)
+    dist.destroy_process_group()
+    return results
+
+
+def _child(conn: Any, rank: int, world: int, port: int, cases: list[dict[str, Any]]) -> None:
+    try:
+        conn.send(("ok", _bench_rank(rank, world, port, cases)))
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        conn.send(("err", traceback.format_exc()))
+    finally:
+        from shm_broadcast.segments import cleanup_owned_segments
+
+        cleanup_owned_segments()
+        conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(
+    world: int, cases: list[dict[str, Any]], timeout: float
+) -> list[list[dict[str, Any]]]:
+    """Fork ``world`` ranks, run every case, return each rank's measurements."""
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    procs, conns = [], []
+    for rank in range(world):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(child, rank, world, port, cases), daemon=True)
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+    results = []
+    try:
+        for rank, conn in enumerate(conns):
+            if not conn.poll(timeout):
+                raise RuntimeError(f"rank {rank} did not finish within {timeout:g} s")
+            kind, value = conn.recv()
+            if kind != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return results
+
+
+def summarize(
+    world: int, cases: list[dict[str, Any]], per_rank: list[list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    rows = []
+    for i, case in enumerate(cases):
+        readers = [per_rank[r][i] for r in range(1, world)]
+        lat = [x for r in readers for x in r["lat"]]
+        gloo_lat = [x for r in readers for x in r["gloo_lat"]]
+        ours_s = per_rank[0][i]["ours_s"]
+        gloo_s = per_rank[0][i]["gloo_s"]
+        msgs = case["n"] / ours_s
+        gloo_msgs = case["gloo"] / gloo_s
+        nbytes = case["size"]
+        rows.append(
+            {
+                "readers": world - 1,
+                "case": case["name"],
+                "bytes": nbytes,
+                "msgs/s": msgs,
+                "GB/s": msgs * nbytes / 1e9,
+                "p50 us": median(lat) * 1e6,
+                "p99 us": percentile(lat, 99) * 1e6,
+                "gloo msgs/s": gloo_msgs,
+                "gloo p50 us": median(gloo_lat) * 1e6,
+                "ratio": msgs / gloo_msgs,
+            }
+        )
+    return rows
+
+
+COLUMNS = [
+    "readers",
+    "case",
+    "msgs/s",
+    "GB/s",
+    "p50 us",
+    "p99 us",
+    "gloo msgs/s",
+    "gloo p50 us",
+    "ratio",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer messages: finishes in < 60 s")
+    parser.add_argument(
+        "--readers", type=int, nargs="+", default=[1, 3], help="reader counts to run"
+    )
+    parser.add_argument(
+        "--json", default="bench_results/mq.json", help="where to write the results"
+    )
+    parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-world deadline, seconds")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)  # the forking parent stays single-threaded
+    cases = _cases(args.quick)
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for readers in args.readers:
+        per_rank = run_world(readers + 1, cases, args.timeout)
+        rows.extend(summarize(readers + 1, cases, per_rank))
+    took = time.perf_counter() - start
+    print_table(rows, COLUMNS)
+    print(
+        f"\nmsgs/s and GB/s: delivered to every reader (bytes = payload per message); latency: one-way, "
+        f"writer enqueue to reader dequeue-return; ratio = ours / Gloo broadcast_object_list msgs/s.\n"
+        f"ran in {took:.1f} s on {os.cpu_count()} CPUs"
+    )
+    command = reproduce_command(
+        ["benchmarks/bench_mq.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    data = {"benchmark": "mq", "command": command, "environment": environment(), "rows": rows}
+    print(f"JSON: {write_json(args.json, data)}")
+    if args.plot:
+        series = {}
+        for readers in args.readers:
+            for prefix, key in (("ours", "msgs/s"), ("gloo", "gloo msgs/s")):
+                for kind in ("bytes", "tensor"):
+                    pts = [
+                        r for r in rows if r["readers"] == readers and r["case"].startswith(kind)
+                    ]
+                    series[f"{prefix} {kind}, {readers} reader(s)"] = (
+                        [r["bytes"] for r in pts],
+                        [r[key] for r in pts],
+                    )
+        png = os.path.splitext(args.json)[0] + ".png"
+        plot_lines(
+            png,
+            series,
+            title="MessageQueue vs Gloo broadcast_object_list",
+            xlabel="payload bytes",
+            ylabel="messages/s",
+        )
+        print(f"PNG: {png}")
+    print(f"reproduce: {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
