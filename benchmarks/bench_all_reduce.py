@@ -9,9 +9,14 @@ the like-for-like out-of-place call. ``speedup`` = gloo / shm. Each rank runs
 torch with one thread. Numbers are medians over batches of back-to-back
 calls, after warm-up.
 
-    python benchmarks/bench_all_reduce.py            # full sweep
+``--ops all_gather broadcast`` measures the CpuCommunicator's shm all-gather
+(dim 0; ``gloo_oop`` gathers and concatenates into one tensor like ours) and
+broadcast (both in place) the same way; sizes are bytes per rank.
+
+    python benchmarks/bench_all_reduce.py            # full sweep, all_reduce
     python benchmarks/bench_all_reduce.py --quick    # < 60 s
     python benchmarks/bench_all_reduce.py --plot     # also a PNG
+    python benchmarks/bench_all_reduce.py --quick --ops all_reduce all_gather broadcast
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from _common import (  # noqa: E402
 FULL_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 COLUMNS = [
+    "op",
     "world",
     "size",
     "shm_us",
@@ -58,8 +64,113 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _implementations(op: str, comm: Any, x: Any) -> tuple[Any, Any, Any]:
+    """(ours, gloo in place, gloo out of place) for one op, after a correctness check."""
+    import torch
+    import torch.distributed as dist
+
+    world = comm.world_size
+    if op == "all_reduce":
+        want = x.clone()
+        dist.all_reduce(want)
+        # Orders differ (Gloo's ring vs our slot order): equal up to rounding.
+        torch.testing.assert_close(comm.all_reduce(x), want, rtol=1e-5, atol=1e-5)
+        return (
+            lambda: comm.all_reduce(x),
+            lambda: dist.all_reduce(x),
+            lambda: dist.all_reduce(x.clone()),  # a fresh result, input untouched: like ours
+        )
+    if op == "all_gather":
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x)
+        assert torch.equal(comm.all_gather(x, dim=0), torch.cat(parts))
+        return (
+            lambda: comm.all_gather(x, dim=0),
+            lambda: dist.all_gather(parts, x),  # into preallocated parts, no concatenation
+            lambda: torch.cat(_gathered(x, world)),  # one result tensor: like ours
+        )
+    if op == "broadcast":
+        y = x.clone()
+        comm.broadcast(y, src=0)
+        z = x.clone()
+        dist.broadcast(z, src=0)
+        assert torch.equal(y, z)
+        return (
+            lambda: comm.broadcast(x, src=0),
+            lambda: dist.broadcast(x, src=0),
+            lambda: dist.broadcast(x, src=0),  # both are in place
+        )
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _gathered(x: Any, world: int) -> list[Any]:
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x)
+    return parts
+
+
+def _measure(
+    op: str,
+    world: int,
+    nbytes: int,
+    ours: Any,
+    gloo: Any,
+    gloo_oop: Any,
+    budget: float,
+    batches: int,
+) -> dict[str, Any]:
+    """Median seconds per call of each implementation, interleaved batch by batch."""
+    import torch
+    import torch.distributed as dist
+
+    # Rank 0 picks the iteration count so every rank runs the same number.
+    start = time.perf_counter()
+    gloo()
+    once = time.perf_counter() - start
+    iters_t = torch.tensor([max(2, min(300, int(budget / max(once, 1e-6))))])
+    dist.broadcast(iters_t, src=0)
+    iters = int(iters_t.item())
+    impls = (("shm", ours), ("gloo", gloo), ("gloo_oop", gloo_oop))
+    for _, fn in impls:
+        fn()  # warm-up: page faults, caches
+    samples: dict[str, list[float]] = {name: [] for name, _ in impls}
+    for _ in range(batches):
+        for name, fn in impls:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples[name].append((time.perf_counter() - start) / iters)
+    shm_s, gloo_s = median(samples["shm"]), median(samples["gloo"])
+    oop_s = median(samples["gloo_oop"])
+    return {
+        "op": op,
+        "world": world,
+        "size": human_bytes(nbytes),
+        "bytes": nbytes,
+        "shm_us": shm_s * 1e6,
+        "gloo_us": gloo_s * 1e6,
+        "gloo_oop_us": oop_s * 1e6,
+        "speedup": gloo_s / shm_s,
+        "speedup_oop": oop_s / shm_s,
+        "shm_GBps": nbytes / shm_s / 1e9,
+        "gloo_GBps": nbytes / gloo_s / 1e9,
+        "iters": iters,
+        "batches": batches,
+    }
+
+
 def _rank_main(
-    conn: Connection, rank: int, world: int, port: int, sizes: list[int], quick: bool
+    conn: Connection,
+    rank: int,
+    world: int,
+    port: int,
+    ops: list[str],
+    sizes: list[int],
+    quick: bool,
 ) -> None:
     import datetime
 
@@ -81,62 +192,11 @@ def _rank_main(
     batches = 3 if quick else 7
     rows = []
     try:
-        for nbytes in sizes:
-            x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
-            want = x.clone()
-            dist.all_reduce(want)
-            got = comm.all_reduce(x)
-            # Orders differ (Gloo's ring vs our slot order): equal up to rounding.
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            backend = comm.all_reduce_chain.select(x).name
-
-            def ours(x: torch.Tensor = x) -> None:
-                comm.all_reduce(x)
-
-            def gloo(x: torch.Tensor = x) -> None:
-                dist.all_reduce(x)
-
-            def gloo_oop(x: torch.Tensor = x) -> None:
-                # Like for like with ours: a fresh result tensor, input untouched.
-                dist.all_reduce(x.clone())
-
-            # Rank 0 picks the iteration count so every rank runs the same number.
-            start = time.perf_counter()
-            gloo()
-            once = time.perf_counter() - start
-            iters_t = torch.tensor([max(2, min(300, int(budget / max(once, 1e-6))))])
-            dist.broadcast(iters_t, src=0)
-            iters = int(iters_t.item())
-            impls = (("shm", ours), ("gloo", gloo), ("gloo_oop", gloo_oop))
-            for _, fn in impls:
-                fn()  # warm-up: page faults, caches
-            samples: dict[str, list[float]] = {name: [] for name, _ in impls}
-            for _ in range(batches):
-                for name, fn in impls:
-                    dist.barrier()
-                    start = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    samples[name].append((time.perf_counter() - start) / iters)
-            shm_s, gloo_s = median(samples["shm"]), median(samples["gloo"])
-            oop_s = median(samples["gloo_oop"])
-            rows.append(
-                {
-                    "world": world,
-                    "size": human_bytes(nbytes),
-                    "bytes": nbytes,
-                    "shm_us": shm_s * 1e6,
-                    "gloo_us": gloo_s * 1e6,
-                    "gloo_oop_us": oop_s * 1e6,
-                    "speedup": gloo_s / shm_s,
-                    "speedup_oop": oop_s / shm_s,
-                    "shm_GBps": nbytes / shm_s / 1e9,
-                    "gloo_GBps": nbytes / gloo_s / 1e9,
-                    "backend": backend,
-                    "iters": iters,
-                    "batches": batches,
-                }
-            )
+        for op in ops:
+            for nbytes in sizes:
+                x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+                ours, gloo, gloo_oop = _implementations(op, comm, x)
+                rows.append(_measure(op, world, nbytes, ours, gloo, gloo_oop, budget, batches))
         if rank == 0:
             conn.send(("ok", rows))
     except BaseException as exc:  # noqa: BLE001 - report anything to the parent
@@ -148,13 +208,17 @@ def _rank_main(
         conn.close()
 
 
-def run_world(world: int, sizes: list[int], quick: bool, timeout: float) -> list[dict[str, Any]]:
+def run_world(
+    world: int, ops: list[str], sizes: list[int], quick: bool, timeout: float
+) -> list[dict[str, Any]]:
     """Fork ``world`` ranks, run the sweep, return rank 0's rows."""
     ctx = mp.get_context("fork")
     port = _free_port()
     parent_end, child_end = ctx.Pipe(duplex=False)
     procs = [
-        ctx.Process(target=_rank_main, args=(child_end, r, world, port, sizes, quick), daemon=True)
+        ctx.Process(
+            target=_rank_main, args=(child_end, r, world, port, ops, sizes, quick), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -180,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (< 60 s)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        default=["all_reduce"],
+        choices=["all_reduce", "all_gather", "broadcast"],
+    )
     parser.add_argument("--json", default="bench_results/bench_all_reduce.json")
     parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -193,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {command}", flush=True)
     rows: list[dict[str, Any]] = []
     for world in args.worlds:
-        rows.extend(run_world(world, sizes, args.quick, args.timeout))
+        rows.extend(run_world(world, args.ops, sizes, args.quick, args.timeout))
     print_table(rows, COLUMNS)
     path = write_json(
         args.json,
@@ -202,16 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# wrote {path}")
     if args.plot:
         series = {}
-        for world in args.worlds:
-            mine = [r for r in rows if r["world"] == world]
-            xs = [r["bytes"] for r in mine]
-            series[f"shm, world {world}"] = (xs, [r["shm_us"] for r in mine])
-            series[f"gloo, world {world}"] = (xs, [r["gloo_us"] for r in mine])
+        for op in args.ops:
+            for world in args.worlds:
+                mine = [r for r in rows if r["world"] == world and r["op"] == op]
+                xs = [r["bytes"] for r in mine]
+                series[f"{op} shm, world {world}"] = (xs, [r["shm_us"] for r in mine])
+                series[f"{op} gloo, world {world}"] = (xs, [r["gloo_us"] for r in mine])
         png = plot_lines(
             os.path.splitext(args.json)[0] + ".png",
             series,
-            title="all_reduce latency (fp32, CPU ranks on one node)",
-            xlabel="bytes",
+            title="latency by size (fp32, CPU ranks on one node)",
+            xlabel="bytes per rank",
             ylabel="microseconds per call",
         )
         print(f"# wrote {png}")
