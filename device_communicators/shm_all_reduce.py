@@ -1,9 +1,9 @@
-"""Shared-memory all-reduce for CPU ranks on one node.
+"""Shared-memory all-reduce (and all-gather, broadcast) for CPU ranks on one node.
 
-One segment holds a control line per rank (a phase counter and the rank's
-pid) and two sets of data slots, one slot per rank. A call writes this rank's
-input into its slot of set ``generation % 2``, publishes the phase, waits
-for every peer's phase, and then either
+One segment holds a control line per rank (a phase counter, the rank's pid,
+and a futex doorbell) and two sets of data slots, one slot per rank. An
+all-reduce writes this rank's input into its slot of set ``generation % 2``,
+publishes the phase, waits for every peer's phase, and then either
 
 * one-shot (small pieces): every rank reduces all slots itself, or
 * two-shot (large pieces): rank k reduces slice k of all slots into slot 0
@@ -11,14 +11,20 @@ for every peer's phase, and then either
 
 The reduction order is fixed (slot 0, then 1, 2 ...), and in two-shot each
 element is computed once, so every rank's result is bit-identical. fp16 and
-bf16 sums and products accumulate in fp32.
+bf16 sums and products accumulate in fp32. ``all_gather`` and ``broadcast_``
+use the same slots and generations as plain byte copies (any dtype): write,
+publish, wait for all, read.
 
-Why double buffering needs no "done" flag: a rank that published the first
-phase of generation g has finished generation g-1 and therefore every read
-of generation g-2's set; since generation g waits for every rank's first
-phase before anyone reads or writes shared results, the set of generation
-g+2 is never overwritten while a slow peer still reads it. A rank's input
-write into its own slot of set g%2 is safe for the same reason.
+Why two sets and no "done" flag suffice: call g writes set g%2, which call
+g-2 used. A rank starts call g only after call g-1 saw every rank's first
+phase of g-1, and a rank publishes that phase only after it has finished
+call g-2, reads included. So nobody writes a set while a slow peer still
+reads it, and back-to-back calls never wait on a peer's copy-out.
+
+Waiting: a short busy poll (only when every rank can have its own core),
+then ``os.sched_yield()`` in a loop, then a futex sleep on the rank's
+doorbell, rung by whichever rank publishes next (see ``futex.py``). Every
+wait is bounded by the timeout and checks the peers' pids while asleep.
 
 Memory ordering: this runs only on x86-64 (refused elsewhere), where stores
 are seen by other cores in program order and loads are not reordered with
