@@ -105,3 +105,53 @@ def test_kill_pp_peer_during_send_tensor_dict() -> None:
         _names_victim,
         env=ENV,
     )
+
+
+# -- message queue: writer, local reader, remote reader -----------------------------------
+
+
+def _mq_stream(rank: int, world: int, victim: int, ready: Any, seed: int) -> Any:
+    from . import _mq
+
+    init_gloo(rank, world)
+    mq = _mq.build_queue(rank)
+    rng = random.Random(seed)  # the writer's choice of shapes
+    seq = [0]
+
+    def op() -> None:
+        if rank == _mq.WRITER:
+            mq.enqueue(_mq.message(rng, seq[0]))
+        else:
+            _mq.check(mq.dequeue(), seq[0])
+        seq[0] += 1
+
+    try:
+        return survive(op, ready)
+    finally:
+        # What an engine does on an error: stop the queue (wakes/ends the other side).
+        mq.shutdown()
+
+
+def _mq_allowed(rank: int, victim: int, kind: str, named: list[int]) -> bool:
+    from . import _mq
+
+    if victim == _mq.WRITER or rank == _mq.WRITER:
+        # The side that waited on the dead process must name it.
+        return _names_victim(rank, victim, kind, named)
+    # A reader whose fellow reader died: the writer stopped the queue (ClosedError)
+    # or has exited by the time it looked (PeerDiedError naming the writer).
+    return kind == "ClosedError" or (kind == "PeerDiedError" and named == [_mq.WRITER])
+
+
+def test_kill_mq_writer() -> None:
+    run_kill_case("kill: MQ writer", _mq_stream, 4, [0], trials(3), _mq_allowed, env=ENV)
+
+
+def test_kill_mq_local_reader() -> None:
+    run_kill_case("kill: MQ local reader", _mq_stream, 4, [1, 2], trials(3), _mq_allowed, env=ENV)
+
+
+def test_kill_mq_remote_reader() -> None:
+    run_kill_case(
+        "kill: MQ remote (TCP) reader", _mq_stream, 4, [3], trials(3), _mq_allowed, env=ENV
+    )

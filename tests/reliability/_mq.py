@@ -1,0 +1,84 @@
+"""A 4-rank message queue for the kill and soak cases, and the mixed messages they send.
+
+Rank 0 writes; ranks 1 and 2 read the shared-memory ring; rank 3 is made a
+remote reader (TCP on 127.0.0.1, MAC'd frames, credits) by leaving it out of
+the local ranks. Chunks are 64 KiB, so the larger messages take the overflow
+(ZeroMQ ipc) path behind a marker in the ring.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+WRITER = 0
+LOCAL_READERS = [1, 2]
+REMOTE_READERS = [3]
+WORLD = 4
+CHUNK_BYTES = 64 * 1024
+CHUNKS = 8
+
+
+def build_queue(rank: int, **kwargs: Any) -> Any:
+    """Collective over torch's default group (Gloo): the queue, ready to use."""
+    import torch.distributed as dist
+
+    from shm_broadcast.codec import dumps, loads
+    from shm_broadcast.group_io import broadcast_bytes
+    from shm_broadcast.message_queue import MessageQueue
+
+    pg = dist.group.WORLD
+    if rank == WRITER:
+        mq = MessageQueue(
+            len(LOCAL_READERS) + len(REMOTE_READERS),
+            len(LOCAL_READERS),
+            LOCAL_READERS,
+            CHUNK_BYTES,
+            CHUNKS,
+            "127.0.0.1",
+            **kwargs,
+        )
+        broadcast_bytes(pg, dumps(mq.export_handle()), WRITER)
+    else:
+        handle = loads(broadcast_bytes(pg, None, WRITER))
+        mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready(timeout=60)
+    return mq
+
+
+def message(rng: random.Random, seq: int) -> Any:
+    """Message number ``seq``: one of several shapes and sizes (up to 256 KiB)."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return {"seq": seq, "ids": list(range(seq % 17)), "text": "x" * (seq % 100)}
+    if kind == 1:
+        return {"seq": seq, "blob": bytes([seq % 256]) * rng.choice([10, 40_000, 200_000])}
+    if kind == 2:
+        n = rng.choice([1, 1000, 60_000])
+        return {"seq": seq, "t": torch.full((n,), float(seq % 1000), dtype=torch.float32)}
+    if kind == 3:
+        return {"seq": seq, "a": np.full((3, rng.choice([2, 5000])), seq % 7, dtype=np.int16)}
+    if kind == 4:
+        return ("tuple", seq, (None, True, 1.5), {"nested": [seq]})
+    return {"seq": seq, "t": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4) + seq % 5}
+
+
+def seq_of(msg: Any) -> int:
+    return int(msg[1] if isinstance(msg, tuple) else msg["seq"])
+
+
+def check(msg: Any, seq: int) -> None:
+    """``msg`` is exactly message ``seq`` (content checked, not only the number)."""
+    got = seq_of(msg)
+    if got != seq:
+        raise AssertionError(f"expected message {seq}, got {got} (lost or reordered)")
+    if isinstance(msg, dict):
+        if "blob" in msg:
+            assert msg["blob"] == bytes([seq % 256]) * len(msg["blob"])
+        if "t" in msg and msg["t"].dtype == torch.float32:
+            assert bool((msg["t"] == float(seq % 1000)).all())
+        if "a" in msg:
+            assert bool((msg["a"] == seq % 7).all())
