@@ -214,6 +214,8 @@ def _every_op(rank: int, world_size: int) -> str:
     _collectives(comm, async_op=True)
     _reduce_ops(comm)
     _bad_input_leaves_comm_usable(comm)
+    for _ in range(3):  # later barriers also clean up the keys of earlier ones
+        comm.monitored_barrier(timeout=20)
     comm.finalize()
     with pytest.raises(ClosedError, match="finalized"):
         comm.barrier()
