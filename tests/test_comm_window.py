@@ -76,7 +76,11 @@ def _window_ring(rank: int, world_size: int) -> str:
         win.wait_signal(left, timeout=0.3)
 
     comm.barrier()
+    held = win.get_tensor()
     win.tensor_deregister()
+    # A view kept past deregistration stays readable (the mapping lives on with it).
+    assert held[2:4].tolist() == [1000.0 * (_ITERS - 1) + left, -1.0 * (_ITERS - 1)]
+    del held
     # Puts landed in the registered tensor once it was deregistered.
     assert original[2:4].tolist() == [1000.0 * (_ITERS - 1) + left, -1.0 * (_ITERS - 1)]
 

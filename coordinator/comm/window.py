@@ -81,7 +81,10 @@ class _Mapped:
         self.counters = segment.buf[: 8 * size].cast("Q")
         self.values = segment.buf[8 * size : 8 * (size + info.signal_size)].cast("Q")
         self.data = (
-            torch.frombuffer(segment.buf, dtype=torch.uint8, count=info.data_nbytes, offset=header)
+            # From a slice, not ``segment.buf`` itself: the slice keeps the
+            # mapping's buffer exported, so closing the segment leaves it mapped
+            # while any tensor view lives (instead of a use-after-unmap crash).
+            torch.frombuffer(segment.buf[header : header + info.data_nbytes], dtype=torch.uint8)
             if info.data_nbytes
             else torch.empty(0, dtype=torch.uint8)
         )
