@@ -27,6 +27,7 @@ scheduler can use this module without paying for torch.
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 import struct
 import sys
@@ -41,6 +42,7 @@ from .errors import GroupcoordTypeError, ProtocolError
 
 __all__ = [
     "FRAME_ALIGN",
+    "MESSAGE_PREFIX",
     "Codec",
     "EncodedMessage",
     "dumps",
@@ -56,6 +58,7 @@ FRAME_ALIGN = 64
 BYTES_FRAME_THRESHOLD = 32 * 1024
 
 _PREFIX = struct.Struct("<II")
+MESSAGE_PREFIX = _PREFIX  # u32 header_len, u32 n_frames: starts every written message
 _FRAME_LEN = struct.Struct("<Q")
 
 # Ext type codes (msgpack allows 0..127 for applications).
@@ -73,6 +76,7 @@ _EXT_TORCH_SIZE = 11
 _EXT_PICKLE = 12
 
 _Ext = msgspec.msgpack.Ext
+_DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> name on the wire, filled on first use
 _SIMPLE = frozenset({type(None), bool, int, float, str})
 _SIMPLE_KEYS = frozenset({type(None), bool, int, float, str, bytes})
 
@@ -84,10 +88,14 @@ def _align(n: int) -> int:
 class EncodedMessage:
     """Header plus frames of one encoded object; ``nbytes`` is its wire size."""
 
-    __slots__ = ("header", "frames", "frame_lens", "nbytes")
+    __slots__ = ("header", "frames", "frame_lens", "nbytes", "keepalive")
 
-    def __init__(self, header: bytes, frames: list[Any], frame_lens: list[int]) -> None:
+    def __init__(
+        self, header: bytes, frames: list[Any], frame_lens: list[int], keepalive: list[Any]
+    ) -> None:
         self.header = header
+        # The tensors whose memory the frames point into, kept alive with them.
+        self.keepalive = keepalive
         # Each frame is a contiguous uint8 memoryview, or a (non-contiguous)
         # tensor / ndarray that write_message copies strided into place.
         self.frames = frames
@@ -107,6 +115,7 @@ class Codec:
         self._dec = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
         self._frames: list[Any] = []
         self._frame_lens: list[int] = []
+        self._keepalive: list[Any] = []
         self._in_frames: Sequence[memoryview] = ()
         self._bigints = False
 
@@ -116,6 +125,7 @@ class Codec:
         """Encode ``obj`` into a header and zero-copy frames."""
         self._frames = []
         self._frame_lens = []
+        self._keepalive = []
         self._bigints = False
         try:
             try:
@@ -126,10 +136,11 @@ class Codec:
                 self._frame_lens = []
                 self._bigints = True
                 header = self._enc.encode(self._walk(obj))
-            return EncodedMessage(header, self._frames, self._frame_lens)
+            return EncodedMessage(header, self._frames, self._frame_lens, self._keepalive)
         finally:
             self._frames = []
             self._frame_lens = []
+            self._keepalive = []
 
     def _walk(self, obj: Any) -> Any:
         """Return ``obj`` with every non-msgpack value replaced by an Ext (lazy copy)."""
@@ -176,6 +187,13 @@ class Codec:
         )
 
     def _walk_dict(self, d: dict[Any, Any]) -> Any:
+        # Fast path (C-speed type scan): a dict of plain scalars needs no rewrite.
+        if (
+            not self._bigints
+            and _SIMPLE.issuperset(map(type, d.values()))
+            and _SIMPLE_KEYS.issuperset(map(type, d))
+        ):
+            return d
         new: dict[Any, Any] | None = None
         simple_keys = _SIMPLE_KEYS
         for i, (k, v) in enumerate(d.items()):
@@ -198,6 +216,8 @@ class Codec:
         return _Ext(_EXT_PAIRS, self._enc.encode(flat))
 
     def _walk_list(self, items: list[Any]) -> list[Any]:
+        if not self._bigints and _SIMPLE.issuperset(map(type, items)):
+            return items
         new: list[Any] | None = None
         for i, v in enumerate(items):
             v2 = v if type(v) in _SIMPLE and not self._bigints else self._walk(v)
@@ -221,23 +241,36 @@ class Codec:
     def _walk_tensor(self, t: Any) -> Any:
         import torch
 
-        if t.layout != torch.strided:
+        if t.layout is not torch.strided:
             raise GroupcoordTypeError(f"cannot encode a tensor with layout {t.layout}")
         if t.is_quantized:
             raise GroupcoordTypeError(f"cannot encode a quantized tensor ({t.dtype})")
-        t = t.detach()
-        if t.device.type != "cpu":
+        # Each step below is skipped when not needed: this is the hot path of
+        # small-tensor messages.
+        if t.requires_grad:
+            t = t.detach()
+        if not t.is_cpu:
             t = t.cpu()
-        t = t.resolve_conj().resolve_neg()
-        nbytes = t.numel() * t.element_size()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        nbytes = t.nbytes
         frame: Any
-        if t.is_contiguous():
-            # A flat uint8 view over the tensor's own memory: no copy here.
-            frame = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else b""
-        else:
+        if not t.is_contiguous():
             frame = t  # copied strided straight into the destination
+        elif nbytes:
+            # A byte view of the tensor's own memory (no copy); the tensor is
+            # kept alive by the message for as long as the view is used.
+            frame = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+            self._keepalive.append(t)
+        else:
+            frame = b""
         idx = self._add_frame(frame, nbytes)
-        return _Ext(_EXT_TENSOR, self._enc.encode([str(t.dtype)[6:], list(t.shape), idx]))
+        name = _DTYPE_NAMES.get(t.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[t.dtype] = str(t.dtype)[6:]
+        return _Ext(_EXT_TENSOR, self._enc.encode([name, list(t.shape), idx]))
 
     def _walk_ndarray(self, a: Any) -> Any:
         import numpy as np
@@ -270,6 +303,13 @@ class Codec:
             raise ProtocolError(f"cannot decode message: {exc}") from exc
         finally:
             self._in_frames = ()
+
+    def decode_header_only(self, header: bytes | memoryview) -> Any:
+        """Decode a message that has no frames (the common small-object case)."""
+        try:
+            return self._dec.decode(header)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"cannot decode message: {exc}") from exc
 
     def _frame(self, idx: Any) -> memoryview:
         if type(idx) is not int or not 0 <= idx < len(self._in_frames):
@@ -341,11 +381,11 @@ def _decode_tensor(dtype_name: str, shape: list[int], frame: memoryview) -> Any:
         raise ProtocolError(
             f"tensor {dtype_name}{shape} needs {numel * itemsize} bytes, got {nbytes}"
         )
-    flat = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes:
-        # One copy out of the (reusable) source buffer into memory the tensor owns.
-        flat.numpy().data[:] = frame
-    return flat.view(dtype).reshape(shape)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # One copy out of the (reusable) source buffer into memory the tensor owns.
+    flat = torch.frombuffer(bytearray(frame), dtype=dtype)
+    return flat if len(shape) == 1 else flat.view(shape)
 
 
 def _numpy_dtype(descr: Any) -> Any:

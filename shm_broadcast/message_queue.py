@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from .codec import (
+    MESSAGE_PREFIX,
     Codec,
     dumps,
     frames_as_buffers,
@@ -375,10 +376,13 @@ class MessageQueue:
         """Send ``obj`` to every reader; waits (bounded) while readers are behind."""
         if self.role != "writer":
             raise GroupcoordValueError(f"{self.what}: enqueue on a {self.role} (rank {self.rank})")
-        self._check_open()
+        if self._closed:
+            self._check_open()
         msg = self._codec.encode(obj)  # refuses bad objects before anything is sent
+        # The deadline starts now; waits compute it only when they have to wait.
+        start = time.monotonic()
         timeout_s = resolve_timeout(timeout)
-        deadline = time.monotonic() + timeout_s
+        deadline = start + timeout_s
         self._busy = True
         try:
             body: list[Any] | None = None
@@ -391,7 +395,13 @@ class MessageQueue:
                 at = ring.chunk_at[idx]
                 if msg.nbytes <= self._capacity:
                     buf[at] = _INLINE
-                    write_message(msg, buf, at + _MSG_OFFSET)
+                    if msg.frames:
+                        write_message(msg, buf, at + _MSG_OFFSET)
+                    else:
+                        header = msg.header
+                        pos = at + _MSG_OFFSET
+                        MESSAGE_PREFIX.pack_into(buf, pos, len(header), 0)
+                        buf[pos + 8 : pos + 8 + len(header)] = header
                     ring.publish(idx)
                 else:
                     buf[at] = _OVERFLOW
@@ -474,7 +484,17 @@ class MessageQueue:
         if not ring.ready(idx, me):
             self._reader_wait_chunk(idx, deadline, timeout_s)
         at = ring.chunk_at[idx]
-        kind = ring.buf[at]
+        buf = ring.buf
+        kind = buf[at]
+        if kind == _INLINE:
+            pos = at + _MSG_OFFSET
+            header_len, n_frames = MESSAGE_PREFIX.unpack_from(buf, pos)
+            if n_frames == 0:
+                try:
+                    return self._codec.decode_header_only(buf[pos + 8 : pos + 8 + header_len])
+                finally:
+                    ring.release(idx, me)
+                    self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
         parts = None
         if kind == _OVERFLOW:
             # A timeout here keeps the chunk: the next dequeue waits for the same message.
