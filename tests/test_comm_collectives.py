@@ -10,7 +10,12 @@ import torch
 from multiproc import run_ranks
 
 from coordinator.comm import Comm, ReduceOp, Work, WorkStatus, new_comm
-from coordinator.errors import ClosedError, GroupcoordTypeError, GroupcoordValueError
+from coordinator.errors import (
+    ClosedError,
+    GroupcoordTimeoutError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+)
 
 
 def _done(work: Work, async_op: bool) -> None:
@@ -238,6 +243,10 @@ def _independent_completion(rank: int, world_size: int) -> str:
         reduced = comm.all_reduce(t, async_op=True)
         reduced.wait(timeout=10)
         assert not pending_recv.is_completed()
+        # A shorter wait() gives up alone: the op stays in flight and usable.
+        with pytest.raises(GroupcoordTimeoutError, match="still in flight"):
+            pending_recv.wait(timeout=0.2)
+        assert pending_recv.status is WorkStatus.INPROGRESS
         comm.send(torch.tensor([5.0]), 1)
         pending_recv.wait()
         assert got.item() == 6.0

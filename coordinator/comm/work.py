@@ -107,9 +107,16 @@ class Work:
     def status(self) -> WorkStatus:
         if not self._done.is_set():
             self._check_poll()
-        if not self._done.is_set() and time.monotonic() > self.deadline:
-            self._status = WorkStatus.TIMED_OUT
+        if not self._done.is_set() and time.monotonic() >= self.deadline:
+            self._expire()
         return self._status
+
+    def _expire(self) -> None:
+        """The op's own deadline passed unfinished: TIMED_OUT, and tell the comm once."""
+        if self._status is WorkStatus.INPROGRESS:
+            self._status = WorkStatus.TIMED_OUT
+            if self._on_timeout is not None:
+                self._on_timeout(self)
 
     def is_completed(self) -> bool:
         """True once the results are final (or the work failed)."""
@@ -119,7 +126,10 @@ class Work:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; raise if it failed or passed its deadline.
 
-        ``timeout`` shortens (never extends) the wait below the op's deadline.
+        ``timeout`` shortens (never extends) the wait below the op's deadline;
+        if only that shorter wait runs out, the error says so and the op stays
+        in flight (INPROGRESS): wait again later. Passing the op's own deadline
+        makes it TIMED_OUT.
         """
         deadline = self.deadline
         if timeout is not None:
@@ -129,9 +139,15 @@ class Work:
         else:
             self._done.wait(max(0.0, deadline - time.monotonic()))
         if not self._done.is_set():
-            self._status = WorkStatus.TIMED_OUT
-            if self._on_timeout is not None:
-                self._on_timeout(self)
+            if time.monotonic() < self.deadline:
+                raise GroupcoordTimeoutError(
+                    self._what(),
+                    f"wait() on {self.op}",
+                    float(timeout or 0.0),
+                    missing=self.peers,
+                    detail="the op is still in flight until its own deadline; wait again",
+                )
+            self._expire()
             raise self.timeout_error()
         if self._error is not None:
             raise self._error
@@ -167,9 +183,7 @@ def translate_error(work: Work, exc: BaseException) -> BaseException:
         return exc
     text = str(exc)
     if "Timed out" in text or "timed out" in text:
-        work._status = WorkStatus.TIMED_OUT
-        if work._on_timeout is not None:
-            work._on_timeout(work)
+        work._expire()
         error: BaseException = GroupcoordTimeoutError(
             work._what(), work.op, work.timeout_s, missing=work.peers, detail=text.strip()
         )
