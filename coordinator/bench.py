@@ -114,7 +114,7 @@ def run_benchmark(bench: Benchmark, out_dir: str, full: bool, timeout: float) ->
 def _row_dicts(data: Any) -> Iterator[dict[str, Any]]:
     """Every dict in the JSON that looks like a result row (rows may nest under any key)."""
     if isinstance(data, dict):
-        if _times(data) is not None or _ratio_key(data) is not None:
+        if _times(data) or _rates(data) or _ratio_key(data):
             yield data
         for value in data.values():
             if isinstance(value, (dict, list)):
@@ -141,6 +141,19 @@ def _time_key(row: dict[str, Any], who: tuple[str, ...]) -> tuple[str, float] | 
 def _times(row: dict[str, Any]) -> tuple[tuple[str, float], tuple[str, float]] | None:
     ours, torch_time = _time_key(row, _OURS), _time_key(row, _TORCH)
     return (ours, torch_time) if ours is not None and torch_time is not None else None
+
+
+def _rates(row: dict[str, Any]) -> tuple[str, float, float] | None:
+    """A throughput pair: ``"<x>/s"`` (ours) next to ``"gloo <x>/s"`` or ``"torch <x>/s"``."""
+    for key, value in row.items():
+        key = str(key)
+        if not key.endswith("/s") or " " in key or not isinstance(value, (int, float)):
+            continue
+        for who in _TORCH:
+            theirs = row.get(f"{who} {key}")
+            if isinstance(theirs, (int, float)):
+                return key, float(value), float(theirs)
+    return None
 
 
 def _ratio_key(row: dict[str, Any]) -> str | None:
@@ -186,7 +199,7 @@ def _human_bytes(n: float) -> str:
 
 
 def summary_rows(outcomes: list[Outcome]) -> list[dict[str, str]]:
-    """One line per compared case: both times and speedup = torch.distributed time / ours."""
+    """One line per compared case: both times (or rates) and groupcoord's speedup."""
     rows = []
     for outcome in outcomes:
         if outcome.status != "ok":
@@ -199,6 +212,11 @@ def summary_rows(outcomes: list[Outcome]) -> list[dict[str, str]]:
                 line["groupcoord"] = f"{ours * 1e6:,.1f} us"
                 line["torch.distributed"] = f"{theirs * 1e6:,.1f} us"
                 line["speedup"] = f"{theirs / ours:.3g}x" if ours > 0 else "-"
+            elif (rates := _rates(row)) is not None:
+                unit, ours, theirs = rates
+                line["groupcoord"] = f"{ours:,.0f} {unit}"
+                line["torch.distributed"] = f"{theirs:,.0f} {unit}"
+                line["speedup"] = f"{ours / theirs:.3g}x" if theirs > 0 else "-"
             else:
                 key = _ratio_key(row)
                 assert key is not None  # _row_dicts yields rows with times or a ratio

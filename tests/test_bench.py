@@ -15,6 +15,7 @@ rows = [
     {"op": "all_reduce", "bytes": 4096, "world": 2, "ours_us": 20.0, "torch_ms": 0.3},
     {"op": "all_reduce", "bytes": 16777216, "world": 2, "note": "no comparison here"},
     {"op": "overlap", "world": 2, "overlap_ratio": 1.5},
+    {"case": "tensor 4 KiB", "readers": 3, "msgs/s": 50000.0, "gloo msgs/s": 2000.0, "ratio": 25.0},
 ]
 json.dump({"command": "x", "results": rows}, open(path, "w"))
 print("table")
@@ -56,11 +57,13 @@ def test_bench_runs_scripts_and_summarises(tmp_path, monkeypatch, capsys):
     assert "gone             missing" in text
     assert "skip             skipped" in text and "no CUDA GPU" in text
     summary = [line for line in text.splitlines() if line.startswith("good ")]
-    assert len(summary) == 2, text  # the rows that compare, not the note
+    assert len(summary) == 3, text  # the rows that compare, not the note
     assert "op=all_reduce world=2 size=4 KiB" in summary[0]
     assert "20.0 us" in summary[0] and "300.0 us" in summary[0]
     assert "15x" in summary[0]
     assert "op=overlap world=2" in summary[1] and "1.5 (overlap_ratio)" in summary[1]
+    assert "case=tensor 4 KiB readers=3" in summary[2]
+    assert "50,000 msgs/s" in summary[2] and "2,000 msgs/s" in summary[2] and "25x" in summary[2]
 
 
 def test_bench_only_and_list(tmp_path, monkeypatch, capsys):
