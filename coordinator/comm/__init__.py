@@ -9,6 +9,7 @@ shared-memory windows and object collectives that never unpickle by default.
 
 from __future__ import annotations
 
+from .adapters import comm_from_group, comm_from_process_group
 from .batch import P2PBatch, P2POp
 from .comm import Comm, CommOptions, new_comm
 from .monitored_barrier import monitored_barrier
@@ -34,6 +35,8 @@ __all__ = [
     "Work",
     "WorkStatus",
     "all_gather_object",
+    "comm_from_group",
+    "comm_from_process_group",
     "broadcast_object_list",
     "gather_object",
     "monitored_barrier",

@@ -117,7 +117,7 @@ class Comm:
 
     def __init__(
         self,
-        pg: dist.ProcessGroupGloo,
+        pg: Any,
         base_store: dist.Store,
         prefix: str,
         rank: int,
@@ -126,9 +126,11 @@ class Comm:
         device: torch.device,
         timeout_s: float,
         hints: dict[str, str],
+        owns_pg: bool = True,
     ) -> None:
         # c10d's stubs lack the backend's collective methods, hence Any.
         self._pg: Any = pg
+        self._owns_pg = owns_pg  # False when borrowed from an existing group (adapters.py)
         self._base_store = base_store
         self._prefix = prefix
         self._store = dist.PrefixStore(prefix + "/kv", base_store)
@@ -793,7 +795,8 @@ class Comm:
         self._closed = "finalized"
         self._completer.drain()
         self._close_windows()
-        self._pg.shutdown()
+        if self._owns_pg:
+            self._pg.shutdown()
 
     def _close_windows(self) -> None:
         windows, self._windows = self._windows, []
