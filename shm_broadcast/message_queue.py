@@ -555,7 +555,7 @@ class MessageQueue:
             if kind == KIND_READY:
                 continue
             try:
-                return self._codec.decode(body[0].buffer, [f.buffer for f in body[1:]])
+                return self._codec.decode(body[0], body[1:])
             finally:
                 tcp.consumed()
 

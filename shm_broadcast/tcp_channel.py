@@ -27,6 +27,7 @@ taken as dead.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import struct
 import threading
@@ -40,7 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from .config import get_config
 from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError, ProtocolError
 
-__all__ = ["TcpReader", "TcpWriter", "frame_mac"]
+__all__ = ["TcpReader", "TcpWriter", "frame_mac", "pack_frames", "unpack_frames"]
 
 logger = logging.getLogger("groupcoord.shm_broadcast")
 
@@ -56,6 +57,7 @@ MAC_BYTES = 16
 # How long one poll may block inside a wait loop, ms: bounds how late a
 # deadline or a shutdown is noticed.
 _POLL_MS = 50
+_ZERO_COPY_MIN = 64 * 1024
 
 
 def frame_mac(key: bytes, kind: bytes, seq: bytes, body: Sequence[Any]) -> bytes:
@@ -68,6 +70,37 @@ def frame_mac(key: bytes, kind: bytes, seq: bytes, body: Sequence[Any]) -> bytes
         mac.update(_SEQ.pack(view.nbytes))
         mac.update(view)
     return mac.digest()
+
+
+_ENVELOPE = 1 + _SEQ.size + MAC_BYTES
+
+
+def pack_frames(key: bytes, kind: bytes, seq: int, body: Sequence[Any]) -> list[Any]:
+    """Wire frames of one message: ``kind|seq|mac|body[0]`` in one frame, then ``body[1:]``.
+
+    Few frames matter: each ZeroMQ frame costs microseconds in Python.
+    """
+    seq_bytes = _SEQ.pack(seq)
+    mac = frame_mac(key, kind, seq_bytes, body)
+    first = body[0] if body else b""
+    return [b"".join((kind, seq_bytes, mac, first)), *body[1:]]
+
+
+def unpack_frames(key: bytes, parts: Sequence[Any]) -> tuple[bytes, int, list[memoryview]] | None:
+    """``(kind, seq, body)`` of verified frames, or None when the MAC (or shape) is wrong."""
+    if not parts:
+        return None
+    envelope = memoryview(parts[0])
+    if envelope.nbytes < _ENVELOPE:
+        return None
+    kind = bytes(envelope[:1])
+    seq_bytes = bytes(envelope[1 : 1 + _SEQ.size])
+    body = [envelope[_ENVELOPE:], *(memoryview(p) for p in parts[1:])]
+    if not hmac.compare_digest(
+        frame_mac(key, kind, seq_bytes, body), envelope[1 + _SEQ.size : _ENVELOPE]
+    ):
+        return None
+    return kind, _SEQ.unpack(seq_bytes)[0], body
 
 
 def _tcp_options(sock: zmq.Socket) -> None:
@@ -136,20 +169,20 @@ class TcpWriter:
 
     def _handle_incoming(self, operation: str) -> None:
         """Process every frame waiting on the socket (non-blocking)."""
+        if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
         while True:
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             ident = parts[0]
-            if len(parts) != 5:
-                self.bad.drop(f"{len(parts) - 1} frames")
+            verified = unpack_frames(self.key, parts[1:])
+            if verified is None:
+                self.bad.drop("MAC mismatch or malformed")
                 continue
-            _, kind, seq, mac, body = parts
-            if len(seq) != _SEQ.size or frame_mac(self.key, kind, seq, [body]) != mac:
-                self.bad.drop("MAC mismatch")
-                continue
-            if len(body) != _RANK.size:
+            kind, n, (body,) = verified[0], verified[1], verified[2][:1]
+            if len(verified[2]) != 1 or body.nbytes != _RANK.size:
                 self.bad.drop("bad body size")
                 continue
             rank, _pid = _RANK.unpack(body)
@@ -163,7 +196,6 @@ class TcpWriter:
                 if self.peers.get(ident) != rank:
                     self.bad.drop("ACK from an unknown peer")
                     continue
-                n = _SEQ.unpack(seq)[0]
                 if n > self.acked[rank]:
                     self.acked[rank] = n
                     self._prune()
@@ -215,13 +247,15 @@ class TcpWriter:
             self._send(ident, KIND_READY, 0, [b""])
 
     def _send(self, ident: bytes, kind: bytes, seq: int, body: Sequence[Any]) -> None:
-        seq_bytes = _SEQ.pack(seq)
-        mac = frame_mac(self.key, kind, seq_bytes, body)
+        self._send_raw(ident, pack_frames(self.key, kind, seq, body), True)
+
+    def _send_raw(self, ident: bytes, parts: list[Any], copy: bool) -> None:
         try:
             # Non-blocking: credits keep every reader's queue below the
             # high-water mark, so EAGAIN here would be a bug, not back-pressure.
-            # Copied (copy=True): the caller may reuse a tensor once enqueue returns.
-            self.sock.send_multipart([ident, kind, seq_bytes, mac, *body], zmq.NOBLOCK)
+            # Zero-copy only for immutable bytes: the caller may reuse a tensor
+            # as soon as enqueue returns.
+            self.sock.send_multipart([ident, *parts], zmq.NOBLOCK, copy=copy)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise PeerDiedError(
@@ -255,8 +289,14 @@ class TcpWriter:
         while not self._credit_ok(nbytes):
             self._poll(deadline, "enqueue", self._lagging, check)
         seq = self.sent + 1
+        parts = pack_frames(self.key, KIND_MESSAGE, seq, body)  # one MAC for all readers
+        # Small messages: let zmq copy (cheapest). Large ones: copy once into
+        # immutable bytes that every reader's send then shares without copying.
+        copy = nbytes < _ZERO_COPY_MIN
+        if not copy:
+            parts = [bytes(part) for part in parts]
         for ident in self.peers:
-            self._send(ident, KIND_MESSAGE, seq, body)
+            self._send_raw(ident, parts, copy)
         self.sent = seq
         self._cum_bytes[seq] = self._cum_bytes[seq - 1] + nbytes
 
@@ -320,10 +360,7 @@ class TcpReader:
         return self.bad.count
 
     def _send(self, kind: bytes, seq: int, body: Sequence[Any]) -> None:
-        seq_bytes = _SEQ.pack(seq)
-        self.sock.send_multipart(
-            [kind, seq_bytes, frame_mac(self.key, kind, seq_bytes, body), *body]
-        )
+        self.sock.send_multipart(pack_frames(self.key, kind, seq, body))
 
     def _check_monitor(self, operation: str) -> None:
         while True:
@@ -342,8 +379,8 @@ class TcpReader:
         operation: str,
         on_timeout: Callable[[], BaseException],
         check: Callable[[], None],
-    ) -> tuple[bytes, list[Any]]:
-        """Next verified frame as (kind, body frames); raises on timeout/death/shutdown."""
+    ) -> tuple[bytes, list[memoryview]]:
+        """Next verified message as (kind, body buffers); raises on timeout/death/shutdown."""
         while True:
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -368,18 +405,11 @@ class TcpReader:
                 if self.monitor in events:
                     self._check_monitor(operation)
                 continue
-            if len(parts) < 4:
-                self.bad.drop(f"{len(parts)} frames")
+            verified = unpack_frames(self.key, [f.buffer for f in parts])
+            if verified is None:
+                self.bad.drop("MAC mismatch or malformed")
                 continue
-            kind, seq, mac = (parts[0].bytes, parts[1].bytes, parts[2].bytes)
-            body = parts[3:]
-            if (
-                len(seq) != _SEQ.size
-                or frame_mac(self.key, kind, seq, [f.buffer for f in body]) != mac
-            ):
-                self.bad.drop("MAC mismatch")
-                continue
-            n = _SEQ.unpack(seq)[0]
+            kind, n, body = verified
             if kind == KIND_MESSAGE:
                 if n != self.received + 1:
                     raise ProtocolError(
@@ -432,10 +462,10 @@ class _HeartbeatThread(threading.Thread):
         try:
             while True:
                 seq += 1
-                seq_bytes = _SEQ.pack(seq)
-                mac = frame_mac(self._key, KIND_BEAT, seq_bytes, [self._body])
                 try:
-                    sock.send_multipart([KIND_BEAT, seq_bytes, mac, self._body], zmq.NOBLOCK)
+                    sock.send_multipart(
+                        pack_frames(self._key, KIND_BEAT, seq, [self._body]), zmq.NOBLOCK
+                    )
                 except zmq.Again:
                     pass  # writer not reachable right now; the next beat retries
                 if self._stop_event.wait(self._interval):

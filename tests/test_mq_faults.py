@@ -15,7 +15,7 @@ from shm_broadcast.codec import Codec, frames_as_buffers
 from shm_broadcast.errors import GroupcoordTimeoutError, PeerDiedError
 from shm_broadcast.message_queue import Handle, MessageQueue
 from shm_broadcast.segments import list_segments
-from shm_broadcast.tcp_channel import KIND_MESSAGE, frame_mac
+from shm_broadcast.tcp_channel import KIND_MESSAGE, pack_frames
 
 SHORT_HEARTBEAT = 2.0
 
@@ -192,10 +192,9 @@ def _forged_to_writer_rank(rank, world_size):
         rogue = ctx.socket(zmq.DEALER)
         rogue.connect(handle.remote_address)
         rogue.send_multipart([b"garbage"])
-        seq = (1).to_bytes(8, "little")
-        body = (1).to_bytes(8, "little") + bytes(8)
+        body = (1).to_bytes(8, "little") + bytes(8)  # "I am reader rank 1"
         for kind in (b"H", b"A", b"B"):
-            rogue.send_multipart([kind, seq, frame_mac(b"wrong" * 6, kind, seq, [body]), body])
+            rogue.send_multipart(pack_frames(b"wrong" * 6, kind, 1, [body]))
         forged = 4
         time.sleep(0.5)
         rogue.close(linger=0)
@@ -243,25 +242,22 @@ def _forged_to_reader_rank(rank, world_size):
         allow_pickle=False,
     )
     reader = MessageQueue.create_from_handle(handle, 1)
-    assert router.poll(10_000)
-    ident, kind, *_ = router.recv_multipart()
-    assert kind == b"H"
+    while True:  # the reader's HELLO (its heartbeat thread may speak first)
+        assert router.poll(10_000)
+        ident, envelope = router.recv_multipart()
+        if envelope[:1] == b"H":
+            break
     codec = Codec()
 
     def send(obj, seq, mac_key):
         body = frames_as_buffers(codec.encode(obj))
-        seq_b = seq.to_bytes(8, "little")
-        router.send_multipart(
-            [ident, KIND_MESSAGE, seq_b, frame_mac(mac_key, KIND_MESSAGE, seq_b, body), *body]
-        )
+        router.send_multipart([ident, *pack_frames(mac_key, KIND_MESSAGE, seq, body)])
 
     send("forged", 1, b"not the key")
-    body = frames_as_buffers(codec.encode("genuine"))
-    seq_b = (1).to_bytes(8, "little")
-    mac = frame_mac(key, KIND_MESSAGE, seq_b, body)
-    router.send_multipart(
-        [ident, KIND_MESSAGE, seq_b, mac, *frames_as_buffers(codec.encode("altered"))]
-    )
+    # A genuine MAC over "genuine", with the payload swapped for another.
+    genuine = pack_frames(key, KIND_MESSAGE, 1, frames_as_buffers(codec.encode("genuine")))
+    altered = bytes(genuine[0][:25]) + codec.encode("altered").header
+    router.send_multipart([ident, altered])
     send("genuine", 1, key)
     got = reader.dequeue(timeout=10)
     bad = reader.bad_frames
