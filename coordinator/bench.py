@@ -114,7 +114,8 @@ def run_benchmark(bench: Benchmark, out_dir: str, full: bool, timeout: float) ->
 def _row_dicts(data: Any) -> Iterator[dict[str, Any]]:
     """Every dict in the JSON that looks like a result row (rows may nest under any key)."""
     if isinstance(data, dict):
-        if _times(data) or _rates(data) or _ratio_key(data):
+        # A row with a "rank" field is one rank's detail behind a summary row: skip it.
+        if "rank" not in data and (_times(data) or _rates(data) or _ratio_key(data)):
             yield data
         for value in data.values():
             if isinstance(value, (dict, list)):

@@ -15,6 +15,7 @@ rows = [
     {"op": "all_reduce", "bytes": 4096, "world": 2, "ours_us": 20.0, "torch_ms": 0.3},
     {"op": "all_reduce", "bytes": 16777216, "world": 2, "note": "no comparison here"},
     {"op": "overlap", "world": 2, "overlap_ratio": 1.5},
+    {"op": "overlap", "world": 2, "rank": 1, "overlap_ratio": 1.7},
     {"case": "tensor 4 KiB", "readers": 3, "msgs/s": 50000.0, "gloo msgs/s": 2000.0, "ratio": 25.0},
 ]
 json.dump({"command": "x", "results": rows}, open(path, "w"))
