@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import datetime
 import importlib
-import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -29,21 +28,15 @@ from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import get_config, override, resolve_timeout
 from shm_broadcast.group_io import broadcast_bytes
 
-from . import custom_ops
+from . import custom_ops, tensor_dicts
 from .errors import (
     ClosedError,
     GroupcoordError,
-    GroupcoordTimeoutError,
     GroupcoordTypeError,
     GroupcoordValueError,
     NotSupportedError,
-    PeerDiedError,
 )
-from .metadata import TensorMeta, decode_meta, describe, encode_meta, rebuild
-
-# CPU tensors up to this size ride inside the tensor-dict metadata: one
-# message instead of one per tensor, which is what makes small dicts fast.
-INLINE_TENSOR_MAX_BYTES = 64 * 1024
+from .failures import absent_ranks, classify
 
 # Device kind -> (module, class) of its communicator, imported on first use
 # so CUDA code is only loaded where a CUDA group exists.
@@ -119,7 +112,7 @@ class GroupCoordinator:
             dev = dist.new_group(list(ranks), backend=backend, timeout=deadline)
             # On Gloo one group serves both roles; a second would only add sockets.
             cpu = dev if backend == "gloo" else dist.new_group(list(ranks), "gloo", deadline)
-            if ranks == my_ranks:
+            if list(ranks) == my_ranks:
                 device_group, cpu_group = dev, cpu
         assert device_group is not None and cpu_group is not None
         self.ranks: list[int] = list(my_ranks)
@@ -443,59 +436,13 @@ class GroupCoordinator:
         """``src``'s dict of tensors and plain values on every rank.
 
         Metadata (and small CPU tensors, inline) go in one message, through
-        the message queue when the group has one; larger tensors follow as
-        broadcasts. Returns the dict (``src`` gets its own argument back).
+        the message queue when the group has one (then every CPU tensor rides
+        in it); other tensors follow as broadcasts. ``src`` gets its own dict back.
         """
         self._check_index(src, "src")
         if self.world_size == 1:
             return dict(tensor_dict) if tensor_dict is not None else None
-        tensor_group = group if group is not None else self.device_group
-        meta_group = metadata_group if metadata_group is not None else self.cpu_group
-        via_mq = self.mq_broadcaster is not None and src == 0 and metadata_group is None
-        if self.rank_in_group == src:
-            if tensor_dict is None:
-                raise GroupcoordTypeError("tensor_dict is required on the source rank")
-            if via_mq:
-                # The queue's codec writes CPU tensors straight into shared
-                # memory, so none need to ride inline or travel over Gloo.
-                meta, tensors = describe(tensor_dict, -1)
-                on_cpu = [t for t in tensors if t.is_cpu]
-                tensors = [t for t in tensors if not t.is_cpu]
-                self._mq_broadcast((encode_meta(meta), on_cpu))
-            else:
-                meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
-                payload = encode_meta(meta)
-                self._collective("broadcast_tensor_dict", broadcast_bytes, meta_group, payload, src)
-            works = [
-                dist.broadcast(
-                    t.contiguous(),
-                    src=self.ranks[src],
-                    group=meta_group if t.is_cpu else tensor_group,
-                    async_op=True,
-                )
-                for t in tensors
-            ]
-            self._wait_all("broadcast_tensor_dict", works)
-            return dict(tensor_dict)
-        arrived: list[torch.Tensor] = []
-        if via_mq:
-            data, arrived = self._mq_broadcast(None)
-        else:
-            data = self._collective("broadcast_tensor_dict", broadcast_bytes, meta_group, None, src)
-        from_queue = iter(arrived)
-        works = []
-
-        def receive(item: TensorMeta) -> torch.Tensor:
-            if item.device == "cpu" and via_mq:
-                return next(from_queue)
-            out = self._empty_like_meta(item)
-            pg = meta_group if out.is_cpu else tensor_group
-            works.append(dist.broadcast(out, src=self.ranks[src], group=pg, async_op=True))
-            return out
-
-        result = rebuild(decode_meta(data), receive)
-        self._wait_all("broadcast_tensor_dict", works)
-        return result
+        return tensor_dicts.broadcast(self, tensor_dict, src, group, metadata_group)
 
     def send_tensor_dict(
         self,
@@ -516,30 +463,8 @@ class GroupCoordinator:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         self._check_peer(dst, "dst")
-        slices = _all_gather_size(all_gather_group)
-        overrides = dict(all_gather_tensors or {})
-
-        def slices_of(key: str, tensor: torch.Tensor) -> int:
-            if slices <= 1 or tensor.numel() == 0:
-                return 0
-            wanted = overrides.get(key)
-            if wanted and tensor.numel() % slices:
-                raise GroupcoordValueError(
-                    f"all_gather_tensors[{key!r}] is True but tensor_dict[{key!r}] has "
-                    f"{tensor.numel()} elements, not divisible by all_gather_group's size {slices}"
-                )
-            use = tensor.numel() % slices == 0 if wanted is None else bool(wanted)
-            return slices if use else 0
-
-        meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES, slices_of)
-        self._send_bytes(encode_meta(meta), dst, "send_tensor_dict")
-        part = all_gather_group.rank_in_group if all_gather_group is not None else 0
-        items = [i for i in meta.items if isinstance(i, TensorMeta) and i.inline is None]
-        for item, tensor in zip(items, tensors):
-            if item.slices:
-                tensor = tensor.reshape(slices, -1)[part]
-            pg = self.cpu_group if tensor.is_cpu else self.device_group
-            self._p2p("send_tensor_dict", dst, dist.send, tensor.contiguous(), self.ranks[dst], pg)
+        _check_all_gather_group(all_gather_group)
+        tensor_dicts.send(self, tensor_dict, dst, all_gather_group, all_gather_tensors)
         return None
 
     def recv_tensor_dict(
@@ -558,34 +483,8 @@ class GroupCoordinator:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         self._check_peer(src, "src")
-        meta = decode_meta(self._recv_bytes(src, "recv_tensor_dict"))
-        slices = _all_gather_size(all_gather_group)
-        sent = {i.slices for i in meta.items if isinstance(i, TensorMeta) and i.slices}
-        for n in sent:
-            if all_gather_group is None or slices != n:
-                raise GroupcoordValueError(
-                    f"all_gather_group: the sender sliced tensors {n} ways, so the receiver "
-                    f"needs an all_gather_group of that size (got {slices})"
-                )
-
-        def receive(item: TensorMeta) -> torch.Tensor:
-            full = self._empty_like_meta(item)
-            target = full.reshape(slices, -1)[0] if item.slices else full
-            pg = self.cpu_group if target.is_cpu else self.device_group
-            self._p2p("recv_tensor_dict", src, dist.recv, target, self.ranks[src], pg)
-            if item.slices:
-                assert all_gather_group is not None
-                gathered = all_gather_group.all_gather(target, dim=0)
-                return gathered.reshape(item.shape)
-            return full
-
-        return rebuild(meta, receive)
-
-    def _empty_like_meta(self, item: TensorMeta) -> torch.Tensor:
-        from .metadata import dtype_from_name
-
-        device = torch.device("cpu") if item.device == "cpu" else self.device
-        return torch.empty(item.shape, dtype=dtype_from_name(item.dtype), device=device)
+        _check_all_gather_group(all_gather_group)
+        return tensor_dicts.recv(self, src, all_gather_group)
 
     # ---- point to point tensors ---------------------------------------------------------
 
@@ -721,7 +620,7 @@ class GroupCoordinator:
         except (GroupcoordError, ValueError, TypeError):
             raise
         except RuntimeError as exc:
-            raise _classify(
+            raise classify(
                 self.unique_name, operation, self.timeout_s, [self.ranks[peer]], exc
             ) from exc
 
@@ -729,44 +628,12 @@ class GroupCoordinator:
         self._collective(operation, lambda: [w.wait() for w in works])
 
     def _diagnose(self, operation: str, exc: RuntimeError) -> GroupcoordError:
-        """Which ranks reached this collective, found through the default store.
-
-        Only a failing collective pays for this: each rank that got here posts
-        its arrival under the collective's sequence number (every rank counts
-        the same calls), then waits a short grace for the others' posts.
-        Those that never post did not arrive (absent, slow, or dead).
-        """
         seq = self._collective_seq
         self._collective_seq += 1
-        missing: list[int] = []
-        try:
-            store = dist.PrefixStore(
-                f"groupcoord/{self.unique_name}/arrived/{seq}/",
-                dist.distributed_c10d._get_default_store(),
-            )
-            store.set(str(self.rank_in_group), "1")
-            grace = min(5.0, max(0.5, self.timeout_s / 2))
-            deadline = time.monotonic() + grace
-            while True:
-                missing = [r for i, r in enumerate(self.ranks) if not store.check([str(i)])]
-                if not missing or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        except RuntimeError as store_exc:
-            # The store itself is gone (its host died): report what we know.
-            missing = []
-            exc = RuntimeError(f"{exc}; arrival check failed: {store_exc}")
-        return _classify(self.unique_name, operation, self.timeout_s, missing, exc)
-
-
-def _classify(
-    what: str, operation: str, timeout_s: float, missing: list[int], exc: BaseException
-) -> GroupcoordError:
-    """A timeout or a dead peer, from the transport's message."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return GroupcoordTimeoutError(what, operation, timeout_s, missing, detail=text)
-    return PeerDiedError(what, operation, missing, detail=text)
+        missing = absent_ranks(
+            self.unique_name, seq, self.rank_in_group, self.ranks, self.timeout_s
+        )
+        return classify(self.unique_name, operation, self.timeout_s, missing, exc)
 
 
 def _check_tensor(tensor: object, name: str) -> None:
@@ -811,11 +678,8 @@ def _check_group_ranks(group_ranks: Any, rank: int, world_size: int) -> list[int
     return mine
 
 
-def _all_gather_size(group: GroupCoordinator | None) -> int:
-    if group is None:
-        return 1
-    if not isinstance(group, GroupCoordinator):
+def _check_all_gather_group(group: Any) -> None:
+    if group is not None and not isinstance(group, GroupCoordinator):
         raise GroupcoordTypeError(
             f"all_gather_group must be a GroupCoordinator, got {type(group).__name__}"
         )
-    return group.world_size
