@@ -275,3 +275,94 @@ def test_bad_arguments_are_refused():
         MessageQueue(1, 0, connect_ip="*")
     with pytest.raises(GroupcoordValueError, match="max_chunk_bytes"):
         MessageQueue(1, 1, max_chunk_bytes=0)
+
+
+def _object_group_rank(rank, world_size, port):
+    from test_mq_group_io import StoreGroup
+
+    pg = StoreGroup(rank, world_size, port)
+    try:
+        mq = MessageQueue.create_from_process_group(pg, 1 << 12, 4, writer_rank=2)
+        got = [mq.broadcast_object(("step", i) if rank == 2 else None) for i in range(20)]
+        role = mq.role
+        # Every rank is done reading before the writer goes.
+        pg.all_gather_obj(b"done")
+        mq.shutdown()
+    finally:
+        pg.close()
+    return role, got
+
+
+def test_create_from_an_object_group():
+    from multiproc import free_port
+
+    results = run_ranks(_object_group_rank, 3, free_port(), timeout=60)
+    assert [r[0] for r in results] == ["local reader", "local reader", "writer"]
+    for _, got in results:
+        assert got == [("step", i) for i in range(20)]
+
+
+def _external_writer_rank(rank, world_size):
+    import torch.distributed as dist
+
+    # Rank 0 writes a queue whose readers are ranks 1 and 2; the subgroup {1, 2}
+    # then joins it through create_from_process_group(external_writer_handle=...).
+    init_gloo(rank, world_size)
+    sub = dist.new_group([1, 2])
+    if rank == 0:
+        mq = MessageQueue(2, 2, [0, 1], 1 << 12, 4, writer_rank=0)
+        broadcast_bytes(dist.group.WORLD, dumps(mq.export_handle()))
+        mq.wait_until_ready(timeout=30)
+        for i in range(10):
+            mq.enqueue(i)
+        dist.barrier()
+        mq.shutdown()
+        return None
+    handle = loads(broadcast_bytes(dist.group.WORLD, None))
+    # Within the subgroup, ranks are 0 and 1: the handle's local reader ranks.
+    mq = MessageQueue.create_from_process_group(
+        sub, 1 << 12, 4, writer_rank=0, external_writer_handle=handle
+    )
+    got = [mq.dequeue(timeout=30) for _ in range(10)]
+    dist.barrier()
+    mq.shutdown()
+    return got
+
+
+def test_external_writer_handle_joins_every_rank_as_reader():
+    results = run_ranks(_external_writer_rank, 3, timeout=60)
+    assert results[1:] == [list(range(10))] * 2
+
+
+def _too_big_rank(rank, world_size):
+    from shm_broadcast.errors import ShmSpaceError
+    from shm_broadcast.segments import shm_free_bytes
+
+    with pytest.raises(ShmSpaceError, match="free"):
+        MessageQueue(1, 1, max_chunk_bytes=shm_free_bytes() // 2 + 4096, max_chunks=2)
+    return True
+
+
+def test_a_ring_larger_than_free_shared_memory_is_refused():
+    assert run_ranks(_too_big_rank, 1, timeout=30) == [True]
+
+
+def _stateless_group_rank(rank, world_size, port):
+    from coordinator.stateless_group import StatelessProcessGroup
+
+    pg = StatelessProcessGroup.create("127.0.0.1", port, rank, world_size, timeout=30)
+    try:
+        mq = MessageQueue.create_from_process_group(pg, 1 << 12, 4, writer_rank=0)
+        got = [mq.broadcast_object({"i": i} if rank == 0 else None) for i in range(20)]
+        pg.barrier()
+        mq.shutdown()
+    finally:
+        pg.close()
+    return got
+
+
+def test_create_from_the_coordinators_stateless_process_group():
+    from multiproc import free_port
+
+    for got in run_ranks(_stateless_group_rank, 3, free_port(), timeout=60):
+        assert got == [{"i": i} for i in range(20)]
