@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fail-step", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument(
-        "--fail-mode", choices=["raise", "kill"], default="raise", help=argparse.SUPPRESS
+        "--fail-mode", choices=["raise", "kill", "hang"], default="raise", help=argparse.SUPPRESS
     )
     return p
 

@@ -175,9 +175,13 @@ def _run_steps(args: argparse.Namespace, rank: int) -> RankReport:
 
 
 def _inject_failure(mode: str, rank: int, step: int) -> None:
-    """``--fail-rank``: raise (a Python error) or die by SIGKILL (a crash, no report)."""
+    """``--fail-rank``: raise (a Python error), die by SIGKILL (a crash, no report) or hang."""
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "hang":
+        # Stuck without dying: peers must notice through their deadlines.
+        while True:
+            time.sleep(1.0)
     raise RuntimeError(f"injected failure (--fail-rank {rank} --fail-step {step})")
 
 

@@ -102,8 +102,10 @@ def test_model_config_refuses_unsplittable_sizes():
 # ---- the whole command ------------------------------------------------------------
 
 
-def _run_demo(*args: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "GROUPCOORD_TIMEOUT_S": "60", "PYTHONPATH": REPO}
+def _run_demo(
+    *args: str, timeout: float = 150.0, deadline_s: str = "60"
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GROUPCOORD_TIMEOUT_S": deadline_s, "PYTHONPATH": REPO}
     return subprocess.run(
         [sys.executable, "-m", "coordinator", "demo", *args],
         cwd=REPO,
@@ -221,4 +223,18 @@ def test_demo_rank_killed_is_named_and_its_shared_memory_removed():
     result = _run_demo("--fail-rank", "1", "--fail-mode", "kill", "--steps", "3", marker)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "demo FAILED: rank 1 was killed by SIGKILL without reporting an error" in result.stderr
+    assert _processes_with(marker) == []
+
+
+def test_demo_hung_rank_is_named_by_its_peers_deadlines():
+    marker = "--timeout=97.75"
+    result = _run_demo(
+        "--fail-rank", "1", "--fail-mode", "hang", "--steps", "3", marker, deadline_s="3"
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    # Whichever peer's deadline passes first is reported, and it names the hung rank.
+    cause = next(line for line in result.stderr.splitlines() if "demo FAILED" in line)
+    assert "GroupcoordTimeoutError" in cause and "timed out after 3 s" in cause, cause
+    assert "waiting for ranks [1]" in cause, cause
+    assert "ending the ranks still running: [1]" in result.stderr
     assert _processes_with(marker) == []
