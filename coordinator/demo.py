@@ -48,6 +48,7 @@ class RankFailure(msgspec.Struct):
     error: str
     traceback: str
     when: float  # time.time() of the failure: the earliest one is the cause
+    timed_out: bool = False  # a deadline passed: the rank waited on someone else
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +180,7 @@ def _child(args: argparse.Namespace, rank: int, world: int, port: int, conn: Con
             f"{type(exc).__name__}: {exc}",
             "".join(traceback.format_exception(exc)),
             time.time(),
+            timed_out=isinstance(exc, TimeoutError),
         )
         conn.send_bytes(msgspec.msgpack.encode(failure))
 
@@ -304,20 +306,31 @@ def _report_failures(
     deaths.sort(key=lambda f: f.when)
     failures.sort(key=lambda f: f.when)
     events = deaths + failures
-    cause = events[0]
-    others = [r for r, p in enumerate(procs) if r != cause.rank and p.is_alive()]
-    if cause.traceback:
-        lines = [
-            f"\ndemo FAILED: rank {cause.rank} raised {cause.error}",
-            f"--- rank {cause.rank} traceback ---",
-            cause.traceback.rstrip(),
-        ]
+    reported = {f.rank for f in events}
+    silent = [r for r, p in enumerate(procs) if p.is_alive() and r not in reported]
+    lines: list[str] = []
+    if not deaths and silent and all(f.timed_out for f in failures):
+        # Everyone who spoke timed out waiting: the ranks that never spoke are stuck.
+        lines.append(
+            f"\ndemo FAILED: rank(s) {silent} stopped responding; their peers' deadlines passed"
+        )
+        cause = None
     else:
-        lines = [f"\ndemo FAILED: rank {cause.rank} {cause.error}"]
-    for f in events[1:]:
-        what = f"raised {f.error.splitlines()[0][:200]}" if f.traceback else f.error
-        lines.append(f"--- then rank {f.rank} {what}")
-    lines.append(f"--- ending the ranks still running: {others} ---")
+        cause = events[0]
+        if cause.traceback:
+            lines += [
+                f"\ndemo FAILED: rank {cause.rank} raised {cause.error}",
+                f"--- rank {cause.rank} traceback ---",
+                cause.traceback.rstrip(),
+            ]
+        else:
+            lines.append(f"\ndemo FAILED: rank {cause.rank} {cause.error}")
+    for f in events:
+        if f is not cause:
+            what = f"raised {f.error.splitlines()[0][:200]}" if f.traceback else f.error
+            lines.append(f"--- {'then ' if cause else ''}rank {f.rank} {what}")
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    lines.append(f"--- ending the ranks still running: {alive} ---")
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
