@@ -3,7 +3,8 @@
 One writer with 1 and 3 readers (world 2 and 4, forked ranks on this machine):
 a small-object stream (a dict of a few ints and a short string) and 64 B,
 4 KiB, 1 MiB, 16 MiB payloads as ``bytes`` and as tensors. For each case:
-throughput (msgs/s, GB/s delivered per reader), one-way latency p50/p99 (a
+throughput (msgs/s, GB/s delivered per reader; median of 5 timed rounds after
+warm-up), one-way latency p50/p99 (a
 timestamp inside the message, messages spaced so none waits in the queue), and
 Gloo's ``broadcast_object_list`` in the same world and run, with the ratio.
 
@@ -38,6 +39,7 @@ from _common import (  # noqa: E402
 )
 
 SIZES = [64, 4 << 10, 1 << 20, 16 << 20]
+ROUNDS = 5  # throughput is the median of this many timed rounds
 
 
 def _cases(quick: bool) -> list[dict[str, Any]]:
@@ -119,26 +121,31 @@ def _bench_rank(
         payload = _payload(case["kind"], size) if rank == 0 else None
         out: dict[str, Any] = {}
 
-        # Throughput: the writer streams n messages; time until the last reader has all.
+        # Throughput: the writer streams n messages in ROUNDS rounds; each round
+        # lasts until the last reader has all of it; the median round counts.
         n = case["n"]
         for _ in range(min(200, n)):  # warm-up
             mq.broadcast_object(payload)
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            for _ in range(n):
-                mq.enqueue(payload)
-        else:
-            for _ in range(n):
-                mq.dequeue()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        out["ours_s"] = elapsed.item()
+        per_round = max(n // ROUNDS, 1)
+        rounds = []
+        for _ in range(ROUNDS):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                for _ in range(per_round):
+                    mq.enqueue(payload)
+            else:
+                for _ in range(per_round):
+                    mq.dequeue()
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            rounds.append(elapsed.item() / per_round)
+        out["ours_s_per_msg"] = median(rounds)
 
         # Latency: a timestamp travels with the payload; messages are spaced so
         # each finds the queue empty. perf_counter is CLOCK_MONOTONIC: one clock
         # for every process on the machine.
-        gap = max(2.0 * out["ours_s"] / n, 50e-6)
+        gap = max(2.0 * out["ours_s_per_msg"], 50e-6)
         lat = []
         dist.barrier()
         for _ in range(case["lat"]):
@@ -156,16 +163,20 @@ def _bench_rank(
         gloo_lat = []
         for _ in range(min(20, case["gloo"])):
             dist.broadcast_object_list([payload], src=0, group=group)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(case["gloo"]):
-            t1 = time.perf_counter()
-            objs = [payload]
-            dist.broadcast_object_list(objs, src=0, group=group)
-            gloo_lat.append(time.perf_counter() - t1)
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        out["gloo_s"] = elapsed.item()
+        per_round = max(case["gloo"] // ROUNDS, 1)
+        rounds = []
+        for _ in range(ROUNDS):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                t1 = time.perf_counter()
+                objs = [payload]
+                dist.broadcast_object_list(objs, src=0, group=group)
+                gloo_lat.append(time.perf_counter() - t1)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            rounds.append(elapsed.item() / per_round)
+        out["gloo_s_per_msg"] = median(rounds)
         out["gloo_lat"] = gloo_lat
         results.append(out)
     dist.destroy_process_group()
@@ -230,10 +241,8 @@ def summarize(
         readers = [per_rank[r][i] for r in range(1, world)]
         lat = [x for r in readers for x in r["lat"]]
         gloo_lat = [x for r in readers for x in r["gloo_lat"]]
-        ours_s = per_rank[0][i]["ours_s"]
-        gloo_s = per_rank[0][i]["gloo_s"]
-        msgs = case["n"] / ours_s
-        gloo_msgs = case["gloo"] / gloo_s
+        msgs = 1.0 / per_rank[0][i]["ours_s_per_msg"]
+        gloo_msgs = 1.0 / per_rank[0][i]["gloo_s_per_msg"]
         nbytes = case["size"]
         rows.append(
             {
