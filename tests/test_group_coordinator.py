@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
+from multiproc import init_gloo, run_ranks, start_ranks
 
 from coordinator import custom_ops
 from coordinator.errors import (
@@ -20,6 +20,7 @@ from coordinator.errors import (
     GroupcoordTypeError,
     GroupcoordValueError,
     NotInitializedError,
+    PeerDiedError,
 )
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
 from shm_broadcast.segments import list_segments
@@ -349,3 +350,46 @@ def _single_reader_queues(rank: int, world_size: int) -> list:
 def test_single_reader_queues_carry_every_rank_to_the_reader() -> None:
     got = run_ranks(_single_reader_queues, 3, timeout=60)[0]
     assert got == [{"from": 1}, {"from": 2}]
+
+
+def _barrier_with_a_killed_peer(rank: int, world_size: int) -> str:
+    g = world_group(rank, world_size, timeout=30.0)
+    g.barrier()
+    if rank == 1:
+        time.sleep(60)  # killed by the test while rank 0 waits
+    start = time.monotonic()
+    with pytest.raises(PeerDiedError) as info:
+        g.barrier()
+    assert time.monotonic() - start < 20  # well inside the 30 s deadline
+    assert info.value.dead == [1]
+    return str(info.value)
+
+
+def test_a_killed_peer_is_named_well_before_the_deadline() -> None:
+    group = start_ranks(_barrier_with_a_killed_peer, 2, timeout=60)
+    time.sleep(4)  # both ranks are set up and rank 0 waits in the second barrier
+    group.kill(1)
+    message = group.collect(killed=[1])[0]
+    assert "barrier failed: peer rank(s) [1] died" in message
+
+
+def _bad_group_ranks(rank: int, world_size: int) -> list[str]:
+    init_gloo(rank, world_size)
+    messages = []
+    for group_ranks in ([[5]], [[0, 1], [1]], [], [[0, 1.5]]):
+        with pytest.raises(GroupcoordValueError) as info:
+            GroupCoordinator(group_ranks, rank, "gloo", True)  # type: ignore[arg-type]
+        messages.append(str(info.value))
+    # Nothing was created: a good group (with tuples) still lines up on every rank.
+    g = GroupCoordinator([(0, 1)], rank, "gloo", True)  # type: ignore[list-item]
+    assert g.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
+    g.destroy()
+    return messages
+
+
+def test_bad_group_ranks_raise_before_any_group_is_made() -> None:
+    messages = run_ranks(_bad_group_ranks, 2, timeout=60)[0]
+    assert "5 is not a rank of the world (2)" in messages[0]
+    assert "rank 1 appears in more than one place" in messages[1]
+    assert "non-empty list" in messages[2]
+    assert "1.5 is not a rank" in messages[3]
