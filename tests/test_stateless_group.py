@@ -112,3 +112,20 @@ def test_bad_arguments_raise_at_the_call_site_and_the_group_stays_usable() -> No
 def test_create_refuses_a_rank_outside_the_world() -> None:
     with pytest.raises(GroupcoordValueError, match="rank=2 is not in range"):
         StatelessProcessGroup.create("127.0.0.1", 1, 2, 2)
+
+
+def _queue_over_stateless_group(rank: int, world_size: int) -> list:
+    from shm_broadcast.message_queue import MessageQueue
+
+    group = _join(rank, world_size, timeout=30)
+    mq = MessageQueue.create_from_process_group(group, 1 << 16, 4, writer_rank=1)
+    got = [mq.broadcast_object({"step": i} if rank == 1 else None) for i in range(5)]
+    group.barrier()
+    mq.shutdown()
+    group.close()
+    return got
+
+
+def test_a_message_queue_builds_over_a_stateless_group() -> None:
+    results = run_ranks(_queue_over_stateless_group, 3, timeout=60)
+    assert all(r == [{"step": i} for i in range(5)] for r in results)
