@@ -63,7 +63,9 @@ class StatelessProcessGroup:
                 timeout=datetime.timedelta(seconds=timeout_s),
                 wait_for_workers=False,
             )
-        except dist.DistStoreError as exc:
+        except (dist.DistStoreError, dist.DistNetworkError) as exc:
+            # An absent store host shows up as a network error (connect timed
+            # out), a present but silent one as a store error: both mean rank 0.
             raise GroupcoordTimeoutError(what, "connect", timeout_s, [0], detail=str(exc)) from exc
         group = cls(rank, world_size, store, timeout_s)
         group.barrier()
@@ -127,20 +129,30 @@ class StatelessProcessGroup:
         store = self.store
         if self.world_size > 1:
             if self.rank == 0:
-                deadline = time.monotonic() + resolve_timeout(timeout)
-                # Ranks leave by bumping the counter; the store must outlive their last call.
-                while store.add("close/left", 0) < self.world_size - 1:
+                timeout_s = resolve_timeout(timeout)
+                deadline = time.monotonic() + timeout_s
+                # Ranks leave by appending their rank to one key (so a timeout can
+                # name who has not left); the store must outlive their last call.
+                while len(left := self._ranks_left(store)) < self.world_size - 1:
                     if time.monotonic() > deadline:
+                        missing = [r for r in range(1, self.world_size) if r not in left]
                         raise GroupcoordTimeoutError(
-                            self._what(), "close", resolve_timeout(timeout), role="store host"
+                            self._what(), "close", timeout_s, missing, role="store host"
                         )
                     time.sleep(0.001)
                 store.delete_key("close/left")
             else:
-                store.add("close/left", 1)
+                # append is in every TCPStore since torch 2.3; the stub lacks it.
+                store.append("close/left", f"{self.rank},".encode())  # type: ignore[attr-defined]
         self.store = None
 
     # ---- helpers --------------------------------------------------------------
+
+    @staticmethod
+    def _ranks_left(store: dist.Store) -> set[int]:
+        if not store.check(["close/left"]):
+            return set()
+        return {int(r) for r in store.get("close/left").decode().split(",") if r}
 
     def _gather(self, operation: str, payload: bytes, timeout: float | None, decode: bool) -> Any:
         store = self._live_store()
