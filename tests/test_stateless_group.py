@@ -129,3 +129,18 @@ def _queue_over_stateless_group(rank: int, world_size: int) -> list:
 def test_a_message_queue_builds_over_a_stateless_group() -> None:
     results = run_ranks(_queue_over_stateless_group, 3, timeout=60)
     assert all(r == [{"step": i} for i in range(5)] for r in results)
+
+
+def _no_store_host(rank: int, world_size: int) -> str:
+    port = int(os.environ["MASTER_PORT"])  # nobody listens there
+    start = time.monotonic()
+    with pytest.raises(GroupcoordTimeoutError) as info:
+        StatelessProcessGroup.create("127.0.0.1", port, 1, 2, timeout=1.0)
+    assert time.monotonic() - start < 10
+    assert info.value.missing == [0]
+    return str(info.value)
+
+
+def test_joining_without_a_store_host_times_out_naming_rank_0() -> None:
+    message = run_ranks(_no_store_host, 1, timeout=60)[0]
+    assert "connect timed out after 1 s waiting for ranks [0]" in message
