@@ -175,6 +175,7 @@ CASE_KEYS = (
     "dtype",
     "size",
     "MiB",
+    "compute",
     "world",
     "world_size",
     "readers",
