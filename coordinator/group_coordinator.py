@@ -128,7 +128,17 @@ class GroupCoordinator:
         self._destroyed = False
         self._plain_comm: DeviceCommunicatorBase | None = None
         self.device_communicator: DeviceCommunicatorBase | None = None
-        if use_device_communicator and self.world_size > 1:
+        self.mq_broadcaster: Any = None
+        try:
+            self._build_helpers(group_name, use_device_communicator, use_message_queue_broadcaster)
+        except BaseException:
+            # Leave nothing half-built behind (process groups, shared memory).
+            self.destroy()
+            raise
+        custom_ops.register_group(self.unique_name, self)
+
+    def _build_helpers(self, group_name: str | None, use_comm: bool, use_mq: bool) -> None:
+        if use_comm and self.world_size > 1:
             cls = get_device_communicator_cls(self.device)
             # Back ends read their deadline from the config when built.
             with override(timeout_s=self.timeout_s):
@@ -144,10 +154,8 @@ class GroupCoordinator:
                 self.device_communicator.set_all2all_manager(
                     create_all2all_manager(get_config().all2all_backend, self.device_communicator)
                 )
-        self.mq_broadcaster: Any = None
-        if use_message_queue_broadcaster and self.world_size > 1:
+        if use_mq and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
-        custom_ops.register_group(self.unique_name, self)
 
     def __repr__(self) -> str:
         return f"GroupCoordinator({self.unique_name}, ranks={self.ranks}, rank={self.rank})"
