@@ -60,16 +60,18 @@ from .errors import (
     GroupcoordValueError,
     PeerDiedError,
 )
+from .host_alloc import empty_output
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
 # Each rank's control line (one cache line): int64 phase counter, int64 pid,
-# int32 "asleep" flag, int32 doorbell (the futex word).
+# int32 "asleep" flag, int32 doorbell (the futex word), int64 pid namespace.
 _LINE = 64
 _QWORDS = _LINE // 8  # int64 index stride between lines
 _DWORDS = _LINE // 4  # int32 index stride between lines
 _ASLEEP = 4  # int32 index within a line
 _BELL = 5
+_PIDNS = 3  # int64 index within a line
 _PAGE = 4096
 _VIEW_CACHE_ENTRIES = 512
 _HANDLE_BYTES = 256  # fixed-size name+token broadcast at set-up
@@ -112,6 +114,14 @@ def _align(n: int, to: int) -> int:
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (0-dim included)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (inode of /proc/self/ns/pid), or 0 when unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -266,6 +276,7 @@ class ShmAllReduce(AllReduceBackend):
             assert self._segment is not None
             self._counters = self._segment.buf[: self._ctrl_bytes].cast("q")
             self._counters[self.rank_in_group * _QWORDS + 1] = os.getpid()
+            self._counters[self.rank_in_group * _QWORDS + _PIDNS] = _pid_namespace()
         ok = torch.tensor([0 if local_reason is None else 1], dtype=torch.int32)
         everyone = [torch.empty_like(ok) for _ in self.ranks]
         dist.all_gather(everyone, ok, group=self.group)
@@ -302,7 +313,8 @@ class ShmAllReduce(AllReduceBackend):
         # Ranks in other pid namespaces (containers sharing /dev/shm) show pids
         # we cannot see: then only the timeout can tell a dead peer, never a
         # false "peer died".
-        self._pid_checks = all(_pid_alive(pid) for pid in self._pids)
+        namespaces = {self._counters[r * _QWORDS + _PIDNS] for r in range(self.world_size)}
+        self._pid_checks = len(namespaces) == 1 and 0 not in namespaces
         if not self._pid_checks:
             logger.info("%s: peer pids not visible here; dead peers surface as timeouts", self.what)
         self._words = buf[: self._ctrl_bytes].cast("i")
@@ -338,7 +350,7 @@ class ShmAllReduce(AllReduceBackend):
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
         self._start("all_reduce", self.refusal(tensor, op))
-        out = torch.empty(tensor.shape, dtype=tensor.dtype)
+        out = empty_output(tensor.shape, tensor.dtype)
         numel = tensor.numel()
         if numel == 0:
             return out
@@ -367,7 +379,7 @@ class ShmAllReduce(AllReduceBackend):
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``."""
         self._start("all_gather", self.copy_refusal(tensor))
-        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
+        out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
         if tensor.numel() == 0:
             return out
         src = _bytes_of(tensor.contiguous())
