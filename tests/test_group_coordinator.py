@@ -393,3 +393,33 @@ def test_bad_group_ranks_raise_before_any_group_is_made() -> None:
     assert "rank 1 appears in more than one place" in messages[1]
     assert "non-empty list" in messages[2]
     assert "1.5 is not a rank" in messages[3]
+
+
+def _failed_constructor(rank: int, world_size: int) -> None:
+    from device_communicators.cpu_communicator import CpuCommunicator
+    from shm_broadcast.config import override
+
+    init_gloo(rank, world_size)
+    destroyed = []
+    original = CpuCommunicator.destroy
+
+    def recording_destroy(self: CpuCommunicator) -> None:
+        destroyed.append(self.unique_name)
+        original(self)
+
+    CpuCommunicator.destroy = recording_destroy  # type: ignore[method-assign]
+    # The communicator is built, then the all2all manager refuses the name.
+    with override(all2all_backend="bogus"), pytest.raises(GroupcoordValueError, match="bogus"):
+        GroupCoordinator([[0, 1]], rank, "gloo", True, True, group_name="ep")
+    assert destroyed == ["ep:0"]
+    assert [s for s in list_segments() if s.startswith(f"groupcoord_{os.getpid()}_")] == []
+    with pytest.raises(NotInitializedError):
+        custom_ops.lookup_group("ep:0")
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, True, group_name="ep")
+    assert g.unique_name == "ep:1"
+    assert g.broadcast_object("ok" if rank == 0 else None) == "ok"
+    g.destroy()
+
+
+def test_a_constructor_that_fails_part_way_leaves_nothing_behind() -> None:
+    run_ranks(_failed_constructor, 2, timeout=60)
