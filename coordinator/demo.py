@@ -156,7 +156,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGTERM this rank if the launcher dies (even by SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        print(f"demo: prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}", file=sys.stderr)
+
+
 def _child(args: argparse.Namespace, rank: int, world: int, port: int, conn: Connection) -> None:
+    _die_with_parent()
+    # SIGTERM (launcher gone) becomes SystemExit so teardown unlinks shared memory.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",

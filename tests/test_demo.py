@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -238,3 +239,33 @@ def test_demo_hung_rank_is_named_by_its_peers_deadlines():
     assert "timed out after 3 s" in result.stderr and "waiting for ranks [1]" in result.stderr
     assert "ending the ranks still running: [1]" in result.stderr
     assert _processes_with(marker) == []
+
+
+def test_demo_ranks_end_when_the_launcher_is_killed():
+    marker = "--timeout=98.25"
+    env = {**os.environ, "GROUPCOORD_TIMEOUT_S": "60", "PYTHONPATH": REPO}
+    cmd = [sys.executable, "-m", "coordinator", "demo", "--fail-rank", "1", "--fail-mode"]
+    launcher = subprocess.Popen(
+        [*cmd, "hang", "--steps", "3", marker],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:  # ranks are up once the first step is done
+            if line.startswith("[demo] step 1/3"):
+                break
+        assert len(_processes_with(marker)) == 5  # the launcher and its 4 ranks
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 20
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_with(marker) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
