@@ -1,6 +1,6 @@
 """Rank-side code of the timeout table: each row's blocking call, run while one peer stays away.
 
-Every row runs on a fresh group/queue/communicator with a 1 s deadline. The
+Every row runs on a fresh group/queue/communicator with a 0.5 s deadline. The
 absent rank builds the same object (construction is collective) and then
 skips the call; the caller's outcome is recorded and every rank meets at a
 world barrier before the next row, so one set of processes serves a whole
@@ -20,7 +20,7 @@ from multiproc import init_gloo
 
 from shm_broadcast.config import override
 
-TIMEOUT_S = 1.0
+TIMEOUT_S = 0.5
 Outcome = tuple[str, str, list[int], float]
 
 

@@ -69,7 +69,7 @@ def attack_writer(rank: int, world: int, examples: int) -> dict[str, int]:
             st.one_of(
                 st.lists(st.binary(max_size=80), min_size=1, max_size=5),  # malformed
                 st.just([b"A"]),  # truncated envelope
-                st.binary(min_size=1 << 20, max_size=1 << 20).map(lambda b: [b]),  # oversized
+                st.binary(min_size=256 << 10, max_size=256 << 10).map(lambda b: [b]),  # oversized
                 st.integers(0, 2**64 - 1).map(  # a real reader's ACK replayed from elsewhere
                     lambda n: pack_frames(handle.key, KIND_ACK, n % 1000, [bytes(16)])
                 ),
@@ -112,8 +112,8 @@ def _hostile(rng: random.Random, key: bytes, seq: int, last_valid: list[Any]) ->
         frames = list(last_valid) if last_valid else [b"M" * 30]
         frames[0] = bytes(frames[0])[: rng.randrange(1, max(2, len(bytes(frames[0]))))]
         return frames
-    if kind == 3:  # oversized: 2 MiB of noise in one frame
-        return [rng.randbytes(2 << 20)]
+    if kind == 3:  # oversized: 512 KiB of noise in one frame
+        return [rng.randbytes(512 << 10)]
     return list(last_valid) if last_valid else [b"R"]  # replayed: the previous good message
 
 

@@ -62,7 +62,7 @@ def test_kill_tp_peer_during_all_reduce() -> None:
         _tp_all_reduce,
         3,
         [0, 1, 2],
-        trials(3),
+        trials(2),
         _names_victim,
         env=ENV,
     )
@@ -101,7 +101,7 @@ def test_kill_pp_peer_during_send_tensor_dict() -> None:
         _pp_tensor_dict,
         2,
         [0, 1],
-        trials(3),
+        trials(2),
         _names_victim,
         env=ENV,
     )
@@ -144,14 +144,14 @@ def _mq_allowed(rank: int, victim: int, kind: str, named: list[int]) -> bool:
 
 
 def test_kill_mq_writer() -> None:
-    run_kill_case("kill: MQ writer", _mq_stream, 4, [0], trials(3), _mq_allowed, env=ENV)
+    run_kill_case("kill: MQ writer", _mq_stream, 4, [0], trials(2), _mq_allowed, env=ENV)
 
 
 def test_kill_mq_local_reader() -> None:
-    run_kill_case("kill: MQ local reader", _mq_stream, 4, [1, 2], trials(3), _mq_allowed, env=ENV)
+    run_kill_case("kill: MQ local reader", _mq_stream, 4, [1, 2], trials(2), _mq_allowed, env=ENV)
 
 
 def test_kill_mq_remote_reader() -> None:
     run_kill_case(
-        "kill: MQ remote (TCP) reader", _mq_stream, 4, [3], trials(3), _mq_allowed, env=ENV
+        "kill: MQ remote (TCP) reader", _mq_stream, 4, [3], trials(2), _mq_allowed, env=ENV
     )
