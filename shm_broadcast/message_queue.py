@@ -324,12 +324,16 @@ class MessageQueue:
             self._local_reader_wait_ready(deadline, timeout_s)
         else:
             assert self._tcp_reader is not None
-            self._tcp_reader.receive(
+            kind, _ = self._tcp_reader.receive(
                 deadline,
                 "wait_until_ready",
                 lambda: self._reader_timeout("wait_until_ready", timeout_s, "no READY yet"),
                 self._check_open,
             )
+            if kind != KIND_READY:
+                raise ProtocolError(
+                    f"{self.what}: a message arrived before READY (wait_until_ready called late)"
+                )
 
     def _writer_wait_ready(self, deadline: float, timeout_s: float) -> None:
         if self._ring is not None:
