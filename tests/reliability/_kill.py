@@ -59,7 +59,9 @@ def run_kill_case(
     rng = random.Random()
     seed = rng.randrange(2**31)
     rng.seed(seed)
-    worst = 0.0
+    times: list[float] = []
+    problems: list[str] = []
+    left_behind: list[Any] = []
     for trial in range(n_trials):
         segments_before = set(list_segments())
         sockets_before = set(ipc_sockets())
@@ -82,18 +84,31 @@ def run_kill_case(
             group.terminate()
             raise
         results = group.collect(killed=[victim])
-        where = f"{case} trial {trial} (seed {seed}, victim rank {victim})"
+        where = f"trial {trial} (seed {seed}, victim rank {victim})"
         for rank, result in enumerate(results):
             if rank == victim:
                 continue
             kind, message, detected_at, named = result
-            assert allowed(rank, victim, kind, named), (
-                f"{where}: rank {rank} raised {kind} naming {named}: {message}"
-            )
             took = detected_at - killed_at
-            assert took < DETECT_LIMIT_S, f"{where}: rank {rank} took {took:.2f} s: {message}"
-            worst = max(worst, took)
+            times.append(took)
+            if not allowed(rank, victim, kind, named):
+                problems.append(f"{where}: rank {rank} raised {kind} naming {named}: {message}")
+            if took >= DETECT_LIMIT_S:
+                problems.append(f"{where}: rank {rank} took {took:.2f} s: {message}")
         left = leftovers(segments_before, sockets_before)
-        assert left == {"segments": [], "ipc_sockets": [], "processes": []}, f"{where}: {left}"
-    report(case, trials=n_trials, worst_detect_s=round(worst, 3), left_behind="nothing", seed=seed)
+        if left != {"segments": [], "ipc_sockets": [], "processes": []}:
+            left_behind.append({"trial": trial, **left})
+    worst = max(times, default=0.0)
+    # Figures first, so a failing case still reports what it measured.
+    report(
+        case,
+        trials=n_trials,
+        worst_detect_s=round(worst, 3),
+        median_detect_s=round(sorted(times)[len(times) // 2], 3) if times else None,
+        over_limit=sum(t >= DETECT_LIMIT_S for t in times),
+        left_behind=left_behind or "nothing",
+        seed=seed,
+    )
+    assert not problems, f"{case}: " + "\n".join(problems[:5])
+    assert not left_behind, f"{case}: left behind {left_behind}"
     return worst

@@ -119,7 +119,7 @@ def communicator_rows(rank: int, world: int, rows: list[tuple[str, int]]) -> dic
             "reduce_scatter": lambda: comm.reduce_scatter(x, dim=0),
             "reduce_scatterv": lambda: comm.reduce_scatterv(x, dim=0, sizes=[4, 4]),
             "gather": lambda: comm.gather(x, dst=0, dim=0),
-            "broadcast": lambda: comm.broadcast(x, root=1),
+            "broadcast": lambda: comm.broadcast(x, src=1),
             "recv": lambda: comm.recv(torch.Size([8]), torch.float32, src=1),
         }
         try:
