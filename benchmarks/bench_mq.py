@@ -7,6 +7,7 @@ throughput (msgs/s, GB/s delivered per reader; median of 5 timed rounds after
 warm-up), one-way latency p50/p99 (a
 timestamp inside the message, messages spaced so none waits in the queue), and
 Gloo's ``broadcast_object_list`` in the same world and run, with the ratio.
+Two more rows force every reader onto the TCP path (remote readers).
 
     python benchmarks/bench_mq.py            # full run
     python benchmarks/bench_mq.py --quick    # < 60 s
@@ -73,6 +74,19 @@ def _cases(quick: bool) -> list[dict[str, Any]]:
                     "lat": lat,
                 }
             )
+    # Remote readers: every message over ZeroMQ TCP with MACs and credits.
+    cases.append(dict(cases[0], name="small-object TCP", tcp=True, n=20_000))
+    cases.append(
+        {
+            "name": "tensor 1 MiB TCP",
+            "kind": "tensor",
+            "size": 1 << 20,
+            "n": 200,
+            "gloo": 50,
+            "lat": 50,
+            "tcp": True,
+        }
+    )
     for case in cases:
         for key in ("n", "gloo", "lat"):
             case[key] = max(int(case[key] * scale), 8)
@@ -87,6 +101,21 @@ def _payload(kind: str, size: int) -> Any:
     if kind == "bytes":
         return os.urandom(size)
     return torch.randint(0, 255, (size,), dtype=torch.uint8)
+
+
+def _tcp_queue(group: Any, rank: int, world: int, chunk: int, chunks: int) -> Any:
+    """Every reader forced onto the TCP path (as if on other nodes), over 127.0.0.1."""
+    from shm_broadcast.codec import dumps, loads
+    from shm_broadcast.group_io import broadcast_bytes
+    from shm_broadcast.message_queue import MessageQueue
+
+    if rank == 0:
+        mq = MessageQueue(world - 1, 0, [], chunk, chunks, "127.0.0.1")
+        broadcast_bytes(group, dumps(mq.export_handle()))
+    else:
+        mq = MessageQueue.create_from_handle(loads(broadcast_bytes(group, None)), rank)
+    mq.wait_until_ready()
+    return mq
 
 
 def _spin_until(t: float) -> None:
@@ -117,7 +146,10 @@ def _bench_rank(
         # A chunk holds the largest message of the case: every message rides the ring.
         chunk = max(1 << 16, size + (1 << 16))
         chunks = 10 if size <= (1 << 20) else 4
-        mq = MessageQueue.create_from_process_group(group, chunk, chunks)
+        if case.get("tcp"):
+            mq = _tcp_queue(group, rank, world, chunk, chunks)
+        else:
+            mq = MessageQueue.create_from_process_group(group, chunk, chunks)
         payload = _payload(case["kind"], size) if rank == 0 else None
         out: dict[str, Any] = {}
 
@@ -316,7 +348,11 @@ def main(argv: list[str] | None = None) -> int:
             for prefix, key in (("ours", "msgs/s"), ("gloo", "gloo msgs/s")):
                 for kind in ("bytes", "tensor"):
                     pts = [
-                        r for r in rows if r["readers"] == readers and r["case"].startswith(kind)
+                        r
+                        for r in rows
+                        if r["readers"] == readers
+                        and r["case"].startswith(kind)
+                        and not r["case"].endswith("TCP")
                     ]
                     series[f"{prefix} {kind}, {readers} reader(s)"] = (
                         [r["bytes"] for r in pts],
