@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import time
 
 import pytest
 import torch
@@ -260,3 +261,20 @@ def _independent_completion(rank: int, world_size: int) -> str:
 
 def test_async_works_complete_independently() -> None:
     assert run_ranks(_independent_completion, 2, timeout=60) == ["ok", "ok"]
+
+
+def _drop_right_after_wait(rank: int, world_size: int) -> str:
+    t = torch.ones(1)
+    for _ in range(20):
+        comm = new_comm("gloo", "cpu", "drop", timeout=30)
+        for _ in range(20):
+            comm.all_reduce(t, async_op=True).wait()
+        del comm  # may leave a Gloo thread holding the last work callback
+    time.sleep(0.2)
+    return "ok"
+
+
+def test_dropping_a_comm_right_after_async_waits_is_safe() -> None:
+    # Regression: callbacks that held the comm let the process group's
+    # destructor run on a Gloo thread and std::terminate the rank.
+    assert run_ranks(_drop_right_after_wait, 2, timeout=60) == ["ok", "ok"]

@@ -10,7 +10,9 @@ group, and one completer thread that finishes its works in issue order.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +149,7 @@ class Comm:
         self._barrier_count = 0
         self._windows: list[Window] = []
         self._liveness = PeerLiveness({})
+        self._on_timeout = self._weak_timeout_marker(self)
 
     @classmethod
     def _create(
@@ -234,8 +237,24 @@ class Comm:
                 f"disagree on what comes next; abort() it and create a new one ({op} refused)"
             )
 
-    def _mark_broken(self, work: Work) -> None:
-        self._broken = work.op
+    @staticmethod
+    def _weak_timeout_marker(comm: Comm) -> Callable[[Work], None]:
+        """What a work calls when its deadline passes: mark the comm broken.
+
+        It holds the comm weakly. A work's callbacks may be the last thing
+        released on one of Gloo's own threads; if they held the comm, the
+        process group's destructor would run there and try to join the very
+        thread it runs on (std::terminate, "Resource deadlock avoided").
+        Finishing steps likewise capture plain values, never the comm.
+        """
+        ref = weakref.ref(comm)
+
+        def mark(work: Work) -> None:
+            alive = ref()
+            if alive is not None:
+                alive._broken = work.op
+
+        return mark
 
     def _tensor(self, value: Any, argument: str) -> torch.Tensor:
         return checks.tensor(value, argument, self._device)
@@ -266,7 +285,7 @@ class Comm:
         checks.hints(hints)
         timeout_s = _timeout_s(timeout, self._timeout_s)
         self._check_usable(op)
-        work = Work(self._name, op, peers, timeout_s, on_timeout=self._mark_broken)
+        work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
         work.find_dead = self._liveness.dead
         try:
             c10d_works = launch(datetime.timedelta(seconds=timeout_s))
@@ -306,7 +325,7 @@ class Comm:
             async_op,
             hints,
             launch,
-            lambda: op.finish(tensor, self._size),
+            functools.partial(op.finish, tensor, self._size),
         )
 
     def reduce(
@@ -333,9 +352,11 @@ class Comm:
             opts.timeout = td
             return [self._pg.reduce([tensor], opts)]
 
+        size, is_root = self._size, self._rank == root
+
         def finish() -> None:
-            if self._rank == root:
-                op.finish(tensor, self._size)
+            if is_root:
+                op.finish(tensor, size)
 
         return self._run("reduce", self._others(), timeout, async_op, hints, launch, finish)
 
@@ -462,7 +483,7 @@ class Comm:
             async_op,
             hints,
             launch,
-            lambda: op.finish(output, self._size),
+            functools.partial(op.finish, output, self._size),
             completes_in_wait=True,  # Gloo's reduce_scatter work has no future
         )
 
