@@ -9,7 +9,7 @@ import pytest
 import torch
 from multiproc import run_ranks, start_ranks
 
-from coordinator.comm import WorkStatus, new_comm
+from coordinator.comm import WorkStatus, new_comm, recv_object_list
 from coordinator.errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
 
 
@@ -19,6 +19,7 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
     async_comm = new_comm("gloo", "cpu", "to-async", timeout=30)
     sync_comm = new_comm("gloo", "cpu", "to-sync", timeout=30)
     abort_comm = new_comm("gloo", "cpu", "to-abort", timeout=30)
+    obj_comm = new_comm("gloo", "cpu", "to-obj", timeout=30)
     if rank == absent:
         time.sleep(6)  # alive but never joins: a timeout, not a dead peer
         return 0.0
@@ -50,6 +51,11 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
     with pytest.raises(GroupcoordTimeoutError, match="'to-sync': barrier timed out after 0.5 s"):
         sync_comm.barrier(timeout=0.5)
     sync_comm.abort()
+
+    # Object collectives honour their timeout too.
+    with pytest.raises(GroupcoordTimeoutError, match=rf"'to-obj': recv timed out .*\[{absent}\]"):
+        recv_object_list(obj_comm, [None], src=absent, timeout=0.5)
+    obj_comm.abort()
 
     # Aborting with an op in flight: it becomes ABORTED at once, nothing hangs.
     work = abort_comm.all_reduce(torch.ones(2), async_op=True)
