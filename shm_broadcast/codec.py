@@ -415,12 +415,17 @@ def _decode_ndarray(descr: Any, shape: list[int], frame: memoryview) -> Any:
     import numpy as np
 
     dtype = _numpy_dtype(descr)
-    out = np.empty(tuple(shape), dtype=dtype)
-    if out.nbytes != len(frame):
-        raise ProtocolError(f"array {dtype}{shape} needs {out.nbytes} bytes, got {len(frame)}")
-    if out.nbytes:
-        out.reshape(-1).view(np.uint8).data[:] = frame
-    return out
+    count = 1
+    for dim in shape:
+        count *= dim
+    if count * dtype.itemsize != len(frame):
+        raise ProtocolError(
+            f"array {dtype}{shape} needs {count * dtype.itemsize} bytes, got {len(frame)}"
+        )
+    if count == 0:
+        return np.empty(tuple(shape), dtype=dtype)
+    # One copy into a bytearray the (writable) array then owns.
+    return np.frombuffer(bytearray(frame), dtype=dtype).reshape(shape)
 
 
 def _decode_struct(module: str, qualname: str, values: list[Any]) -> Any:

@@ -745,7 +745,11 @@ class MessageQueue:
 
         Returns ``(my queue, handles)``; ``handles`` (one per rank, in group
         order) is filled only on ``reader_rank``, which joins each with
-        ``MessageQueue.create_from_handle(handle, reader_rank)``.
+        ``MessageQueue.create_from_handle(handle, reader_rank)``. Then every
+        writer calls ``wait_until_ready()`` and the reader does so on each
+        joined queue. Keep ``blocking=False`` (the default) unless the reader
+        joins from another thread: a writer waiting here waits for a reader
+        that can only join after this call returns (bounded by the timeout).
         """
         rank, world_size = group_rank_and_size(pg)
         if not 0 <= reader_rank < world_size:

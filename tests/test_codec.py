@@ -282,3 +282,10 @@ def test_importing_the_codec_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_decoded_arrays_and_tensors_are_writable_and_own_their_memory():
+    arr, ten = loads(dumps([np.arange(6.0).reshape(2, 3), torch.arange(6).reshape(2, 3)]))
+    arr[0, 0] = 42.0
+    ten[0, 0] = 42
+    assert arr[0, 0] == 42.0 and ten[0, 0].item() == 42
