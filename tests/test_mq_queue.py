@@ -372,3 +372,10 @@ def test_create_from_the_coordinators_stateless_process_group():
 
     for got in run_ranks(_stateless_group_rank, 3, free_port(), timeout=60):
         assert got == [{"i": i} for i in range(20)]
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_long_mixed_stream_to_local_and_remote_readers():
+    # --long: 200,000 mixed messages (overflow included) to 3 ring + 1 TCP reader.
+    assert run_ranks(_ordering_rank, 5, 3, 200_000, timeout=800) == [200_000] * 5
