@@ -84,6 +84,10 @@ def _window_ring(rank: int, world_size: int) -> str:
     # Puts landed in the registered tensor once it was deregistered.
     assert original[2:4].tolist() == [1000.0 * (_ITERS - 1) + left, -1.0 * (_ITERS - 1)]
 
+    # Ranks that disagree on the dtype all refuse, and the window stays usable.
+    with pytest.raises(GroupcoordTypeError, match="different dtypes"):
+        win.tensor_register(torch.zeros(2, dtype=torch.float32 if rank else torch.float64))
+
     # window_allocate: a byte window, typed per view.
     buf = win.window_allocate(64)
     assert buf.dtype == torch.uint8 and buf.numel() == 64 and int(buf.sum()) == 0

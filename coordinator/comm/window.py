@@ -184,6 +184,14 @@ class Window:
             raise BackendUnavailableError(
                 "shared-memory window", "; ".join(problems) + " (ranks must share one node)"
             )
+        dtypes = [peer.dtype for peer in infos]
+        if len(set(dtypes)) > 1:  # every rank sees the same list, so all refuse alike
+            for mapped in maps:
+                mapped.close()
+            raise GroupcoordTypeError(
+                f"ranks registered windows of different dtypes {dtypes}; use one dtype "
+                "(or window_allocate for a byte window)"
+            )
         self._maps = maps
         self._dtype = dtype
         self._sent = [0] * size
