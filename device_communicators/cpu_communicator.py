@@ -1,14 +1,16 @@
-"""The CPU communicator: shared memory first for all-reduce, all-gather and broadcast.
+"""The CPU communicator: shared memory first for every collective it can take.
 
 ``CpuCommunicator`` is ``DeviceCommunicatorBase`` on a Gloo device group with
 :class:`~device_communicators.shm_all_reduce.ShmAllReduce` in front of the
 ``torch.distributed`` all-reduce; all-gather (hence all_gatherv and the size
-exchange of gather) and broadcast use its slots too. When the ranks do not
-share a node (or the shm path is disabled) the shm back end is built
-disabled and says why, and Gloo takes everything.
+exchange of gather), reduce-scatter(v) and broadcast use its slots too.
+When the ranks do not share a node (or the shm path is disabled) the shm
+back end is built disabled and says why, and Gloo takes everything.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.distributed import ProcessGroup
@@ -48,6 +50,18 @@ class CpuCommunicator(DeviceCommunicatorBase):
         if self.shm_all_reduce.copy_refusal(tensor) is None:
             return self.shm_all_reduce.all_gather(tensor)
         return super()._all_gather_control(tensor)
+
+    def _reduce_then_slice(
+        self, input_: torch.Tensor, dim: int, start: int, length: int
+    ) -> torch.Tensor:
+        # reduce_scatter(v): each rank reduces only its own rows, in shared memory.
+        if self.shm_all_reduce.refusal(input_) is not None:
+            return super()._reduce_then_slice(input_, dim, start, length)
+        moved = input_.movedim(dim, 0)
+        inner = math.prod(moved.shape[1:])
+        flat = moved.contiguous().view(-1)
+        part = self.shm_all_reduce.reduce_range(flat, start * inner, (start + length) * inner)
+        return part.view(length, *moved.shape[1:]).movedim(0, dim).contiguous()
 
     def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
         if self.shm_all_reduce.copy_refusal(input_) is None:

@@ -366,6 +366,40 @@ class ShmAllReduce(AllReduceBackend):
                 self._reduce_piece(src[start:stop], flat_out[start:stop], op)
         return out
 
+    def reduce_range(
+        self, flat: torch.Tensor, lo: int, hi: int, op: ReduceOp.RedOpType = ReduceOp.SUM
+    ) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the all-reduce of 1-D ``flat`` (a reduce-scatter).
+
+        Every rank passes an equally long ``flat`` and its own range. Each
+        piece costs one barrier, and a rank reduces only its own range, so a
+        reduce-scatter moves and adds 1/world of what an all-reduce does.
+        """
+        self._start("reduce_scatter", self.refusal(flat, op))
+        if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
+            raise GroupcoordValueError(
+                f"reduce_range needs a 1-D tensor and 0 <= lo <= hi <= numel, got "
+                f"shape {tuple(flat.shape)}, lo={lo}, hi={hi}"
+            )
+        out = empty_output((hi - lo,), flat.dtype)
+        n = flat.numel()
+        piece = self.max_bytes // flat.element_size()
+        me = self.rank_in_group
+        with self._desync_guard:
+            for a in range(0, n, piece):
+                b = min(a + piece, n)
+                gen = self._next_generation()
+                s = gen & 1
+                self._view(s, me, flat.dtype, b - a).copy_(flat[a:b])
+                # One barrier per piece is enough: the next piece uses the other
+                # set, and this set is rewritten only after the barrier after next.
+                self._publish(2 * gen - 1)
+                self._wait_all(2 * gen - 1)
+                x, y = max(a, lo), min(b, hi)
+                if y > x:
+                    self._combine_slots(s, flat.dtype, x - a, y - a, out[x - lo : y - lo], op)
+        return out
+
     # ---- copies through the same slots ---------------------------------------------
 
     def copy_refusal(self, tensor: torch.Tensor) -> str | None:

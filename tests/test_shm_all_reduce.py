@@ -382,3 +382,30 @@ def test_empty_output_is_a_plain_fresh_tensor_of_any_size() -> None:
         assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
         out.fill_(1)  # writable everywhere, huge-page hint or not
         assert int(out.sum().item()) == out.numel()
+
+
+def _reduce_ranges(rank: int, world: int) -> bool:
+    from torch.distributed import ReduceOp
+
+    init_gloo(rank, world)
+    shm = make_shm(max_bytes=256)
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for numel in (0, 5, 1000):
+                # Uneven ranges, one of them empty, covering [0, numel).
+                cuts = sorted({0, numel, numel // 3, numel // 3, (2 * numel) // 3})
+                bounds = (cuts + [numel] * world)[: world + 1]
+                lo, hi = bounds[rank], bounds[rank + 1]
+                x = rank_input(rank, numel, dtype, seed=numel + 1)
+                for op in ("SUM", "MAX"):
+                    got = shm.reduce_range(x, lo, hi, getattr(ReduceOp, op))
+                    want = reference(world, numel, dtype, op, seed=numel + 1)[lo:hi]
+                    assert torch.equal(got, want), (dtype, numel, op)
+        return True
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_range_is_the_matching_slice_of_the_all_reduce(world: int) -> None:
+    assert run_ranks(_reduce_ranges, world, timeout=90) == [True] * world
