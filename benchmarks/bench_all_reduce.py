@@ -9,9 +9,11 @@ the like-for-like out-of-place call. ``speedup`` = gloo / shm. Each rank runs
 torch with one thread. Numbers are medians over batches of back-to-back
 calls, after warm-up.
 
-``--ops all_gather broadcast`` measures the CpuCommunicator's shm all-gather
-(dim 0; ``gloo_oop`` gathers and concatenates into one tensor like ours) and
-broadcast (both in place) the same way; sizes are bytes per rank.
+``--ops all_gather broadcast reduce_scatter`` measures the CpuCommunicator's
+shm all-gather (dim 0; ``gloo_oop`` gathers and concatenates into one tensor
+like ours), broadcast (both in place) and reduce-scatter (Gloo has none: its
+``gloo`` column is the in-place all-reduce a Gloo user would run, ``gloo_oop``
+that plus the slice) the same way; sizes are bytes per rank.
 
     python benchmarks/bench_all_reduce.py            # full sweep, all_reduce
     python benchmarks/bench_all_reduce.py --quick    # < 60 s
@@ -100,7 +102,27 @@ def _implementations(op: str, comm: Any, x: Any) -> tuple[Any, Any, Any]:
             lambda: dist.broadcast(x, src=0),
             lambda: dist.broadcast(x, src=0),  # both are in place
         )
+    if op == "reduce_scatter":
+        rows = x.numel() // world
+        mine = slice(comm.rank_in_group * rows, (comm.rank_in_group + 1) * rows)
+        want = x.clone()
+        dist.all_reduce(want)
+        torch.testing.assert_close(comm.reduce_scatter(x, dim=0), want[mine], rtol=1e-5, atol=1e-5)
+        # Gloo has no reduce-scatter: its users all-reduce and keep their slice.
+        return (
+            lambda: comm.reduce_scatter(x, dim=0),
+            lambda: dist.all_reduce(x),
+            lambda: _all_reduced(x)[mine].clone(),
+        )
     raise ValueError(f"unknown op {op!r}")
+
+
+def _all_reduced(x: Any) -> Any:
+    import torch.distributed as dist
+
+    out = x.clone()
+    dist.all_reduce(out)
+    return out
 
 
 def _gathered(x: Any, world: int) -> list[Any]:
@@ -248,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "--ops",
         nargs="+",
         default=["all_reduce"],
-        choices=["all_reduce", "all_gather", "broadcast"],
+        choices=["all_reduce", "all_gather", "broadcast", "reduce_scatter"],
     )
     parser.add_argument("--json", default="bench_results/bench_all_reduce.json")
     parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
