@@ -409,3 +409,38 @@ def _reduce_ranges(rank: int, world: int) -> bool:
 @pytest.mark.parametrize("world", [2, 4])
 def test_reduce_range_is_the_matching_slice_of_the_all_reduce(world: int) -> None:
     assert run_ranks(_reduce_ranges, world, timeout=90) == [True] * world
+
+
+def _other_node(rank: int, world: int) -> str | None:
+    import torch.distributed as dist
+
+    import device_communicators.shm_all_reduce as mod
+    from device_communicators import CpuCommunicator
+
+    init_gloo(rank, world)
+    if rank == world - 1:
+        # As on another node: rank 0's segment does not exist in this /dev/shm.
+        def attach(name: str) -> None:
+            raise FileNotFoundError(2, "No such file or directory", name)
+
+        mod.ShmSegment.attach = attach  # type: ignore[method-assign,assignment]
+    comm = CpuCommunicator(dist.group.WORLD, unique_name="split")
+    try:
+        x = torch.full((4,), float(rank + 1))
+        assert comm.all_reduce_chain.select(x).name == "torch.distributed(gloo)"
+        want = float(sum(range(1, world + 1)))
+        assert torch.equal(comm.all_reduce(x), torch.full((4,), want))
+        assert comm.all_gather(x, dim=0).shape == (4 * world,)
+        comm.broadcast(x, src=0)
+        assert torch.equal(x, torch.ones(4))
+        return comm.shm_all_reduce.disabled_reason
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_on_another_node_sends_every_rank_to_gloo(world: int) -> None:
+    reasons = run_ranks(_other_node, world, timeout=90)
+    assert all(r is not None for r in reasons)
+    assert "cannot attach" in str(reasons[world - 1])
+    assert f"[{world - 1}]" in str(reasons[0])
