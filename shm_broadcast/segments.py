@@ -100,15 +100,21 @@ class ShmSegment:
         return cls(name, mapping, created=False)
 
     def close(self) -> None:
-        """Unmap (idempotent). Views exported from ``buf`` must be gone first."""
+        """Drop our mapping (idempotent); memory stays mapped while views of it live.
+
+        ``torch.frombuffer(seg.buf)`` keeps a reference to ``buf`` but no buffer
+        export, so releasing ``buf`` here would let ``mmap.close()`` unmap memory
+        under live tensors (a segfault on the next read). We only drop our own
+        reference: if a tensor or array still holds ``buf`` (or a slice of it),
+        its export makes ``mmap.close()`` refuse and the OS unmaps the pages
+        when the last view dies.
+        """
         if self._mmap is None:
             return
-        self.buf.release()
+        self.buf = memoryview(b"")
         try:
             self._mmap.close()
         except BufferError:
-            # A numpy/torch view still points into the mapping; the OS unmaps
-            # it when the last view dies. Unlinking does not depend on it.
             self.views_outstanding = True
         self._mmap = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from multiproc import start_ranks
+from multiproc import run_ranks, start_ranks
 
 from shm_broadcast import ShmSpaceError, override
 from shm_broadcast.segments import (
@@ -81,3 +81,20 @@ def test_bad_names_and_sizes_are_refused() -> None:
         ShmSegment.create(0)
     with pytest.raises(ValueError, match="not a groupcoord segment"):
         ShmSegment.attach("../etc/passwd")
+
+
+def _read_tensor_after_close(rank: int, world_size: int) -> int:
+    import torch
+
+    seg = ShmSegment.create(1 << 16, tag="view")
+    whole = torch.frombuffer(seg.buf, dtype=torch.uint8)
+    part = torch.frombuffer(seg.buf[16:32], dtype=torch.uint8)
+    whole[:20] = 3
+    seg.close()
+    seg.unlink()
+    return int(whole[:4].sum()) + int(part.sum())
+
+
+def test_tensors_over_a_closed_segment_stay_readable() -> None:
+    # Before the fix, close() unmapped memory under `whole` and the rank segfaulted.
+    assert run_ranks(_read_tensor_after_close, 1, timeout=30.0) == [12 + 12]
