@@ -22,8 +22,8 @@ from multiproc import free_port, run_ranks
 from . import _wire_ranks as ranks
 from ._common import LONG, report
 
-WRITER_ATTACKS = 30_000 if LONG else 300
-READER_EVENTS = 20_000 if LONG else 200
+WRITER_ATTACKS = 10_000 if LONG else 300
+READER_EVENTS = 10_000 if LONG else 200
 
 
 def test_attack_frames_at_the_writer_are_dropped_and_counted() -> None:
