@@ -257,7 +257,12 @@ class DeviceCommunicatorBase:
     def _check_tensor(self, tensor: object, name: str) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise GroupcoordTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type != self.device.type:
+        if tensor.device.type != self.device.type or (
+            # cuda:1 vs cuda:0 matters; "cpu" vs "cpu:0" does not.
+            self.device.type != "cpu"
+            and self.device.index is not None
+            and tensor.device.index != self.device.index
+        ):
             raise GroupcoordValueError(
                 f"{name} is on {tensor.device} but this communicator works on {self.device}"
             )
