@@ -1,52 +1,108 @@
 """What went wrong in a failed collective: which ranks never arrived, timeout or death.
 
-Only a failing collective pays for this: each rank that reached it posts its
+Only a failing collective pays for this. Peers on this host are checked by
+pid first (their pids were exchanged when the group was built): a dead one
+is named at once. Otherwise each rank that reached the collective posts its
 arrival to torch's default TCPStore under the collective's sequence number
 (every rank of a group counts the same calls), then waits a short grace for
-the others' posts. Those that never post did not arrive (absent, slow, or
-dead). The success path costs nothing.
+the others' posts; those that never post did not arrive (absent, slow, or
+on another host and dead). The success path costs nothing.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+import zlib
 
 import torch.distributed as dist
 
 from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError
 
 
-def absent_ranks(
-    group_name: str, seq: int, rank_in_group: int, ranks: list[int], timeout_s: float
-) -> list[int]:
-    """Global ranks of ``ranks`` that did not post an arrival for collective ``seq``.
+def host_key() -> int:
+    """Equal for two processes exactly when their pids are comparable (same host, same pid namespace)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, pid_ns = "", 0
+    return zlib.crc32(f"{socket.gethostname()}|{boot}|{pid_ns}".encode())
 
-    Empty when the store itself cannot be reached (its host died): then
-    nothing is known about the others.
+
+def pid_alive(pid: int) -> bool:
+    """False for a process that is gone or a zombie (killed, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            # The state letter follows the parenthesised command name.
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def dead_peers(local_pids: dict[int, int]) -> list[int]:
+    """Global ranks (of ``local_pids``: rank -> pid on this host) whose process is gone."""
+    return sorted(r for r, pid in local_pids.items() if not pid_alive(pid))
+
+
+def absent_ranks(
+    group_name: str,
+    seq: int,
+    rank_in_group: int,
+    ranks: list[int],
+    timeout_s: float,
+    local_pids: dict[int, int],
+) -> tuple[list[int], bool]:
+    """(global ranks that did not arrive at collective ``seq``, whether they are known dead).
+
+    A dead local peer ends the wait at once. The list is empty when the
+    store cannot be reached (its host died) and no local peer is dead.
     """
+    dead = dead_peers(local_pids)
+    if dead:
+        return dead, True
     try:
         store = dist.PrefixStore(
             f"groupcoord/{group_name}/arrived/{seq}/",
             dist.distributed_c10d._get_default_store(),
         )
         store.set(str(rank_in_group), "1")
-        # Ranks that arrived within the grace of this one time out within it
-        # too; a rank later than that did not arrive within the deadline.
+        # Ranks that arrived within the grace of this one fail within it too;
+        # a rank later than that did not arrive within the deadline.
         deadline = time.monotonic() + min(5.0, max(0.5, timeout_s / 2))
         while True:
+            dead = dead_peers(local_pids)
+            if dead:
+                return dead, True
             missing = [r for i, r in enumerate(ranks) if not store.check([str(i)])]
             if not missing or time.monotonic() > deadline:
-                return missing
+                return missing, False
             time.sleep(0.05)
     except RuntimeError:
-        return []
+        return dead_peers(local_pids), True
 
 
 def classify(
-    what: str, operation: str, timeout_s: float, missing: list[int], exc: BaseException
+    what: str,
+    operation: str,
+    timeout_s: float,
+    missing: list[int],
+    exc: BaseException,
+    known_dead: bool = False,
 ) -> GroupcoordError:
-    """A timeout or a dead peer, from the transport's message (its first line is kept)."""
+    """A dead peer or a timeout, from what we know and the transport's message (first line)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if known_dead:
+        return PeerDiedError(what, operation, missing, detail=text)
     if "timed out" in text.lower() or "timeout" in text.lower():
         return GroupcoordTimeoutError(what, operation, timeout_s, missing, detail=text)
     if not missing:

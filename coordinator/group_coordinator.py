@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import importlib
+import os
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -36,7 +37,7 @@ from .errors import (
     GroupcoordValueError,
     NotSupportedError,
 )
-from .failures import absent_ranks, classify
+from .failures import absent_ranks, classify, dead_peers, host_key
 
 # Device kind -> (module, class) of its communicator, imported on first use
 # so CUDA code is only loaded where a CUDA group exists.
@@ -129,13 +130,29 @@ class GroupCoordinator:
         self._plain_comm: DeviceCommunicatorBase | None = None
         self.device_communicator: DeviceCommunicatorBase | None = None
         self.mq_broadcaster: Any = None
+        # Peers on this host, rank -> pid: a failed call names a dead one at once.
+        self._local_pids: dict[int, int] = {}
         try:
+            self._local_pids = self._exchange_pids()
             self._build_helpers(group_name, use_device_communicator, use_message_queue_broadcaster)
         except BaseException:
             # Leave nothing half-built behind (process groups, shared memory).
             self.destroy()
             raise
         custom_ops.register_group(self.unique_name, self)
+
+    def _exchange_pids(self) -> dict[int, int]:
+        if self.world_size == 1:
+            return {}
+        mine = torch.tensor([os.getpid(), host_key()], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in self.ranks]
+        dist.all_gather(everyone, mine, group=self.cpu_group)
+        here = int(mine[1])
+        return {
+            r: int(t[0])
+            for r, t in zip(self.ranks, everyone)
+            if r != self.rank and int(t[1]) == here
+        }
 
     def _build_helpers(self, group_name: str | None, use_comm: bool, use_mq: bool) -> None:
         if use_comm and self.world_size > 1:
@@ -628,8 +645,14 @@ class GroupCoordinator:
         except (GroupcoordError, ValueError, TypeError):
             raise
         except RuntimeError as exc:
+            peer_rank = self.ranks[peer]
+            dead = (
+                dead_peers({peer_rank: self._local_pids[peer_rank]})
+                if peer_rank in self._local_pids
+                else []
+            )
             raise classify(
-                self.unique_name, operation, self.timeout_s, [self.ranks[peer]], exc
+                self.unique_name, operation, self.timeout_s, [peer_rank], exc, known_dead=bool(dead)
             ) from exc
 
     def _wait_all(self, operation: str, works: list[Any]) -> None:
@@ -638,10 +661,10 @@ class GroupCoordinator:
     def _diagnose(self, operation: str, exc: RuntimeError) -> GroupcoordError:
         seq = self._collective_seq
         self._collective_seq += 1
-        missing = absent_ranks(
-            self.unique_name, seq, self.rank_in_group, self.ranks, self.timeout_s
+        missing, dead = absent_ranks(
+            self.unique_name, seq, self.rank_in_group, self.ranks, self.timeout_s, self._local_pids
         )
-        return classify(self.unique_name, operation, self.timeout_s, missing, exc)
+        return classify(self.unique_name, operation, self.timeout_s, missing, exc, known_dead=dead)
 
 
 def _check_tensor(tensor: object, name: str) -> None:

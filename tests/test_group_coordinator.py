@@ -360,7 +360,7 @@ def _barrier_with_a_killed_peer(rank: int, world_size: int) -> str:
     start = time.monotonic()
     with pytest.raises(PeerDiedError) as info:
         g.barrier()
-    assert time.monotonic() - start < 20  # well inside the 30 s deadline
+    assert time.monotonic() - start < 15  # ~3 s until the kill, then the pid check names it
     assert info.value.dead == [1]
     return str(info.value)
 
