@@ -444,3 +444,22 @@ def test_a_rank_on_another_node_sends_every_rank_to_gloo(world: int) -> None:
     assert all(r is not None for r in reasons)
     assert "cannot attach" in str(reasons[world - 1])
     assert f"[{world - 1}]" in str(reasons[0])
+
+
+def _foreign_pid_namespace(rank: int, world: int) -> bool:
+    import device_communicators.shm_all_reduce as mod
+
+    init_gloo(rank, world)
+    if rank == 1:
+        mod._pid_namespace = lambda: 4242  # as if in another container
+    shm = make_shm()
+    try:
+        # Pids from another namespace mean nothing here: no liveness verdicts.
+        assert torch.equal(shm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        return shm._pid_checks
+    finally:
+        shm.close()
+
+
+def test_peer_pids_are_not_judged_across_pid_namespaces() -> None:
+    assert run_ranks(_foreign_pid_namespace, 2, timeout=60) == [False, False]
