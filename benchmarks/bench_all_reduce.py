@@ -157,11 +157,16 @@ def _measure(
     iters = int(iters_t.item())
     impls = (("shm", ours), ("gloo", gloo), ("gloo_oop", gloo_oop))
     for _, fn in impls:
-        fn()  # warm-up: page faults, caches
+        for _ in range(min(iters, 20)):
+            fn()  # warm-up: page faults, caches, both ranks in step
     samples: dict[str, list[float]] = {name: [] for name, _ in impls}
     for _ in range(batches):
         for name, fn in impls:
             dist.barrier()
+            for _ in range(min(iters, 5)):
+                # Untimed: after the barrier (or the other implementation's
+                # batch) the ranks wake at different times; start in step.
+                fn()
             start = time.perf_counter()
             for _ in range(iters):
                 fn()
