@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+from . import comm
+from .comm import (
+    Comm,
+    ReduceOp,
+    Work,
+    WorkStatus,
+    comm_from_group,
+    comm_from_process_group,
+    new_comm,
+)
 from .errors import AlreadyInitializedError, NotInitializedError
 from .group_coordinator import GraphCaptureContext, GroupCoordinator, get_device_communicator_cls
 from .parallel_state import (
@@ -27,6 +37,14 @@ from .stateless_group import StatelessProcessGroup
 
 __all__ = [
     "AlreadyInitializedError",
+    "Comm",
+    "ReduceOp",
+    "Work",
+    "WorkStatus",
+    "comm",
+    "comm_from_group",
+    "comm_from_process_group",
+    "new_comm",
     "GraphCaptureContext",
     "GroupCoordinator",
     "NotInitializedError",

@@ -551,7 +551,10 @@ class GroupCoordinator:
         """Send tokens to their experts' owners (EP group with an all2all manager)."""
         if self.device_communicator is None:
             if self.world_size == 1:
-                return (hidden_states, router_logits, *(extra_tensors or []))
+                # Same shape as the all2all managers' answer (and vLLM's).
+                if extra_tensors is None:
+                    return hidden_states, router_logits
+                return hidden_states, router_logits, list(extra_tensors)
             raise NotSupportedError(
                 "dispatch", f"group {self.unique_name} (no device communicator)"
             )
