@@ -62,11 +62,28 @@ def child_pids() -> list[int]:
     return found
 
 
-def leftovers(segments_before: set[str], sockets_before: set[str]) -> dict[str, list[Any]]:
-    """What a trial left behind: new shm segments, ipc socket files, live children."""
+def _creator_pid(name: str) -> int:
+    """The creating pid in ``groupcoord_<pid>_...`` (segment or ipc socket name)."""
+    base = os.path.basename(name)
+    digits = base.split("groupcoord_")[-1].split("_")[0]
+    return int(digits) if digits.isdigit() else -1
+
+
+def leftovers(
+    segments_before: set[str], sockets_before: set[str], pids: set[int] | None = None
+) -> dict[str, list[Any]]:
+    """What a trial left behind: new shm segments, ipc socket files, live children.
+
+    Other engineers' tests share this machine's /dev/shm, so with ``pids``
+    (the trial's ranks) only names created by those processes count.
+    """
+
+    def ours(name: str) -> bool:
+        return pids is None or _creator_pid(name) in pids
+
     return {
-        "segments": sorted(set(list_segments()) - segments_before),
-        "ipc_sockets": sorted(set(ipc_sockets()) - sockets_before),
+        "segments": sorted(n for n in set(list_segments()) - segments_before if ours(n)),
+        "ipc_sockets": sorted(n for n in set(ipc_sockets()) - sockets_before if ours(n)),
         "processes": child_pids(),
     }
 

@@ -95,7 +95,7 @@ def run_kill_case(
                 problems.append(f"{where}: rank {rank} raised {kind} naming {named}: {message}")
             if took >= DETECT_LIMIT_S:
                 problems.append(f"{where}: rank {rank} took {took:.2f} s: {message}")
-        left = leftovers(segments_before, sockets_before)
+        left = leftovers(segments_before, sockets_before, {group.pid(r) for r in range(world)})
         if left != {"segments": [], "ipc_sockets": [], "processes": []}:
             left_behind.append({"trial": trial, **left})
     worst = max(times, default=0.0)
