@@ -76,6 +76,22 @@ _EXT_TORCH_SIZE = 11
 _EXT_PICKLE = 12
 
 _Ext = msgspec.msgpack.Ext
+# What crafted or corrupted bytes can make the decoding steps raise (a bad
+# dtype name, a shape that does not fit, an int literal that is not one, deep
+# nesting ...). Decoding turns each into ProtocolError, the one error callers
+# expect from bad input. An opted-in pickle payload is trusted and not wrapped.
+_MALFORMED = (
+    msgspec.DecodeError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    AttributeError,
+    RuntimeError,
+    RecursionError,
+    struct.error,
+)
 _DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> name on the wire, filled on first use
 _SIMPLE = frozenset({type(None), bool, int, float, str})
 _SIMPLE_KEYS = frozenset({type(None), bool, int, float, str, bytes})
@@ -299,8 +315,8 @@ class Codec:
         self._in_frames = frames
         try:
             return self._dec.decode(header)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"cannot decode message: {exc}") from exc
+        except _MALFORMED as exc:
+            raise ProtocolError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
         finally:
             self._in_frames = ()
 
@@ -308,8 +324,8 @@ class Codec:
         """Decode a message that has no frames (the common small-object case)."""
         try:
             return self._dec.decode(header)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"cannot decode message: {exc}") from exc
+        except _MALFORMED as exc:
+            raise ProtocolError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
 
     def _frame(self, idx: Any) -> memoryview:
         if type(idx) is not int or not 0 <= idx < len(self._in_frames):
