@@ -1,9 +1,9 @@
 """Shared-memory all-reduce (and all-gather, broadcast) for CPU ranks on one node.
 
-One segment holds a control line per rank (a phase counter, the rank's pid,
-and a futex doorbell) and two sets of data slots, one slot per rank. An
-all-reduce writes this rank's input into its slot of set ``generation % 2``,
-publishes the phase, waits for every peer's phase, and then either
+One segment holds a control line per rank (``shm_phases.PhaseLines``) and
+two sets of data slots, one slot per rank. An all-reduce writes this rank's
+input into its slot of set ``generation % 2``, publishes the phase, waits
+for every peer's phase, and then either
 
 * one-shot (small pieces): every rank reduces all slots itself, or
 * two-shot (large pieces): rank k reduces slice k of all slots into slot 0
@@ -11,9 +11,10 @@ publishes the phase, waits for every peer's phase, and then either
 
 The reduction order is fixed (slot 0, then 1, 2 ...), and in two-shot each
 element is computed once, so every rank's result is bit-identical. fp16 and
-bf16 sums and products accumulate in fp32. ``all_gather`` and ``broadcast_``
-use the same slots and generations as plain byte copies (any dtype): write,
-publish, wait for all, read.
+bf16 sums and products accumulate in fp32. ``reduce_range`` (reduce-scatter)
+is one-shot restricted to the caller's rows; ``all_gather`` and
+``broadcast_`` use the same slots and generations as plain byte copies (any
+dtype): write, publish, wait for all, read.
 
 Why two sets and no "done" flag suffice: call g writes set g%2, which call
 g-2 used. A rank starts call g only after call g-1 saw every rank's first
@@ -21,26 +22,20 @@ phase of g-1, and a rank publishes that phase only after it has finished
 call g-2, reads included. So nobody writes a set while a slow peer still
 reads it, and back-to-back calls never wait on a peer's copy-out.
 
-Waiting: ``os.sched_yield()`` in a loop, then a futex sleep on the rank's
-doorbell, rung by whichever rank publishes next (see ``futex.py``). Every
-wait is bounded by the timeout and checks the peers' pids while asleep.
-
-Memory ordering: this runs only on x86-64 (refused elsewhere), where stores
-are seen by other cores in program order and loads are not reordered with
-older loads. Data is written with torch copies (regular stores, and glibc
-ends any non-temporal memcpy loop with an ``sfence``) before the counter
-store, and a reader loads the counter before the data, so a reader that
-sees the counter also sees the data. Each control line is 64 bytes, so
-ranks never share a cache line when spinning.
+Control lines, publishing a phase, bounded waits (yield, then a futex
+sleep) and peer liveness live in ``shm_phases``. Memory ordering: this runs
+only on x86-64 (refused elsewhere), where stores reach other cores in
+program order and loads are not reordered with older loads. Data is written
+with torch copies (regular stores; glibc ends any non-temporal memcpy loop
+with an ``sfence``) before the counter store, and a reader loads the counter
+before the data, so a reader that sees the counter also sees the data.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import secrets
-import time
 from collections.abc import Callable
 
 import torch
@@ -50,7 +45,6 @@ from torch.distributed import ProcessGroup, ReduceOp
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.segments import ShmSegment
 
-from . import futex
 from .all_reduce_backends import AllReduceBackend
 from .errors import (
     ClosedError,
@@ -60,17 +54,10 @@ from .errors import (
     PeerDiedError,
 )
 from .host_alloc import empty_output
+from .shm_phases import LINE, PhaseLines
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
-# Each rank's control line (one cache line): int64 phase counter, int64 pid,
-# int32 "asleep" flag, int32 doorbell (the futex word), int64 pid namespace.
-_LINE = 64
-_QWORDS = _LINE // 8  # int64 index stride between lines
-_DWORDS = _LINE // 4  # int32 index stride between lines
-_ASLEEP = 4  # int32 index within a line
-_BELL = 5
-_PIDNS = 3  # int64 index within a line
 _PAGE = 4096
 _VIEW_CACHE_ENTRIES = 512
 _HANDLE_BYTES = 256  # fixed-size name+token broadcast at set-up
@@ -83,12 +70,6 @@ ONE_SHOT_MAX_BYTES = 64 * 1024
 # with a barrier per piece (16 MiB at world 2: 4.2 ms with 1 MiB pieces against
 # 4.7-9 ms with one 16 MiB piece).
 PIPELINE_PIECE_BYTES = 1024 * 1024
-# A waiter yields the core in a loop this long, then sleeps on its doorbell.
-# Waking a sleeper costs 0.1-2 ms on a VM (the idle vCPU must be rescheduled
-# by the host), so sleeping is for long waits only: 20 us here doubled the
-# 4 KiB latency at world 4 on 2 cores, 1 ms matched pure yielding.
-SPIN_BEFORE_SLEEP_S = 1e-3
-
 SHM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -113,35 +94,6 @@ def _align(n: int, to: int) -> int:
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (0-dim included)."""
     return tensor.reshape(-1).view(torch.uint8)
-
-
-def _pid_namespace() -> int:
-    """This process's pid namespace (inode of /proc/self/ns/pid), or 0 when unknown."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (killed, not yet reaped by its parent) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        stat = b""  # no procfs here: fall back to a signal-0 probe below
-    if stat:
-        # The state letter follows the command name, which may itself contain ") ".
-        return stat.rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True
 
 
 class _DesyncGuard:
@@ -193,30 +145,17 @@ class ShmAllReduce(AllReduceBackend):
         if cap <= 0:
             raise GroupcoordValueError(f"max_bytes must be positive, got {cap}")
         # One slot holds one piece; the configured cap can only make pieces smaller.
-        self.max_bytes = _align(min(cap, PIPELINE_PIECE_BYTES), _LINE)
+        self.max_bytes = _align(min(cap, PIPELINE_PIECE_BYTES), LINE)
         self.timeout_s = resolve_timeout(timeout_s)
         self.peer_check_interval_s = config.peer_check_interval_s
         self.disabled_reason: str | None = None
         self.generation = 0
         self._failure: str | None = None
-        self._operation = "all_reduce"  # named in timeout / peer-death errors
         self._desync_guard = _DesyncGuard(self)
         self._segment: ShmSegment | None = None
-        # int64 view of the control lines; memoryview indexing is the cheapest
-        # load Python has (about 50 ns) and reads memory on every access.
-        self._counters: memoryview = memoryview(b"")
-        self._counter_index = [r * _QWORDS for r in range(self.world_size)]
-        self._others = [r for r in range(self.world_size) if r != self.rank_in_group]
-        self._words: memoryview = memoryview(b"")
-        self._ctrl_address = 0
-        self._ctrl_tensor: torch.Tensor | None = None
-        self._use_futex = futex.available()
-        # Spin (yielding) this long before sleeping on the doorbell.
-        self._spin_s = SPIN_BEFORE_SLEEP_S
+        self._lines: PhaseLines | None = None
         self._slot_bytes: list[list[torch.Tensor]] = []
         self._typed: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
-        self._pids: list[int] = []
-        self._pid_checks = False
         try:
             self._set_up(local_reason=self._local_refusal(config.disable_shm_all_reduce))
         except BaseException:
@@ -241,7 +180,8 @@ class ShmAllReduce(AllReduceBackend):
 
     @property
     def _ctrl_bytes(self) -> int:
-        return _align((self.world_size + 1) * _LINE, _PAGE)
+        # One line per rank, then one for rank 0's token.
+        return _align((self.world_size + 1) * LINE, _PAGE)
 
     def _set_up(self, local_reason: str | None) -> None:
         """Rank 0 creates the segment; everyone attaches; all agree or all disable.
@@ -256,7 +196,7 @@ class ShmAllReduce(AllReduceBackend):
                     self._ctrl_bytes + 2 * self.world_size * self.max_bytes, tag="allreduce"
                 )
                 token = secrets.token_hex(8)
-                self._segment.buf[self.world_size * _LINE : self.world_size * _LINE + 16] = (
+                self._segment.buf[self.world_size * LINE : self.world_size * LINE + 16] = (
                     token.encode()
                 )
                 payload = f"{self._segment.name}|{token}".encode()
@@ -269,9 +209,15 @@ class ShmAllReduce(AllReduceBackend):
             local_reason = self._attach(text)
         if local_reason is None:
             assert self._segment is not None
-            self._counters = self._segment.buf[: self._ctrl_bytes].cast("q")
-            self._counters[self.rank_in_group * _QWORDS + 1] = os.getpid()
-            self._counters[self.rank_in_group * _QWORDS + _PIDNS] = _pid_namespace()
+            self._lines = PhaseLines(
+                self._segment.buf[: PhaseLines.nbytes(self.world_size)],
+                self.ranks,
+                self.rank_in_group,
+                self.what,
+                self.timeout_s,
+                self.peer_check_interval_s,
+            )
+            self._lines.register_self()
         ok = torch.tensor([0 if local_reason is None else 1], dtype=torch.int32)
         everyone = [torch.empty_like(ok) for _ in self.ranks]
         dist.all_gather(everyone, ok, group=self.group)
@@ -284,6 +230,8 @@ class ShmAllReduce(AllReduceBackend):
             self.disabled_reason = local_reason or f"ranks {declined} cannot use it"
             self._release()
             return
+        assert self._lines is not None
+        self._lines.read_peers()
         self._map_views()
 
     def _attach(self, text: str) -> str | None:
@@ -294,7 +242,7 @@ class ShmAllReduce(AllReduceBackend):
             segment = ShmSegment.attach(name)
         except (OSError, GroupcoordError) as exc:
             return f"cannot attach {name} (not on rank 0's node?): {exc}"
-        start = self.world_size * _LINE
+        start = self.world_size * LINE
         if bytes(segment.buf[start : start + 16]) != token.encode():
             segment.close()
             return f"{name} here is not rank 0's segment (a different shm namespace)"
@@ -304,17 +252,6 @@ class ShmAllReduce(AllReduceBackend):
     def _map_views(self) -> None:
         assert self._segment is not None
         buf = self._segment.buf
-        self._pids = [self._counters[r * _QWORDS + 1] for r in range(self.world_size)]
-        # Ranks in other pid namespaces (containers sharing /dev/shm) show pids
-        # we cannot see: then only the timeout can tell a dead peer, never a
-        # false "peer died".
-        namespaces = {self._counters[r * _QWORDS + _PIDNS] for r in range(self.world_size)}
-        self._pid_checks = len(namespaces) == 1 and 0 not in namespaces
-        if not self._pid_checks:
-            logger.info("%s: peer pids not visible here; dead peers surface as timeouts", self.what)
-        self._words = buf[: self._ctrl_bytes].cast("i")
-        self._ctrl_tensor = torch.frombuffer(buf, dtype=torch.uint8, count=self._ctrl_bytes)
-        self._ctrl_address = self._ctrl_tensor.data_ptr()
         self._slot_bytes = [
             [
                 torch.frombuffer(
@@ -344,7 +281,7 @@ class ShmAllReduce(AllReduceBackend):
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
-        self._start("all_reduce", self.refusal(tensor, op))
+        lines = self._start("all_reduce", self.refusal(tensor, op))
         out = empty_output(tensor.shape, tensor.dtype)
         numel = tensor.numel()
         if numel == 0:
@@ -354,11 +291,11 @@ class ShmAllReduce(AllReduceBackend):
         piece = self.max_bytes // tensor.element_size()
         with self._desync_guard:
             if numel <= piece:  # the common case: no slicing at all
-                self._reduce_piece(src, flat_out, op)
+                self._reduce_piece(lines, src, flat_out, op)
                 return out
             for start in range(0, numel, piece):
                 stop = min(start + piece, numel)
-                self._reduce_piece(src[start:stop], flat_out[start:stop], op)
+                self._reduce_piece(lines, src[start:stop], flat_out[start:stop], op)
         return out
 
     def reduce_range(
@@ -370,7 +307,7 @@ class ShmAllReduce(AllReduceBackend):
         piece costs one barrier, and a rank reduces only its own range, so a
         reduce-scatter moves and adds 1/world of what an all-reduce does.
         """
-        self._start("reduce_scatter", self.refusal(flat, op))
+        lines = self._start("reduce_scatter", self.refusal(flat, op))
         if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
             raise GroupcoordValueError(
                 f"reduce_range needs a 1-D tensor and 0 <= lo <= hi <= numel, got "
@@ -388,8 +325,8 @@ class ShmAllReduce(AllReduceBackend):
                 self._view(s, me, flat.dtype, b - a).copy_(flat[a:b])
                 # One barrier per piece is enough: the next piece uses the other
                 # set, and this set is rewritten only after the barrier after next.
-                self._publish(2 * gen - 1)
-                self._wait_all(2 * gen - 1)
+                lines.publish(2 * gen - 1)
+                lines.wait_all(2 * gen - 1)
                 x, y = max(a, lo), min(b, hi)
                 if y > x:
                     self._combine_slots(s, flat.dtype, x - a, y - a, out[x - lo : y - lo], op)
@@ -407,7 +344,7 @@ class ShmAllReduce(AllReduceBackend):
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``."""
-        self._start("all_gather", self.copy_refusal(tensor))
+        lines = self._start("all_gather", self.copy_refusal(tensor))
         out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
         if tensor.numel() == 0:
             return out
@@ -419,15 +356,15 @@ class ShmAllReduce(AllReduceBackend):
                 gen = self._next_generation()
                 s = gen & 1
                 self._view(s, self.rank_in_group, torch.uint8, stop - start).copy_(src[start:stop])
-                self._publish(2 * gen - 1)
-                self._wait_all(2 * gen - 1)
+                lines.publish(2 * gen - 1)
+                lines.wait_all(2 * gen - 1)
                 for r in range(self.world_size):
                     dst[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
         return out
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite ``tensor`` with in-group rank ``src``'s; returns ``tensor``."""
-        self._start("broadcast", self.copy_refusal(tensor))
+        lines = self._start("broadcast", self.copy_refusal(tensor))
         if tensor.numel() == 0:
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -442,8 +379,8 @@ class ShmAllReduce(AllReduceBackend):
                     slot.copy_(data[start:stop])
                 # Everyone publishes and waits for everyone (not just src): the
                 # double-buffering argument needs every call to be a full barrier.
-                self._publish(2 * gen - 1)
-                self._wait_all(2 * gen - 1)
+                lines.publish(2 * gen - 1)
+                lines.wait_all(2 * gen - 1)
                 if not sender:
                     data[start:stop].copy_(slot)
         if work is not tensor:
@@ -452,15 +389,19 @@ class ShmAllReduce(AllReduceBackend):
 
     # ---- call bookkeeping -------------------------------------------------------------
 
-    def _start(self, operation: str, reason: str | None) -> None:
+    def _start(self, operation: str, reason: str | None) -> PhaseLines:
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._failure is not None:
             raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
-        self._operation = operation
+        assert self._lines is not None  # enabled (no refusal) means set up
+        self._lines.operation = operation
+        return self._lines
 
     def _next_generation(self) -> int:
+        assert self._lines is not None
         self.generation += 1
+        self._lines.generation = self.generation
         return self.generation
 
     def close(self) -> None:
@@ -483,14 +424,16 @@ class ShmAllReduce(AllReduceBackend):
             view = self._typed[key] = self._slot_bytes[s][r].view(dtype)[:n]
         return view
 
-    def _reduce_piece(self, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp.RedOpType) -> None:
+    def _reduce_piece(
+        self, lines: PhaseLines, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp.RedOpType
+    ) -> None:
         gen = self._next_generation()
         s = gen & 1
         n = src.numel()
         me = self.rank_in_group
         self._view(s, me, src.dtype, n).copy_(src)
-        self._publish(2 * gen - 1)
-        self._wait_all(2 * gen - 1)
+        lines.publish(2 * gen - 1)
+        lines.wait_all(2 * gen - 1)
         if n * src.element_size() <= ONE_SHOT_MAX_BYTES:
             self._combine_slots(s, src.dtype, 0, n, dst, op)
             return
@@ -498,8 +441,8 @@ class ShmAllReduce(AllReduceBackend):
         lo, hi = min(me * chunk, n), min((me + 1) * chunk, n)
         if hi > lo:
             self._combine_slots(s, src.dtype, lo, hi, self._view(s, 0, src.dtype, n)[lo:hi], op)
-        self._publish(2 * gen)
-        self._wait_all(2 * gen)
+        lines.publish(2 * gen)
+        lines.wait_all(2 * gen)
         dst.copy_(self._view(s, 0, src.dtype, n))
 
     def _combine_slots(
@@ -527,107 +470,13 @@ class ShmAllReduce(AllReduceBackend):
         for part in parts[2:]:
             combine(out, part, out=out)
 
-    def _all_reached(self, phase: int) -> bool:
-        counters = self._counters
-        for i in self._counter_index:
-            if counters[i] < phase:
-                return False
-        return True
-
-    def _publish(self, phase: int) -> None:
-        """Store this rank's phase, then wake any peer asleep on its doorbell."""
-        me = self.rank_in_group
-        self._counters[me * _QWORDS] = phase
-        if not self._use_futex:
-            return
-        futex.full_fence()  # the counter store must be visible before we read "asleep"
-        words = self._words
-        for r in self._others:
-            if words[r * _DWORDS + _ASLEEP]:
-                bell = r * _DWORDS + _BELL
-                words[bell] = (words[bell] + 1) & 0x7FFFFFFF
-                futex.wake(self._bell_address(r))
-
-    def _wait_all(self, phase: int) -> None:
-        """Wait until every rank's counter reaches ``phase``: yield-spin, then sleep."""
-        if self._all_reached(phase):
-            return
-        start = time.monotonic()
-        sleep_from = start + self._spin_s
-        deadline = start + self.timeout_s
-        next_check = start + self.peer_check_interval_s
-        while not self._all_reached(phase):
-            now = time.monotonic()
-            if now < sleep_from:
-                # Yield every turn, never busy-poll: with more ranks than cores
-                # a pure spin starves the very peer it waits for, and on a
-                # loaded machine 50 busy polls first measured 25% slower
-                # (37.5 vs 30 us at 4 KiB, world 2) and no faster when quiet.
-                os.sched_yield()
-                continue
-            if now >= next_check:
-                next_check = now + self.peer_check_interval_s
-                self._check_peers_alive(phase)
-            if now >= deadline:
-                raise GroupcoordTimeoutError(
-                    self.what,
-                    self._operation,
-                    self.timeout_s,
-                    missing=self._behind(phase),
-                    role=f"rank {self.ranks[self.rank_in_group]}",
-                    detail=f"shared-memory path, generation {self.generation}",
-                )
-            self._sleep(phase, min(next_check, deadline) - now)
-
-    def _sleep(self, phase: int, at_most_s: float) -> None:
-        """Sleep until a peer rings this rank's doorbell (or ``at_most_s`` passes)."""
-        if not self._use_futex:
-            time.sleep(min(at_most_s, 0.0002))
-            return
-        words = self._words
-        me = self.rank_in_group
-        bell = words[me * _DWORDS + _BELL]  # read before re-checking: a ring after it wakes us
-        words[me * _DWORDS + _ASLEEP] = 1
-        futex.full_fence()  # "asleep" must be visible before we read the counters
-        try:
-            if not self._all_reached(phase):
-                futex.wait(self._bell_address(me), bell, max(at_most_s, 1e-4))
-        finally:
-            words[me * _DWORDS + _ASLEEP] = 0
-
-    def _bell_address(self, r: int) -> int:
-        return self._ctrl_address + r * _LINE + _BELL * 4
-
-    def _behind(self, phase: int) -> list[int]:
-        return [
-            self.ranks[r] for r in range(self.world_size) if self._counters[r * _QWORDS] < phase
-        ]
-
-    def _check_peers_alive(self, phase: int) -> None:
-        if not self._pid_checks:
-            return
-        dead = [
-            self.ranks[r]
-            for r in range(self.world_size)
-            if self._counters[r * _QWORDS] < phase and not _pid_alive(self._pids[r])
-        ]
-        if dead:
-            raise PeerDiedError(
-                self.what,
-                self._operation,
-                dead,
-                detail=f"shared-memory path, generation {self.generation}",
-            )
-
     def _release(self) -> None:
         # Views into the mapping must go before it can be unmapped.
         self._typed.clear()
         self._slot_bytes = []
-        self._counters.release()
-        self._counters = memoryview(b"")
-        self._words.release()
-        self._words = memoryview(b"")
-        self._ctrl_tensor = None
+        if self._lines is not None:
+            self._lines.release()
+            self._lines = None
         if self._segment is not None:
             self._segment.close()
             if self._segment.created:

@@ -139,9 +139,9 @@ def _back_to_back(rank: int, world: int, wait_mode: str) -> int:
     init_gloo(rank, world)
     shm = make_shm(max_bytes=4096)
     if wait_mode == "sleep_at_once":
-        shm._spin_s = 0.0  # every wait that is not over at once sleeps on the futex
+        shm._lines.spin_s = 0.0  # every wait that is not over at once sleeps on the futex
     elif wait_mode == "no_futex":
-        shm._use_futex = False
+        shm._lines.use_futex = False
     rng = random.Random(rank)
     try:
         for i in range(300):
@@ -447,16 +447,16 @@ def test_a_rank_on_another_node_sends_every_rank_to_gloo(world: int) -> None:
 
 
 def _foreign_pid_namespace(rank: int, world: int) -> bool:
-    import device_communicators.shm_all_reduce as mod
+    import device_communicators.shm_phases as phases
 
     init_gloo(rank, world)
     if rank == 1:
-        mod._pid_namespace = lambda: 4242  # as if in another container
+        phases.pid_namespace = lambda: 4242  # as if in another container
     shm = make_shm()
     try:
         # Pids from another namespace mean nothing here: no liveness verdicts.
         assert torch.equal(shm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
-        return shm._pid_checks
+        return shm._lines.pid_checks
     finally:
         shm.close()
 
