@@ -259,7 +259,9 @@ def _forged_to_reader_rank(rank, world_size):
     altered = bytes(genuine[0][:25]) + codec.encode("altered").header
     router.send_multipart([ident, altered])
     send("genuine", 1, key)
-    got = reader.dequeue(timeout=10)
+    send("genuine", 1, key)  # a replay: right MAC, old sequence number
+    send("second", 2, key)
+    got = [reader.dequeue(timeout=10), reader.dequeue(timeout=10)]
     bad = reader.bad_frames
     reader.shutdown()
     router.close(linger=0)
@@ -269,5 +271,5 @@ def _forged_to_reader_rank(rank, world_size):
 
 def test_forged_frames_to_a_reader_are_dropped_and_counted():
     ((got, bad),) = start_ranks(_forged_to_reader_rank, 1, timeout=30).collect()
-    assert got == "genuine"
-    assert bad == 2
+    assert got == ["genuine", "second"]
+    assert bad == 3  # wrong key, altered payload, replay
