@@ -136,7 +136,7 @@ def fake_writer_to_reader(rank: int, world: int, n_events: int, seed: int, path:
     init_gloo(rank, world)
     pg = dist.group.WORLD
     rng = random.Random(seed)
-    # The plan, known to both sides: g = good message, h = hostile frames, b = pickle bomb.
+    # The writer's plan (g = good message, h = hostile frames, b = pickle bomb), then "END".
     plan = [rng.choice("gggghhhb") for _ in range(n_events)]
     if rank == 1:
         handle = loads(broadcast_bytes(pg, None, 0))
@@ -145,15 +145,17 @@ def fake_writer_to_reader(rank: int, world: int, n_events: int, seed: int, path:
         try:
             mq.wait_until_ready(timeout=60)
             good = 0
-            for step in plan:
-                if step == "h":
-                    continue
+            # Read until the closing message, so every hostile frame before it was seen.
+            while len(results) <= n_events:  # bounded even if the stream goes wrong
                 try:
                     msg = mq.dequeue(timeout=30)
                 except Exception as exc:  # noqa: BLE001 - recorded, judged by the test
-                    results.append(f"{step}:{type(exc).__name__}:{exc}")
+                    kind = "b" if "allow_pickle" in str(exc) else "?"
+                    results.append(f"{kind}:{type(exc).__name__}:{exc}")
                     continue
-                results.append(f"{step}:ok" if msg == _good(good) else f"{step}:WRONG {msg!r}")
+                if msg == "END":
+                    break
+                results.append("g:ok" if msg == _good(good) else f"g:WRONG {msg!r}")
                 good += 1
             return {
                 "results": results,
@@ -207,6 +209,8 @@ def fake_writer_to_reader(rank: int, world: int, n_events: int, seed: int, path:
             good += 1
         last_valid = pack_frames(key, KIND_MESSAGE, seq, [bytes(b) for b in body])
         router.send_multipart([reader, *last_valid])
+    end = frames_as_buffers(plain.encode("END"))
+    router.send_multipart([reader, *pack_frames(key, KIND_MESSAGE, seq + 1, end)])
     dist.barrier()
     router.close()
     ctx.term()

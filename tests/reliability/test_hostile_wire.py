@@ -59,6 +59,7 @@ def test_hostile_frames_at_a_reader_are_dropped_and_counted(tmp_path: object) ->
     wrong = [r for r in results if not (r == "g:ok" or r.startswith("b:ProtocolError"))]
     assert not wrong, f"seed {seed}: {wrong[:5]}"
     assert results.count("g:ok") == writer["good"]
+    assert len(results) == writer["good"] + writer["bombs"], "every pickle refused, once"
     assert reader["bad_frames"] == writer["hostile"], (seed, reader["bad_frames"], writer)
 
 
