@@ -32,7 +32,8 @@ class GroupcoordConfig:
     mq_max_chunks: int = 10
     # Where POSIX shared memory lives (Linux: a tmpfs at /dev/shm).
     shm_dir: str = "/dev/shm"
-    # CPU shared-memory all-reduce.
+    # CPU shared-memory collectives. The max caps the size of one piece a
+    # tensor is cut into (the piece is min(this, 1 MiB)); any size is taken.
     disable_shm_all_reduce: bool = False
     shm_all_reduce_max_bytes: int = 16 * 1024 * 1024
     # CUDA path.
