@@ -18,6 +18,8 @@ import zlib
 
 import torch.distributed as dist
 
+from shm_broadcast.liveness import process_alive as pid_alive
+
 from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError
 
 
@@ -30,23 +32,6 @@ def host_key() -> int:
     except OSError:
         boot, pid_ns = "", 0
     return zlib.crc32(f"{socket.gethostname()}|{boot}|{pid_ns}".encode())
-
-
-def pid_alive(pid: int) -> bool:
-    """False for a process that is gone or a zombie (killed, not yet reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            # The state letter follows the parenthesised command name.
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 def dead_peers(local_pids: dict[int, int]) -> list[int]:

@@ -23,6 +23,9 @@ import time
 
 import torch
 
+from shm_broadcast.liveness import pid_namespace
+from shm_broadcast.liveness import process_alive as pid_alive
+
 from . import futex
 from .errors import GroupcoordTimeoutError, PeerDiedError
 
@@ -38,35 +41,6 @@ _BELL = 5  # int32 index within a line (bytes 20..23)
 # by the host), so sleeping is for long waits only: 20 us here doubled the
 # 4 KiB latency at world 4 on 2 cores, 1 ms matched pure yielding.
 SPIN_BEFORE_SLEEP_S = 1e-3
-
-
-def pid_namespace() -> int:
-    """This process's pid namespace (inode of /proc/self/ns/pid), or 0 when unknown."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (killed, not yet reaped by its parent) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        stat = b""  # no procfs here: fall back to a signal-0 probe below
-    if stat:
-        # The state letter follows the command name, which may itself contain ") ".
-        return stat.rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True
 
 
 class PhaseLines:

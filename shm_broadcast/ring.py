@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable
 
 from .errors import GroupcoordValueError, ProtocolError
+from .liveness import pid_namespace, process_alive
 from .segments import ShmSegment
 
 __all__ = ["ShmRingBuffer", "memory_fence", "needs_fence", "pid_namespace", "process_alive"]
@@ -73,32 +74,6 @@ def _make_fence() -> tuple[bool, Callable[[], None]]:
 
 
 needs_fence, memory_fence = _make_fence()
-
-
-def process_alive(pid: int) -> bool:
-    """Is ``pid`` a live process? A zombie (exited, not yet reaped by its parent) is dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return True  # no procfs: the signal probe is all we have
-    # The state letter follows the parenthesised command name, which may hold spaces.
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state not in (b"Z", b"X")
-
-
-def pid_namespace() -> int:
-    """Inode of this process's pid namespace (0 if unknown): pids compare only within one."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
 
 
 def _round_up(n: int, to: int) -> int:

@@ -22,6 +22,7 @@ import threading
 
 from .config import get_config
 from .errors import GroupcoordValueError, ShmSpaceError
+from .liveness import process_alive
 
 SEGMENT_PREFIX = "groupcoord_"
 _NAME_RE = re.compile(r"^groupcoord_(\d+)_[A-Za-z0-9]+_[0-9a-f]+$")
@@ -157,16 +158,6 @@ def cleanup_owned_segments() -> int:
     return len(names)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale_segments() -> list[str]:
     """Unlink our segments whose creating process no longer exists."""
     removed: list[str] = []
@@ -176,7 +167,7 @@ def cleanup_stale_segments() -> list[str]:
         return removed
     for entry in entries:
         match = _NAME_RE.match(entry)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             _unlink_name(entry)
             removed.append(entry)
     return removed

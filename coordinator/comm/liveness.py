@@ -12,24 +12,12 @@ import socket
 import zlib
 from collections.abc import Iterable
 
+from shm_broadcast.liveness import process_alive as pid_alive
+
 
 def host_id() -> int:
     """A number equal on every process of this host (crc32 of the hostname)."""
     return zlib.crc32(socket.gethostname().encode())
-
-
-def pid_alive(pid: int) -> bool:
-    """False once ``pid`` is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True  # no /proc access: assume alive, the timeout still bounds the wait
-    # The state letter follows the parenthesised command name, which may hold spaces.
-    end = stat.rfind(b")")
-    return stat[end + 2 : end + 3] not in (b"Z", b"X")
 
 
 class PeerLiveness:

@@ -1,0 +1,39 @@
+"""Is a peer process still there? One answer for every layer of groupcoord.
+
+Pids compare only between processes of one host and one pid namespace; callers
+check :func:`pid_namespace` (and the host) before judging a peer by its pid.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["pid_namespace", "process_alive"]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped by its parent) is dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by another user: look at its state below
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # no procfs: the signal probe is all we have
+    # The state letter follows the parenthesised command name, which may hold ") ".
+    end = stat.rfind(b")")
+    return stat[end + 2 : end + 3] not in (b"Z", b"X")
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 if unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
