@@ -216,6 +216,18 @@ def mq_rows(rank: int, world: int, rows: list[tuple[str, int]]) -> dict:
     pg = dist.group.WORLD
 
     def run_row(call: str, absent: bool) -> Outcome | None:
+        if call == "create_from_process_group":
+            # Collective over a group whose own deadline is the row's.
+            group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=TIMEOUT_S))
+            try:
+                if absent:
+                    return None
+                return attempt(
+                    lambda: MessageQueue.create_from_process_group(group, 1024, 2).shutdown()
+                )
+            finally:
+                dist.barrier()
+                dist.destroy_process_group(group)
         remote = "remote" in call
         mq = None
         if rank == 0:

@@ -95,6 +95,7 @@ TIMEOUT_TABLE: list[Row] = [
     Row("MessageQueue", "dequeue as local reader", 0, "MessageQueue"),
     Row("MessageQueue", "dequeue as remote reader", 0, "MessageQueue"),
     Row("MessageQueue", "broadcast_object as local reader", 0, "MessageQueue"),
+    Row("MessageQueue", "create_from_process_group", 1, "MessageQueue"),
 ]
 
 # The close() row must run last among its component's rows: it leaves the group.
