@@ -152,7 +152,9 @@ class RankGroup:
                     except EOFError:
                         outcome[rank] = ("died", None)
         finally:
-            self.terminate()
+            # A rank that answered is still releasing its resources (process
+            # group, shared memory): give it a moment before killing it.
+            self.terminate(grace_s=5.0, finishing=set(outcome))
         errors = []
         for rank in range(self.world_size):
             if rank in killed:
@@ -168,7 +170,11 @@ class RankGroup:
             raise AssertionError("\n".join(errors))
         return [None if r in killed else outcome[r][1] for r in range(self.world_size)]
 
-    def terminate(self) -> None:
+    def terminate(self, grace_s: float = 0.0, finishing: set[int] | None = None) -> None:
+        """Kill every rank still running; ranks in ``finishing`` get ``grace_s`` first."""
+        deadline = time.monotonic() + grace_s
+        for rank in sorted(finishing or ()):
+            self.procs[rank].join(max(deadline - time.monotonic(), 0.0))
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
