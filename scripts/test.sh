@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test,cuda,bench"
 venv=${GROUPCOORD_VENV:-.venv}
 "$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check --quiet coordinator device_communicators shm_broadcast tests benchmarks
 "$venv/bin/mypy"
 "$venv/bin/python" -m pytest -q "$@"

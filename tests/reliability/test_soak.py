@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from multiproc import run_ranks
 
 from . import _mq
@@ -17,6 +18,7 @@ MESSAGES = 1_000_000 if LONG else 20_000
 RSS_SLACK_MIB = 24
 
 
+@pytest.mark.timeout(7300 if LONG else 120)
 def test_soak_mixed_messages_to_three_readers() -> None:
     seed = random.randrange(2**31)
     results = run_ranks(soak, _mq.WORLD, MESSAGES, seed, timeout=110 if not LONG else 7200)
