@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .errors import GroupcoordValueError
+
 ENV_PREFIX = "GROUPCOORD_"
 
 
@@ -64,11 +66,11 @@ def _parse(name: str, kind: type, raw: str) -> Any:
             return True
         if low in _FALSE:
             return False
-        raise ValueError(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
+        raise GroupcoordValueError(f"{name}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
     try:
         return kind(raw)
     except ValueError as exc:
-        raise ValueError(f"{name}={raw!r}: expected a {kind.__name__}") from exc
+        raise GroupcoordValueError(f"{name}={raw!r}: expected a {kind.__name__}") from exc
 
 
 _FIELD_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
@@ -121,5 +123,5 @@ def resolve_timeout(timeout: float | None) -> float:
     if timeout is None:
         return get_config().timeout_s
     if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise GroupcoordValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return float(timeout)

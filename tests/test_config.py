@@ -6,6 +6,7 @@ import pytest
 
 from shm_broadcast import get_config, override
 from shm_broadcast.config import from_env, resolve_timeout
+from shm_broadcast.errors import GroupcoordValueError
 
 
 def test_environment_sets_typed_fields() -> None:
@@ -24,7 +25,7 @@ def test_environment_sets_typed_fields() -> None:
 
 
 def test_bad_environment_value_names_the_variable() -> None:
-    with pytest.raises(ValueError, match="GROUPCOORD_MQ_MAX_CHUNKS='many'"):
+    with pytest.raises(GroupcoordValueError, match="GROUPCOORD_MQ_MAX_CHUNKS='many'"):
         from_env({"GROUPCOORD_MQ_MAX_CHUNKS": "many"})
 
 
@@ -37,5 +38,7 @@ def test_override_is_scoped() -> None:
 
 
 def test_non_positive_timeout_is_refused() -> None:
-    with pytest.raises(ValueError, match="timeout must be a positive"):
-        resolve_timeout(0)
+    # groupcoord's own ValueError, so callers can catch every groupcoord error at once.
+    for bad in (0, -1.5, float("nan")):
+        with pytest.raises(GroupcoordValueError, match="timeout must be a positive"):
+            resolve_timeout(bad)
