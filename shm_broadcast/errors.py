@@ -20,7 +20,10 @@ class GroupcoordTimeoutError(GroupcoordError, TimeoutError):
 
     ``what`` names the queue or group, ``operation`` the call, ``role`` the side
     that waited and ``missing`` the ranks that did not arrive (read, write, join).
+    ``transport_error`` is the transport's own exception when one was translated.
     """
+
+    transport_error: BaseException | None = None
 
     def __init__(
         self,
@@ -48,7 +51,12 @@ class GroupcoordTimeoutError(GroupcoordError, TimeoutError):
 
 
 class PeerDiedError(GroupcoordError, ConnectionError):
-    """A peer process this side was waiting on is gone (pid or heartbeat)."""
+    """A peer process this side was waiting on is gone (pid or heartbeat).
+
+    ``transport_error`` is the transport's own exception when one was translated.
+    """
+
+    transport_error: BaseException | None = None
 
     def __init__(self, what: str, operation: str, dead: Iterable[int], detail: str = "") -> None:
         self.what = what

@@ -5,7 +5,9 @@ as uint8 tensors, length first) or any object with ``rank``, ``world_size``,
 ``broadcast_obj(obj, src)`` and ``all_gather_obj(obj)`` (see
 :class:`ObjectGroup`; the coordinator's ``StatelessProcessGroup`` is one).
 ``src`` is always the rank *within* the group. torch is imported only for a
-torch group.
+torch group. On a torch group a Gloo timeout or lost peer raises
+``GroupcoordTimeoutError``/``PeerDiedError`` naming ``what`` and ``operation``
+(the caller's object and call; see :mod:`.gloo_errors`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
+from .gloo_errors import gloo_errors
 
 __all__ = ["ObjectGroup", "all_gather_bytes", "broadcast_bytes", "group_rank_and_size"]
 
@@ -57,7 +60,14 @@ def _check_src(src: int, world_size: int) -> None:
         raise GroupcoordValueError(f"src={src!r} is not a rank in a group of {world_size}")
 
 
-def broadcast_bytes(pg: Any, data: bytes | None, src: int = 0) -> bytes:
+def broadcast_bytes(
+    pg: Any,
+    data: bytes | None,
+    src: int = 0,
+    *,
+    what: str = "process group",
+    operation: str = "broadcast_bytes",
+) -> bytes:
     """Rank ``src`` of ``pg`` sends ``data``; every rank returns it."""
     rank, world_size = group_rank_and_size(pg)
     _check_src(src, world_size)
@@ -78,7 +88,8 @@ def broadcast_bytes(pg: Any, data: bytes | None, src: int = 0) -> bytes:
 
     global_src = dist.get_global_rank(pg, src)
     length = torch.tensor([len(mine) if mine is not None else 0], dtype=torch.int64)
-    dist.broadcast(length, src=global_src, group=pg)
+    with gloo_errors(what, operation, pg):
+        dist.broadcast(length, src=global_src, group=pg)
     n = int(length.item())
     if n == 0:
         return b""
@@ -86,11 +97,14 @@ def broadcast_bytes(pg: Any, data: bytes | None, src: int = 0) -> bytes:
         payload = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     else:
         payload = torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(payload, src=global_src, group=pg)
+    with gloo_errors(what, operation, pg):
+        dist.broadcast(payload, src=global_src, group=pg)
     return mine if mine is not None else payload.numpy().tobytes()
 
 
-def all_gather_bytes(pg: Any, data: bytes) -> list[bytes]:
+def all_gather_bytes(
+    pg: Any, data: bytes, *, what: str = "process group", operation: str = "all_gather_bytes"
+) -> list[bytes]:
     """Every rank contributes ``data``; all return the list in group-rank order."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise GroupcoordTypeError(f"data must be bytes, got {type(data).__qualname__}")
@@ -105,7 +119,8 @@ def all_gather_bytes(pg: Any, data: bytes) -> list[bytes]:
 
     mine = torch.tensor([len(data)], dtype=torch.int64)
     lengths = [torch.empty(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(lengths, mine, group=pg)
+    with gloo_errors(what, operation, pg):
+        dist.all_gather(lengths, mine, group=pg)
     sizes = [int(t.item()) for t in lengths]
     longest = max(sizes)
     if longest == 0:
@@ -115,5 +130,6 @@ def all_gather_bytes(pg: Any, data: bytes) -> list[bytes]:
     if len(data):
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
-    dist.all_gather(outs, padded, group=pg)
+    with gloo_errors(what, operation, pg):
+        dist.all_gather(outs, padded, group=pg)
     return [out[:n].numpy().tobytes() for out, n in zip(outs, sizes)]

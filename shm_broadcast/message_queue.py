@@ -702,7 +702,9 @@ class MessageQueue:
             raise GroupcoordValueError(
                 f"writer_rank={writer_rank} is not in a group of {world_size}"
             )
-        same_node = in_the_same_node_as(pg, source_rank=writer_rank)
+        # Errors of the set-up collectives name this call (the queue has no name yet).
+        names = {"what": "MessageQueue", "operation": "create_from_process_group"}
+        same_node = in_the_same_node_as(pg, writer_rank, **names)
         mq: MessageQueue | None = None
         data: bytes | None = None
         if rank == writer_rank:
@@ -723,7 +725,12 @@ class MessageQueue:
                 )
                 handle = mq.export_handle()
             data = dumps(handle)
-        handle = loads(broadcast_bytes(pg, data, src=writer_rank))
+        try:
+            handle = loads(broadcast_bytes(pg, data, writer_rank, **names))
+        except BaseException:
+            if mq is not None:
+                mq.shutdown()  # the writer's ring must not outlive a failed set-up
+            raise
         if mq is None:
             mq = MessageQueue.create_from_handle(handle, rank)
         if blocking:
@@ -756,7 +763,8 @@ class MessageQueue:
             raise GroupcoordValueError(
                 f"reader_rank={reader_rank} is not in a group of {world_size}"
             )
-        same_node = in_the_same_node_as(pg, source_rank=reader_rank)
+        names = {"what": "MessageQueue", "operation": "create_from_process_group_single_reader"}
+        same_node = in_the_same_node_as(pg, reader_rank, **names)
         mq = MessageQueue(
             1,
             1 if same_node[rank] else 0,
@@ -768,7 +776,7 @@ class MessageQueue:
             writer_rank=rank,
         )
         try:
-            gathered = all_gather_bytes(pg, dumps(mq.export_handle()))
+            gathered = all_gather_bytes(pg, dumps(mq.export_handle()), **names)
             handles = [loads(g) for g in gathered] if rank == reader_rank else []
             if blocking:
                 mq.wait_until_ready()

@@ -25,8 +25,17 @@ logger = logging.getLogger("groupcoord.shm_broadcast")
 _TOKEN_BYTES = 16
 
 
-def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
-    """For each rank of ``pg`` (group order): does it share /dev/shm with ``source_rank``?"""
+def in_the_same_node_as(
+    pg: Any,
+    source_rank: int = 0,
+    *,
+    what: str = "process group",
+    operation: str = "in_the_same_node_as",
+) -> list[bool]:
+    """For each rank of ``pg`` (group order): does it share /dev/shm with ``source_rank``?
+
+    ``what`` and ``operation`` name the caller in a timeout or lost-peer error.
+    """
     rank, world_size = group_rank_and_size(pg)
     if isinstance(source_rank, bool) or not isinstance(source_rank, int):
         raise GroupcoordValueError(f"source_rank must be an int, got {source_rank!r}")
@@ -43,9 +52,13 @@ def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
             announce = dumps((segment.name, token))
         else:
             announce = None
-        name, token = loads(broadcast_bytes(pg, announce, src=source_rank))
+        name, token = loads(
+            broadcast_bytes(pg, announce, source_rank, what=what, operation=operation)
+        )
         same = rank == source_rank or _can_read_token(name, token)
-        gathered = all_gather_bytes(pg, dumps((same, socket.gethostname())))
+        gathered = all_gather_bytes(
+            pg, dumps((same, socket.gethostname())), what=what, operation=operation
+        )
     finally:
         # Every rank has attached and closed before the gather returns, so the
         # source can remove the segment now (or on error, right away).
