@@ -633,8 +633,14 @@ class GroupCoordinator:
         """Run one collective; a transport failure says which ranks did not arrive."""
         try:
             out = fn(*args)
-        except (GroupcoordError, ValueError, TypeError):
+        except (GroupcoordError, ValueError, TypeError) as exc:
             # Ours already name what failed; bad arguments are raised before any send.
+            # A Gloo failure the communicator translated is diagnosed here again:
+            # the arrival records name exactly who did not come (and keep the
+            # collective count in step with the other ranks).
+            gloo = getattr(exc, "transport_error", None)
+            if isinstance(gloo, RuntimeError):
+                raise self._diagnose(operation, gloo) from gloo
             raise
         except RuntimeError as exc:
             raise self._diagnose(operation, exc) from exc

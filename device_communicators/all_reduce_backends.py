@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+
+from shm_broadcast.gloo_errors import gloo_errors
 
 from .errors import GroupcoordValueError
 
@@ -58,13 +60,21 @@ class AllReduceBackend(ABC):
 
 
 class TorchDistributedAllReduce(AllReduceBackend):
-    """``torch.distributed.all_reduce`` on a process group: takes everything."""
+    """``torch.distributed.all_reduce`` on a process group: takes everything.
+
+    A Gloo timeout or lost peer raises our errors naming ``what`` (the group)
+    and the peers; ``pids`` (global rank -> pid, this host) names the dead ones.
+    """
 
     name = "torch.distributed"
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(
+        self, group: ProcessGroup, what: str = "", pids: Mapping[int, int] | None = None
+    ) -> None:
         self.group = group
         self.name = f"torch.distributed({dist.get_backend(group)})"
+        self.what = what or self.name
+        self.pids = pids
 
     def refusal(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> str | None:
         return None
@@ -74,7 +84,8 @@ class TorchDistributedAllReduce(AllReduceBackend):
     ) -> torch.Tensor:
         # clone(contiguous) so the caller's tensor is untouched and c10d gets dense memory.
         out = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=op, group=self.group)
+        with gloo_errors(self.what, "all_reduce", self.group, pids=self.pids):
+            dist.all_reduce(out, op=op, group=self.group)
         return out
 
 

@@ -5,17 +5,24 @@ signatures; every ``src``/``dst`` is an index within the group. Its defaults
 are plain ``torch.distributed`` calls on the device group (Gloo on CPU), and
 subclasses put faster all-reduce back ends in front of the torch one (see
 ``all_reduce_backends``). Arguments are checked before anything is sent, so
-a bad call raises on the caller and leaves the group usable.
+a bad call raises on the caller and leaves the group usable. Every
+``torch.distributed`` call runs under ``shm_broadcast.gloo_errors``: a Gloo
+timeout or lost peer raises ``GroupcoordTimeoutError``/``PeerDiedError``
+naming the group, the call and the peer (point-to-point) or the peers that
+could be missing (collectives; only the dead ones when a pid shows them).
 """
 
 from __future__ import annotations
 
 import zlib
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+
+from shm_broadcast.gloo_errors import gloo_errors
 
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
@@ -44,8 +51,13 @@ class DeviceCommunicatorBase:
         self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
         self.rank_in_group = self.ranks.index(self.rank)
         self.all2all_manager: Any = None
+        # Errors start with the group's name, like the coordinator's own errors.
+        self.what = unique_name or type(self).__name__
+        fast = self._fast_all_reduce_backends()
+        # Global rank -> pid of peers on this host: a failed call names the dead ones.
+        self.peer_pids: dict[int, int] = self._local_peer_pids()
         self.all_reduce_chain = AllReduceChain(
-            [*self._fast_all_reduce_backends(), TorchDistributedAllReduce(self.device_group)],
+            [*fast, TorchDistributedAllReduce(self.device_group, self.what, self.peer_pids)],
             owner=f"{type(self).__name__}({unique_name or 'unnamed'})",
         )
 
@@ -54,6 +66,10 @@ class DeviceCommunicatorBase:
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
         """Back ends tried before ``torch.distributed``, in order (none here)."""
         return []
+
+    def _local_peer_pids(self) -> dict[int, int]:
+        """Pids of the peers on this host (same pid namespace), by global rank; none known here."""
+        return {}
 
     @property
     def backend_name(self) -> str:
@@ -174,19 +190,22 @@ class DeviceCommunicatorBase:
         out = torch.empty(
             (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
         )
-        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.device_group)
+        with self._gloo("all_gather"):
+            dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.device_group)
         return out
 
     def _all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """``_all_gather_stacked`` of a small CPU tensor over ``cpu_group`` (metadata)."""
         out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
-        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.cpu_group)
+        with self._gloo("all_gather (sizes)", group=self.cpu_group):
+            dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.cpu_group)
         return out
 
     def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite ``input_`` with in-group rank ``src``'s (arguments already checked)."""
         work = input_ if input_.is_contiguous() else input_.contiguous()
-        dist.broadcast(work, src=self.ranks[src], group=self.device_group)
+        with self._gloo("broadcast"):
+            dist.broadcast(work, src=self.ranks[src], group=self.device_group)
         if work is not input_:
             input_.copy_(work)
         return input_
@@ -197,7 +216,8 @@ class DeviceCommunicatorBase:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         self._check_peer(dst, "dst", allow_self=False)
-        dist.send(tensor.contiguous(), dst=self.ranks[dst], group=self.device_group)
+        with self._gloo("send", peer=dst):
+            dist.send(tensor.contiguous(), dst=self.ranks[dst], group=self.device_group)
 
     def recv(
         self,
@@ -218,7 +238,8 @@ class DeviceCommunicatorBase:
             src = (self.rank_in_group - 1) % self.world_size
         self._check_peer(src, "src", allow_self=False)
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(out, src=self.ranks[src], group=self.device_group)
+        with self._gloo("recv", peer=src):
+            dist.recv(out, src=self.ranks[src], group=self.device_group)
         return out
 
     # ---- expert parallelism -----------------------------------------------------
@@ -253,6 +274,18 @@ class DeviceCommunicatorBase:
             self.all2all_manager = None
 
     # ---- helpers ------------------------------------------------------------------
+
+    def _gloo(
+        self, operation: str, peer: int | None = None, group: ProcessGroup | None = None
+    ) -> AbstractContextManager[None]:
+        """Translate Gloo failures of ``operation`` (with in-group ``peer`` if point-to-point)."""
+        return gloo_errors(
+            self.what,
+            operation,
+            self.device_group if group is None else group,
+            None if peer is None else [self.ranks[peer]],
+            self.peer_pids,
+        )
 
     def _check_tensor(self, tensor: object, name: str) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -339,7 +372,8 @@ class DeviceCommunicatorBase:
         else:
             mine = self.rank_in_group == dst
             parts = [torch.empty_like(padded) for _ in self.ranks] if mine else None
-            dist.gather(padded, parts, dst=self.ranks[dst], group=self.device_group)
+            with self._gloo("gather"):
+                dist.gather(padded, parts, dst=self.ranks[dst], group=self.device_group)
         if parts is None:
             return None
         joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)

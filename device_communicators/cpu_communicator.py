@@ -36,6 +36,10 @@ class CpuCommunicator(DeviceCommunicatorBase):
         self.shm_all_reduce = ShmAllReduce(self.cpu_group, unique_name=self.unique_name)
         return [self.shm_all_reduce]
 
+    def _local_peer_pids(self) -> dict[int, int]:
+        # The shm set-up exchanged pids; a failed Gloo call can then name the dead peer.
+        return self.shm_all_reduce.peer_pids()
+
     # all_gather, all_gatherv, gather's size exchange and broadcast go through
     # the same shared-memory slots when the shm path is up (any dtype: bytes
     # are copied). The condition depends only on the group, never on the

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config, resolve_timeout
+from shm_broadcast.gloo_errors import gloo_errors
 from shm_broadcast.segments import ShmSegment
 
 from .all_reduce_backends import AllReduceBackend
@@ -203,7 +204,8 @@ class ShmAllReduce(AllReduceBackend):
                 handle[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             except (OSError, GroupcoordError) as exc:
                 local_reason = f"rank 0 could not create the segment: {exc}"
-        dist.broadcast(handle, src=self.ranks[0], group=self.group)
+        with gloo_errors(self.what, "shm all-reduce set-up", self.group):
+            dist.broadcast(handle, src=self.ranks[0], group=self.group)
         text = bytes(handle.tolist()).rstrip(b"\0").decode()
         if local_reason is None and self.rank_in_group != 0:
             local_reason = self._attach(text)
@@ -220,7 +222,8 @@ class ShmAllReduce(AllReduceBackend):
             self._lines.register_self()
         ok = torch.tensor([0 if local_reason is None else 1], dtype=torch.int32)
         everyone = [torch.empty_like(ok) for _ in self.ranks]
-        dist.all_gather(everyone, ok, group=self.group)
+        with gloo_errors(self.what, "shm all-reduce set-up", self.group):
+            dist.all_gather(everyone, ok, group=self.group)
         if self.rank_in_group == 0 and self._segment is not None:
             # Every rank has mapped it (or given up): drop the name now, so no
             # crash of anyone can leave it behind; the pages live until unmapped.
@@ -266,6 +269,17 @@ class ShmAllReduce(AllReduceBackend):
         ]
 
     # ---- the back-end interface -------------------------------------------------
+
+    def peer_pids(self) -> dict[int, int]:
+        """Global rank -> pid of the other ranks, when the path is up and their pids compare."""
+        lines = self._lines
+        if self.disabled_reason is not None or lines is None or not lines.pid_checks:
+            return {}
+        return {
+            r: pid
+            for i, (r, pid) in enumerate(zip(self.ranks, lines.pids))
+            if i != self.rank_in_group
+        }
 
     def refusal(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> str | None:
         if self.disabled_reason is not None:
