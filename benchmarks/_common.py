@@ -85,7 +85,7 @@ def run_ranks(
 
     ``target`` is a module-level function whose result is JSON-able; it travels
     back as JSON. Raises RuntimeError naming the rank (with its traceback) when
-    a rank fails or exits without a result, TimeoutError naming the ranks that
+    a rank fails, exits without a result or exits non-zero after answering, TimeoutError naming the ranks that
     gave no result within ``timeout`` seconds. Every process is ended on every path.
     """
     ctx = mp.get_context(start_method)
@@ -101,7 +101,13 @@ def run_ranks(
             child_end.close()
             procs.append(proc)
             conns[parent_end] = rank
-        return _collect(conns, world, timeout)
+        results = _collect(conns, world, timeout)
+        _end_all(procs)
+        # A rank that answered but then crashed in teardown still failed the run.
+        codes = {rank: proc.exitcode for rank, proc in enumerate(procs) if proc.exitcode != 0}
+        if codes:
+            raise RuntimeError(f"world {world}: ranks exited with codes {codes} after answering")
+        return results
     finally:
         for conn in conns:
             conn.close()
