@@ -24,23 +24,23 @@ that plus the slice) the same way; sizes are bytes per rank.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
     environment,
+    free_port,
     human_bytes,
+    init_gloo_rank,
     median,
     plot_lines,
     print_table,
     reproduce_command,
+    run_ranks,
     write_json,
 )
 
@@ -58,12 +58,6 @@ COLUMNS = [
     "shm_GBps",
     "gloo_GBps",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _implementations(op: str, comm: Any, x: Any) -> tuple[Any, Any, Any]:
@@ -191,29 +185,15 @@ def _measure(
 
 
 def _rank_main(
-    conn: Connection,
-    rank: int,
-    world: int,
-    port: int,
-    ops: list[str],
-    sizes: list[int],
-    quick: bool,
-) -> None:
-    import datetime
-
+    rank: int, world: int, port: int, ops: list[str], sizes: list[int], quick: bool
+) -> list[dict[str, Any]]:
+    """One rank's sweep; rank 0 returns the rows (every rank measures the same calls)."""
     import torch
     import torch.distributed as dist
 
     from device_communicators import CpuCommunicator
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_gloo_rank(rank, world, port, timeout_s=120)
     comm = CpuCommunicator(dist.group.WORLD, unique_name="bench")
     budget = 0.03 if quick else 0.1  # seconds per batch
     batches = 3 if quick else 7
@@ -224,47 +204,18 @@ def _rank_main(
                 x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
                 ours, gloo, gloo_oop = _implementations(op, comm, x)
                 rows.append(_measure(op, world, nbytes, ours, gloo, gloo_oop, budget, batches))
-        if rank == 0:
-            conn.send(("ok", rows))
-    except BaseException as exc:  # noqa: BLE001 - report anything to the parent
-        conn.send(("err", f"rank {rank}: {type(exc).__name__}: {exc}"))
-        raise
     finally:
         comm.destroy()
         dist.destroy_process_group()
-        conn.close()
+    return rows if rank == 0 else []
 
 
 def run_world(
     world: int, ops: list[str], sizes: list[int], quick: bool, timeout: float
 ) -> list[dict[str, Any]]:
     """Fork ``world`` ranks, run the sweep, return rank 0's rows."""
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    parent_end, child_end = ctx.Pipe(duplex=False)
-    procs = [
-        ctx.Process(
-            target=_rank_main, args=(child_end, r, world, port, ops, sizes, quick), daemon=True
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    child_end.close()
-    try:
-        if not parent_end.poll(timeout):
-            raise TimeoutError(f"world {world}: no result within {timeout:g} s")
-        kind, value = parent_end.recv()
-        if kind != "ok":
-            raise RuntimeError(value)
-        return list(value)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        parent_end.close()
+    port = free_port()
+    return list(run_ranks(_rank_main, world, port, ops, sizes, quick, timeout=timeout)[0])
 
 
 def main(argv: list[str] | None = None) -> int:
