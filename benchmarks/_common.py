@@ -109,9 +109,10 @@ def run_ranks(
             raise RuntimeError(f"world {world}: ranks exited with codes {codes} after answering")
         return results
     finally:
+        # Ends close after the ranks are gone: a rank still sending sees no broken pipe.
+        _end_all(procs)
         for conn in conns:
             conn.close()
-        _end_all(procs)
 
 
 def _collect(conns: dict[Connection, int], world: int, timeout: float) -> list[Any]:
