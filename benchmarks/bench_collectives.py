@@ -17,25 +17,24 @@ Numbers are medians over batches after warm-up; ratio = torch time / ours.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
     environment,
+    free_port,
     human_bytes,
+    init_gloo_rank,
     median,
     plot_lines,
     print_table,
     reproduce_command,
+    run_ranks,
     write_json,
 )
 
@@ -49,12 +48,6 @@ OPS = [
 FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 256 << 10, 16 << 20]
 DICT_TENSORS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _timed(fn: Callable[[], Any], barrier: Callable[[], None], iters: int, batches: int) -> float:
@@ -85,18 +78,15 @@ def _rank_main(
     ops: list[str],
     quick: bool,
     use_mq: bool,
-    conn: Connection,
-) -> None:
+) -> list[dict[str, Any]]:
+    """One rank's sweep; rank 0 returns the rows."""
     import torch
-
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from coordinator.group_coordinator import GroupCoordinator
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    # 1800 s: torch's default process-group timeout, which this benchmark used.
+    init_gloo_rank(rank, world, port, timeout_s=1800)
     group = GroupCoordinator(
         [list(range(world))],
         rank,
@@ -137,9 +127,7 @@ def _rank_main(
             )
     group.destroy()
     dist.destroy_process_group()
-    if rank == 0:
-        conn.send_bytes(json.dumps(rows).encode())
-    conn.close()
+    return rows if rank == 0 else []
 
 
 def _pair(op: str, group: Any, plain: Any, x: Any, rank: int, world: int) -> tuple[Any, Any]:
@@ -230,34 +218,10 @@ def _pair(op: str, group: Any, plain: Any, x: Any, rank: int, world: int) -> tup
 def run_world(
     world: int, sizes: list[int], ops: list[str], quick: bool, use_mq: bool, timeout: float
 ) -> list[dict]:
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    recv_end, send_end = ctx.Pipe(duplex=False)
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, world, port, sizes, ops, quick, use_mq, send_end),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    send_end.close()
-    try:
-        if not recv_end.poll(timeout):
-            raise TimeoutError(f"world {world}: no result within {timeout:g} s")
-        rows: list[dict] = json.loads(recv_end.recv_bytes())
-        for p in procs:
-            p.join(30)
-        bad = [p.exitcode for p in procs if p.exitcode != 0]
-        if bad:
-            raise RuntimeError(f"world {world}: ranks exited with {bad}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    port = free_port()
+    rows: list[dict] = run_ranks(
+        _rank_main, world, port, sizes, ops, quick, use_mq, timeout=timeout
+    )[0]
     # send/recv is a round trip: report the one-way time.
     for row in rows:
         if row["op"] == "send_recv_tensor_dict":
