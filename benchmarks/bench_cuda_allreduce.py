@@ -13,34 +13,27 @@ from __future__ import annotations
 
 import argparse
 import functools
-import multiprocessing as mp
 import os
-import socket
 import sys
-import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402 - after the path set-up above
     environment,
+    free_port,
     human_bytes,
+    init_gloo_rank,
     median,
     plot_lines,
     print_table,
     reproduce_command,
+    run_ranks,
     write_json,
 )
 
 KiB = 1024
 MiB = 1024 * KiB
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _time_calls(fn: Any, iters: int, warmup: int) -> float:
@@ -60,20 +53,7 @@ def _time_calls(fn: Any, iters: int, warmup: int) -> float:
     return median(samples)
 
 
-def _rank_main(
-    rank: int, world: int, port: int, args: argparse.Namespace, conn: Connection
-) -> None:
-    try:
-        conn.send(("ok", _measure(rank, world, port, args)))
-    except BaseException:  # noqa: BLE001 - report every failure to the parent
-        conn.send(("err", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
 def _measure(rank: int, world: int, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -83,13 +63,7 @@ def _measure(rank: int, world: int, port: int, args: argparse.Namespace) -> list
     gpus = torch.cuda.device_count()
     device = torch.device("cuda", rank % gpus)
     torch.cuda.set_device(device)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    init_gloo_rank(rank, world, port, timeout_s=300)
     one_gpu_per_rank = gpus >= world
     custom = CustomAllreduce(dist.group.WORLD, device, max_size=max(args.sizes) + 16)
     pynccl = PyNcclCommunicator(dist.group.WORLD, device) if one_gpu_per_rank else None
@@ -143,28 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     args.sizes = sizes
     if args.quick:
         args.iters, args.warmup = min(args.iters, 50), min(args.warmup, 5)
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    conns, procs = [], []
-    for rank in range(args.world):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, args=(rank, args.world, port, args, child))
-        proc.start()
-        child.close()
-        conns.append(parent)
-        procs.append(proc)
-    outcomes = []
-    for conn in conns:
-        outcomes.append(conn.recv() if conn.poll(1800) else ("err", "timed out"))
-    for proc in procs:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-    failed = [o[1] for o in outcomes if o[0] != "ok"]
-    if failed:
-        print("\n".join(failed), file=sys.stderr)
+    # spawn: a CUDA context does not survive fork.
+    try:
+        per_rank = run_ranks(
+            _measure, args.world, free_port(), args, timeout=1800, start_method="spawn"
+        )
+    except (RuntimeError, TimeoutError) as exc:
+        print(exc, file=sys.stderr)
         return 1
-    rows = outcomes[0][1]
+    rows = per_rank[0]
     factor = 2 * (args.world - 1) / args.world
     for row in rows:
         for key in ("custom", "pynccl"):
