@@ -17,25 +17,24 @@ Two more rows force every reader onto the TCP path (remote readers).
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
-import traceback
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
     environment,
+    free_port,
     human_bytes,
+    init_gloo_rank,
     median,
     percentile,
     plot_lines,
     print_table,
     reproduce_command,
+    run_ranks,
     write_json,
 )
 
@@ -131,14 +130,7 @@ def _bench_rank(
 
     from shm_broadcast.message_queue import MessageQueue
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    init_gloo_rank(rank, world, port, timeout_s=300)
     group = dist.group.WORLD
     results = []
     for case in cases:
@@ -215,54 +207,11 @@ def _bench_rank(
     return results
 
 
-def _child(conn: Any, rank: int, world: int, port: int, cases: list[dict[str, Any]]) -> None:
-    try:
-        conn.send(("ok", _bench_rank(rank, world, port, cases)))
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
-        conn.send(("err", traceback.format_exc()))
-    finally:
-        from shm_broadcast.segments import cleanup_owned_segments
-
-        cleanup_owned_segments()
-        conn.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(
     world: int, cases: list[dict[str, Any]], timeout: float
 ) -> list[list[dict[str, Any]]]:
     """Fork ``world`` ranks, run every case, return each rank's measurements."""
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    procs, conns = [], []
-    for rank in range(world):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(child, rank, world, port, cases), daemon=True)
-        proc.start()
-        child.close()
-        procs.append(proc)
-        conns.append(parent)
-    results = []
-    try:
-        for rank, conn in enumerate(conns):
-            if not conn.poll(timeout):
-                raise RuntimeError(f"rank {rank} did not finish within {timeout:g} s")
-            kind, value = conn.recv()
-            if kind != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results.append(value)
-    finally:
-        for proc in procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return results
+    return run_ranks(_bench_rank, world, free_port(), cases, timeout=timeout)
 
 
 def summarize(
