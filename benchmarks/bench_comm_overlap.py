@@ -23,33 +23,26 @@ matmul gain (two ranks busy on two cores leave Gloo no idle core).
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
     environment,
+    free_port,
+    init_gloo_rank,
     median,
     print_table,
     reproduce_command,
+    run_ranks,
     write_json,
 )
 
 MATMUL_N = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _interleaved(
@@ -68,27 +61,17 @@ def _interleaved(
     return {name: median(values) for name, values in times.items()}
 
 
-def _rank_main(
-    rank: int, world: int, port: int, args: argparse.Namespace, conn: Connection
-) -> None:
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    # coordinator.comm finds its rendezvous in the torchrun variables.
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
     os.environ["WORLD_SIZE"] = str(world)
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from coordinator.comm import new_comm
 
-    torch.set_num_threads(1)
     # torch's default group is the baseline; the comm then shares its store.
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_gloo_rank(rank, world, port, timeout_s=120)
     comm = new_comm("gloo", "cpu", "overlap", timeout=120)
     data = torch.ones(int(args.mib * (1 << 20)) // 4)
     a = torch.randn(MATMUL_N, MATMUL_N)
@@ -153,34 +136,12 @@ def _rank_main(
         )
     comm.finalize()
     dist.destroy_process_group()
-    conn.send_bytes(json.dumps(results).encode())  # JSON, not pickle, even for local results
-    conn.close()
+    return results
 
 
 def run(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    procs, conns = [], []
-    for rank in range(args.world):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, args=(rank, args.world, port, args, child_end))
-        proc.start()
-        child_end.close()
-        procs.append(proc)
-        conns.append(parent_end)
-    try:
-        results = []
-        for rank, conn in enumerate(conns):
-            if not conn.poll(args.timeout):
-                raise SystemExit(f"rank {rank} produced no result within {args.timeout:g} s")
-            results.append(json.loads(conn.recv_bytes()))
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return results
+    """Fork ``args.world`` ranks; return each rank's rows."""
+    return run_ranks(_rank_main, args.world, free_port(), args, timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
