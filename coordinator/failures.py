@@ -18,6 +18,7 @@ import zlib
 
 import torch.distributed as dist
 
+from shm_broadcast.gloo_errors import failure_kind
 from shm_broadcast.liveness import process_alive as pid_alive
 
 from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError
@@ -88,7 +89,7 @@ def classify(
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if known_dead:
         return PeerDiedError(what, operation, missing, detail=text)
-    if "timed out" in text.lower() or "timeout" in text.lower():
+    if failure_kind(exc) == "timeout":
         return GroupcoordTimeoutError(what, operation, timeout_s, missing, detail=text)
     if not missing:
         text += "; which ranks is unknown (the store did not answer)"

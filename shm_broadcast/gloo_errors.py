@@ -25,11 +25,21 @@ from .config import get_config
 from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError
 from .liveness import process_alive
 
-__all__ = ["gloo_errors", "group_timeout_s", "translate_gloo_error"]
+__all__ = ["failure_kind", "gloo_errors", "group_timeout_s", "translate_gloo_error"]
 
 # Gloo and c10d texts for a peer whose connection went away.
 _PEER_GONE = ("closed by peer", "connection reset", "broken pipe", "connection refused")
 _GLOO_WAIT = re.compile(r"timed out waiting (\d+)\s*ms", re.IGNORECASE)
+
+
+def failure_kind(exc: BaseException) -> str | None:
+    """``"timeout"`` or ``"peer gone"`` from a transport error's text, else None."""
+    text = str(exc).lower()
+    if "timed out" in text or "timeout" in text:
+        return "timeout"
+    if any(marker in text for marker in _PEER_GONE):
+        return "peer gone"
+    return None
 
 
 def group_timeout_s(pg: Any, exc: BaseException | None = None) -> float:
@@ -67,18 +77,17 @@ def translate_gloo_error(
     """
     if isinstance(exc, GroupcoordError):
         return None
+    kind = failure_kind(exc)
+    if kind is None:
+        return None
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
-    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-    gone = any(marker in text.lower() for marker in _PEER_GONE)
-    if not (timed_out or gone):
-        return None
     waited = sorted(peers) if peers is not None else _other_ranks(pg)
     dead = [r for r in waited if pids and r in pids and not process_alive(pids[r])]
     error: GroupcoordError
     if dead:
         error = PeerDiedError(what, operation, dead, detail=first)
-    elif timed_out:
+    elif kind == "timeout":
         error = GroupcoordTimeoutError(
             what, operation, group_timeout_s(pg, exc), waited, detail=first
         )

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from multiproc import init_gloo, start_ranks
 
 from shm_broadcast.errors import GroupcoordTimeoutError, PeerDiedError
-from shm_broadcast.gloo_errors import gloo_errors, translate_gloo_error
+from shm_broadcast.gloo_errors import failure_kind, gloo_errors, translate_gloo_error
 
 GLOO_TIMEOUT = (
     "[/gloo/transport/tcp/unbound_buffer.cc:81] "
@@ -25,6 +25,13 @@ GLOO_CLOSED = "[/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.
 def _pid_that_cannot_exist() -> int:
     with open("/proc/sys/kernel/pid_max") as fh:
         return int(fh.read())  # pids are always below pid_max
+
+
+def test_failure_kind_reads_gloos_text() -> None:
+    assert failure_kind(RuntimeError(GLOO_TIMEOUT)) == "timeout"
+    assert failure_kind(RuntimeError(GLOO_CLOSED)) == "peer gone"
+    assert failure_kind(RuntimeError("Read error: Connection reset by peer")) == "peer gone"
+    assert failure_kind(RuntimeError("Invalid scalar type")) is None
 
 
 def test_timeout_names_what_operation_peers_and_the_gloo_deadline() -> None:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shm_broadcast.gloo_errors import failure_kind
+
 from ..errors import (
     ClosedError,
     GroupcoordError,
@@ -28,7 +30,6 @@ from .spin import spin_until
 # The completer waits on a c10d work this much longer than the operation's
 # deadline, so the caller's own timeout (named, with peers) fires first.
 _COMPLETER_GRACE_S = 2.0
-_PEER_GONE_MARKERS = ("closed by peer", "Connection reset", "Broken pipe", "Connection refused")
 
 
 class WorkStatus(enum.Enum):
@@ -182,12 +183,13 @@ def translate_error(work: Work, exc: BaseException) -> BaseException:
     if isinstance(exc, GroupcoordError):
         return exc
     text = str(exc)
-    if "Timed out" in text or "timed out" in text:
+    kind = failure_kind(exc)
+    if kind == "timeout":
         work._expire()
         error: BaseException = GroupcoordTimeoutError(
             work._what(), work.op, work.timeout_s, missing=work.peers, detail=text.strip()
         )
-    elif any(marker in text for marker in _PEER_GONE_MARKERS):
+    elif kind == "peer gone":
         dead = work.find_dead(work.peers) if work.find_dead is not None else []
         if dead:
             error = PeerDiedError(work._what(), work.op, dead, detail=text.strip())
