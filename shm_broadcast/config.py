@@ -38,6 +38,10 @@ class GroupcoordConfig:
     # tensor is cut into (the piece is min(this, 1 MiB)); any size is taken.
     disable_shm_all_reduce: bool = False
     shm_all_reduce_max_bytes: int = 16 * 1024 * 1024
+    # Point-to-point tensor dicts between ranks on one node go through a
+    # shared-memory queue per (sender, receiver) pair; this sends them over
+    # Gloo instead. Set it the same on every rank.
+    disable_shm_p2p: bool = False
     # CUDA path.
     disable_custom_all_reduce: bool = False
     custom_all_reduce_max_bytes: int = 8 * 1024 * 1024
