@@ -38,6 +38,7 @@ from .errors import (
     NotSupportedError,
 )
 from .failures import absent_ranks, classify, dead_peers, host_key
+from .p2p_channels import P2PChannels
 
 # Device kind -> (module, class) of its communicator, imported on first use
 # so CUDA code is only loaded where a CUDA group exists.
@@ -132,8 +133,12 @@ class GroupCoordinator:
         self.mq_broadcaster: Any = None
         # Peers on this host, rank -> pid: a failed call names a dead one at once.
         self._local_pids: dict[int, int] = {}
+        self._p2p_channels = P2PChannels(self.unique_name, self.rank, {}, self.timeout_s)
         try:
             self._local_pids = self._exchange_pids()
+            if not get_config().disable_shm_p2p:
+                # Tensor dicts to and from peers on this node go through shared memory.
+                self._p2p_channels.peers = dict(self._local_pids)
             self._build_helpers(group_name, use_device_communicator, use_message_queue_broadcaster)
         except BaseException:
             # Leave nothing half-built behind (process groups, shared memory).
@@ -587,6 +592,7 @@ class GroupCoordinator:
             return
         self._destroyed = True
         custom_ops.unregister_group(self.unique_name)
+        self._p2p_channels.close()
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.shutdown()
             self.mq_broadcaster = None

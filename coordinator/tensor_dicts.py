@@ -6,7 +6,10 @@ CPU tensors ride inside it, so a dict of small tensors costs one message.
 With an ``all_gather_group`` each sending peer moves only its 1/N slice of a
 tensor and the receiving group rebuilds it with an all-gather; the sender's
 choice is recorded per tensor in the metadata, so the two ends cannot disagree.
-The coordinator has checked ``src``/``dst`` and the group arguments already.
+Point-to-point dicts between ranks on one node go through the group's
+shared-memory channels (``p2p_channels``) unless ``disable_shm_p2p`` is set;
+other peers use Gloo sends. The coordinator has checked ``src``/``dst`` and
+the group arguments already.
 """
 
 from __future__ import annotations
@@ -114,13 +117,24 @@ def send(
 
     # describe() raises on a bad dict before anything is sent.
     meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES, slices_of)
-    group._send_bytes(encode_meta(meta), dst, "send_tensor_dict")
+    peer = group.ranks[dst]
+    # Peers on this node: metadata and CPU tensors through a shared-memory
+    # channel, in the same order as over Gloo; device tensors still use the
+    # device group.
+    channels = group._p2p_channels
+    shm = channels if channels.open_to(peer, "send_tensor_dict") else None
+    if shm is not None:
+        shm.send_meta(peer, encode_meta(meta), "send_tensor_dict")
+    else:
+        group._send_bytes(encode_meta(meta), dst, "send_tensor_dict")
     part = all_gather_group.rank_in_group if all_gather_group is not None else 0
     items = [i for i in meta.items if isinstance(i, TensorMeta) and i.inline is None]
-    peer = group.ranks[dst]
     for item, tensor in zip(items, tensors):
         if item.slices:
             tensor = tensor.reshape(slices, -1)[part]
+        if shm is not None and tensor.is_cpu:
+            shm.send_tensor(peer, tensor, "send_tensor_dict")
+            continue
         pg = group.cpu_group if tensor.is_cpu else group.device_group
         group._p2p("send_tensor_dict", dst, dist.send, tensor.contiguous(), peer, pg)
 
@@ -129,7 +143,13 @@ def recv(
     group: GroupCoordinator, src: int, all_gather_group: GroupCoordinator | None
 ) -> dict[str, Any]:
     """The next dict in-group rank ``src`` sent with :func:`send`."""
-    meta = decode_meta(group._recv_bytes(src, "recv_tensor_dict"))
+    peer = group.ranks[src]
+    channels = group._p2p_channels
+    shm = channels if channels.open_from(peer, "recv_tensor_dict") else None
+    if shm is not None:
+        meta = decode_meta(shm.recv_meta(peer, "recv_tensor_dict"))
+    else:
+        meta = decode_meta(group._recv_bytes(src, "recv_tensor_dict"))
     slices = all_gather_group.world_size if all_gather_group is not None else 1
     for n in {i.slices for i in meta.items if isinstance(i, TensorMeta) and i.slices}:
         if all_gather_group is None or slices != n:
@@ -137,21 +157,23 @@ def recv(
                 f"all_gather_group: the sender sliced tensors {n} ways, so the receiver "
                 f"needs an all_gather_group of that size (got {slices})"
             )
-    peer = group.ranks[src]
+
+    def fetch(item: TensorMeta, shape: tuple[int, ...]) -> torch.Tensor:
+        if shm is not None and item.device == "cpu":
+            return shm.recv_tensor(peer, dtype_from_name(item.dtype), shape, "recv_tensor_dict")
+        out = _empty(group, item, shape)
+        pg = group.cpu_group if out.is_cpu else group.device_group
+        group._p2p("recv_tensor_dict", src, dist.recv, out, peer, pg)
+        return out
 
     def receive(item: TensorMeta) -> torch.Tensor:
         if not item.slices:
-            out = _empty(group, item)
-            pg = group.cpu_group if out.is_cpu else group.device_group
-            group._p2p("recv_tensor_dict", src, dist.recv, out, peer, pg)
-            return out
+            return fetch(item, item.shape)
         assert all_gather_group is not None
         numel = 1
         for s in item.shape:
             numel *= s
-        part = _empty(group, item, (numel // slices,))
-        pg = group.cpu_group if part.is_cpu else group.device_group
-        group._p2p("recv_tensor_dict", src, dist.recv, part, peer, pg)
+        part = fetch(item, (numel // slices,))
         # Peer r sent the r-th contiguous 1/N of the flattened tensor.
         return all_gather_group.all_gather(part, dim=0).reshape(item.shape)
 

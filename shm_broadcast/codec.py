@@ -384,6 +384,10 @@ def _torch_dtype(name: str) -> Any:
     return dtype
 
 
+# Decoded tensors at least this big get their memory from torch, not a bytearray.
+_LARGE_DECODE_BYTES = 64 * 1024
+
+
 def _decode_tensor(dtype_name: str, shape: list[int], frame: memoryview) -> Any:
     import torch
 
@@ -400,7 +404,17 @@ def _decode_tensor(dtype_name: str, shape: list[int], frame: memoryview) -> Any:
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     # One copy out of the (reusable) source buffer into memory the tensor owns.
-    flat = torch.frombuffer(bytearray(frame), dtype=dtype)
+    if nbytes >= _LARGE_DECODE_BYTES:
+        # Through torch's allocator: glibc recycles its large blocks, while a
+        # fresh bytearray of MiBs page-faults on every call (8 x 8 MiB measured
+        # 23 ms as bytearrays, 2 ms as torch.empty).
+        import numpy as np
+
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        raw.numpy()[:] = np.frombuffer(frame, dtype=np.uint8)
+        flat = raw.view(dtype)
+    else:
+        flat = torch.frombuffer(bytearray(frame), dtype=dtype)
     return flat if len(shape) == 1 else flat.view(shape)
 
 

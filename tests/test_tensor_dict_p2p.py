@@ -1,0 +1,207 @@
+"""send/recv_tensor_dict between ranks on one node: the shared-memory channels and Gloo.
+
+Every case runs with real forked ranks. ``mode`` picks the path: ``shm``
+(the default geometry), ``shm-split`` (tiny chunks, so tensors and metadata
+travel in pieces) or ``gloo`` (``disable_shm_p2p``). The rank functions set
+the config in code: forked ranks inherit the parent's already-read config.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks, start_ranks
+
+from coordinator import p2p_channels
+from coordinator.errors import GroupcoordTimeoutError, PeerDiedError
+from coordinator.group_coordinator import GroupCoordinator
+from shm_broadcast.config import from_env, set_config
+from shm_broadcast.segments import list_segments
+
+
+def _setup(mode: str) -> None:
+    set_config(disable_shm_p2p=mode == "gloo")
+    if mode == "shm-split":
+        # Chunks of 4 KiB: every separate tensor and big metadata go in pieces.
+        set_config(mq_max_chunk_bytes=4096 + 4096 + 256)
+        p2p_channels.P2P_MIN_CHUNK_BYTES = 0
+
+
+def _group(rank: int, world: int, mode: str, **kwargs: Any) -> GroupCoordinator:
+    _setup(mode)
+    init_gloo(rank, world)
+    return GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="pp", **kwargs)
+
+
+def _sample(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(300, 70, generator=g)  # 84 KB: not inline
+    return {
+        "step": seed,
+        "names": ("a", "b"),
+        "none": None,
+        "f32": torch.randn(5, 3, generator=g),
+        "bf16": torch.randn(40_000, generator=g).to(torch.bfloat16),  # 80 KB, separate
+        "f16": torch.randn(7, generator=g).half(),
+        "i8": torch.randint(-100, 100, (33_000,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (70_000,), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(70_001, generator=g) > 0.5,
+        "c64": torch.randn(9_000, generator=g, dtype=torch.complex64),
+        "f8": torch.randn(70_000, generator=g).to(torch.float8_e4m3fn),
+        "i64": torch.arange(10_000, dtype=torch.int64) * seed,
+        "empty": torch.empty(0, 4, dtype=torch.int64),
+        "empty_big_shape": torch.empty(100_000, 0),
+        "scalar": torch.tensor(3.5 + seed),
+        "view": big.t(),  # non-contiguous, separate
+        "slice": big[::2, 1:],  # non-contiguous, separate
+        "strided_small": torch.arange(12.0).reshape(3, 4).t(),  # non-contiguous, inline
+    }
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert list(got) == list(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            out = got[key]
+            assert out.dtype == value.dtype and out.shape == value.shape, key
+            raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in (out, value)]
+            assert torch.equal(raw[0], raw[1]), key
+        else:
+            assert got[key] == value, key
+
+
+def _round_trips(rank: int, world: int, mode: str) -> dict[str, Any]:
+    g = _group(rank, world, mode)
+    held = []
+    # Both directions, several times; every received dict is kept (the ring
+    # is reused meanwhile) and checked at the end.
+    for step in range(3):
+        if rank == 0:
+            g.send_tensor_dict(_sample(step), dst=1)
+            held.append((step + 100, g.recv_tensor_dict(src=1)))
+        else:
+            got = g.recv_tensor_dict(src=0)
+            held.append((step, got))
+            g.send_tensor_dict(_sample(step + 100), dst=0)
+    for seed, got in held:
+        _same(got, _sample(seed))
+    # Received tensors own writable memory.
+    held[0][1]["i64"].add_(1)
+    assert torch.equal(held[0][1]["i64"], _sample(held[0][0])["i64"] + 1)
+    used = bool(g._p2p_channels._writers) and bool(g._p2p_channels._readers)
+    mine = [s for s in list_segments() if s.split("_")[1] == str(os.getpid())]
+    g.barrier()
+    g.destroy()
+    left = [s for s in list_segments() if s.split("_")[1] == str(os.getpid())]
+    return {"used": used, "segments": len(mine), "left": left}
+
+
+@pytest.mark.parametrize("mode", ["shm", "shm-split", "gloo"])
+def test_tensor_dicts_round_trip_exactly(mode: str) -> None:
+    results = run_ranks(_round_trips, 2, mode, timeout=90)
+    for r in results:
+        # Each rank wrote to its peer through its own ring, unless disabled.
+        assert r["used"] == (mode != "gloo")
+        assert r["segments"] == (1 if mode != "gloo" else 0)
+        assert r["left"] == []
+
+
+def test_disable_shm_p2p_reads_its_environment_variable() -> None:
+    assert from_env({"GROUPCOORD_DISABLE_SHM_P2P": "1"}).disable_shm_p2p is True
+    assert from_env({}).disable_shm_p2p is False
+
+
+def _pipeline_slices(rank: int, world: int, mode: str) -> Any:
+    """TP2 x PP2: stage 0 (ranks 0,1) sends 1/2 slices to stage 1 (ranks 2,3)."""
+    _setup(mode)
+    init_gloo(rank, world)
+    tp = GroupCoordinator([[0, 1], [2, 3]], rank, "gloo", True, group_name="tp")
+    pp = GroupCoordinator([[0, 2], [1, 3]], rank, "gloo", True, group_name="pp")
+    out: Any = None
+    if pp.is_first_rank:
+        me = float(tp.rank_in_group)
+        pp.send_tensor_dict(
+            {"sliced": torch.full((4, 3000), me), "odd": torch.full((3,), me), "tag": "x"},
+            all_gather_group=tp,
+        )
+        out = bool(pp._p2p_channels._writers)
+    else:
+        got = pp.recv_tensor_dict(all_gather_group=tp)
+        assert got is not None
+        # First half came from TP peer 0, second from TP peer 1: only slices travelled.
+        assert torch.equal(got["sliced"][:2], torch.zeros(2, 3000))
+        assert torch.equal(got["sliced"][2:], torch.ones(2, 3000))
+        assert got["odd"].tolist() == [float(rank - 2)] * 3 and got["tag"] == "x"
+        out = bool(pp._p2p_channels._readers)
+    # The sender's ring goes with its group: destroy only once the peer received.
+    pp.barrier()
+    tp.destroy()
+    pp.destroy()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["shm", "shm-split"])
+def test_all_gather_group_slices_travel_through_shared_memory(mode: str) -> None:
+    assert run_ranks(_pipeline_slices, 4, mode, timeout=90) == [True] * 4
+
+
+def _killed_sender(rank: int, world: int, attached: bool) -> float:
+    g = _group(rank, world, "shm", timeout=60.0)
+    if attached:
+        # One dict first, so the receiver has joined the ring when the sender dies.
+        if rank == 0:
+            g.send_tensor_dict({"x": torch.ones(100_000)}, dst=1)
+        else:
+            g.recv_tensor_dict(src=0)
+    if rank == 0:
+        time.sleep(60)  # killed by the test
+    with pytest.raises(PeerDiedError) as info:
+        g.recv_tensor_dict(src=0)
+    assert info.value.dead == [0] and "recv_tensor_dict" in str(info.value)
+    named_at = time.time()
+    g.destroy()
+    return named_at
+
+
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "before-first-send"])
+def test_a_killed_sender_is_named_within_5_s(attached: bool) -> None:
+    group = start_ranks(_killed_sender, 2, attached, timeout=60)
+    time.sleep(3)  # both ranks set up, rank 1 waits in recv_tensor_dict
+    killed_at = time.time()
+    group.kill(0)
+    named_at = group.collect(killed=[0])[1]
+    assert named_at - killed_at < 5.0
+
+
+def _waits_time_out(rank: int, world: int) -> str:
+    g = _group(rank, world, "shm", timeout=1.5)
+    message = ""
+    if rank == 1:
+        # Nobody sends: the receiver's wait names the sender.
+        with pytest.raises(GroupcoordTimeoutError) as info:
+            g.recv_tensor_dict(src=0)
+        assert info.value.missing == [0]
+        message = str(info.value)
+    # The world group's deadline (30 s), not the group's 1.5 s one.
+    torch.distributed.barrier()
+    if rank == 0:
+        # More messages than the ring holds and nobody receives: the sender's wait names rank 1.
+        big = {f"t{i}": torch.ones(p2p_channels.P2P_MIN_CHUNK_BYTES // 8) for i in range(4)}
+        with pytest.raises(GroupcoordTimeoutError) as info:
+            g.send_tensor_dict(big, dst=1)
+        assert info.value.missing == [1]
+        message = str(info.value)
+    # The world group's deadline (30 s), not the group's 1.5 s one.
+    torch.distributed.barrier()
+    g.destroy()
+    return message
+
+
+def test_waits_time_out_naming_the_peer() -> None:
+    receiver, sender = run_ranks(_waits_time_out, 2, timeout=60)[::-1]
+    assert "recv_tensor_dict timed out after 1.5 s" in receiver and "[0]" in receiver
+    assert "send_tensor_dict timed out after 1.5 s" in sender and "[1]" in sender
