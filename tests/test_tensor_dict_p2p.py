@@ -205,3 +205,24 @@ def test_waits_time_out_naming_the_peer() -> None:
     receiver, sender = run_ranks(_waits_time_out, 2, timeout=60)[::-1]
     assert "recv_tensor_dict timed out after 1.5 s" in receiver and "[0]" in receiver
     assert "send_tensor_dict timed out after 1.5 s" in sender and "[1]" in sender
+
+
+def _no_room(rank: int, world: int) -> Any:
+    g = _group(rank, world, "shm")
+    # A ring far larger than /dev/shm: the sender cannot create it.
+    p2p_channels.P2P_MIN_CHUNK_BYTES = 1 << 40
+    if rank == 0:
+        g.send_tensor_dict(_sample(1), dst=1)
+        g.send_tensor_dict(_sample(2), dst=1)
+        fell_back = g._p2p_channels._gloo_to == {1}
+    else:
+        _same(g.recv_tensor_dict(src=0), _sample(1))
+        _same(g.recv_tensor_dict(src=0), _sample(2))
+        fell_back = g._p2p_channels._gloo_from == {0}
+    g.barrier()
+    g.destroy()
+    return fell_back
+
+
+def test_a_ring_that_does_not_fit_falls_back_to_gloo_on_both_ends() -> None:
+    assert run_ranks(_no_room, 2, timeout=60) == [True, True]
