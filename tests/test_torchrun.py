@@ -33,7 +33,10 @@ WORKER = textwrap.dedent(
         "step": tp.broadcast_object({"step": 1} if tp.rank_in_group == 0 else None),
     }
     destroy_distributed_environment()
-    print("RESULT " + json.dumps(out), flush=True)
+    # One file per rank: two ranks printing to one pipe can interleave lines.
+    out_dir = os.environ["GROUPCOORD_TEST_OUT"]
+    with open(os.path.join(out_dir, f"rank{out['rank']}.json"), "w") as fh:
+        json.dump(out, fh)
     """
 )
 
@@ -42,7 +45,12 @@ def test_two_ranks_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.getcwd(),
+        "GROUPCOORD_TEST_OUT": str(tmp_path),
+    }
     proc = subprocess.run(
         [
             torchrun,
@@ -60,14 +68,7 @@ def test_two_ranks_under_torchrun(tmp_path: Path) -> None:
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = sorted(
-        (
-            json.loads(line.split("RESULT ", 1)[1])
-            for line in proc.stdout.splitlines()
-            if "RESULT " in line
-        ),
-        key=lambda r: r["rank"],
-    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in results] == [0, 1]
     assert [r["local_rank"] for r in results] == [0, 1]
     for r in results:
