@@ -8,6 +8,7 @@ import time
 
 import pytest
 import zmq
+from fake_writer import fake_remote_writer
 from multiproc import start_ranks
 from test_mq_queue import make_queue
 
@@ -221,26 +222,8 @@ def test_forged_frames_to_the_writer_are_dropped_and_counted():
 
 def _forged_to_reader_rank(rank, world_size):
     # This rank plays the writer's TCP end itself to send a forged frame.
-    key = os.urandom(32)
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    handle = Handle(
-        name="forged",
-        n_reader=1,
-        local_reader_ranks=[],
-        writer_rank=0,
-        writer_pid=os.getpid(),
-        writer_host="h",
-        max_chunk_bytes=1024,
-        max_chunks=2,
-        buffer_name=None,
-        local_address=None,
-        remote_address=f"tcp://127.0.0.1:{port}",
-        key=key,
-        window=16,
-        allow_pickle=False,
-    )
+    ctx, router, handle = fake_remote_writer("forged", max_chunk_bytes=1024, max_chunks=2)
+    key = handle.key
     reader = MessageQueue.create_from_handle(handle, 1)
     while True:  # the reader's HELLO (its heartbeat thread may speak first)
         assert router.poll(10_000)

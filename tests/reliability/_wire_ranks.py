@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
+from fake_writer import fake_remote_writer
 from multiproc import init_gloo
 
 from ._wire import CreatesFile
@@ -120,11 +121,10 @@ def _hostile(rng: random.Random, key: bytes, seq: int, last_valid: list[Any]) ->
 
 def fake_writer_to_reader(rank: int, world: int, n_events: int, seed: int, path: str) -> Any:
     """Rank 0 plays the writer by hand (it knows the key); rank 1 is a real remote reader."""
-    import zmq
 
     from shm_broadcast.codec import Codec, dumps, frames_as_buffers, loads
     from shm_broadcast.group_io import broadcast_bytes
-    from shm_broadcast.message_queue import Handle, MessageQueue
+    from shm_broadcast.message_queue import MessageQueue
     from shm_broadcast.tcp_channel import (
         KIND_HELLO,
         KIND_MESSAGE,
@@ -165,27 +165,8 @@ def fake_writer_to_reader(rank: int, world: int, n_events: int, seed: int, path:
         finally:
             dist.barrier()
             mq.shutdown()
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    key = os.urandom(32)
-    handle = Handle(
-        name="fake",
-        n_reader=1,
-        local_reader_ranks=[],
-        writer_rank=0,
-        writer_pid=os.getpid(),
-        writer_host="fake",
-        max_chunk_bytes=4096,
-        max_chunks=4,
-        buffer_name=None,
-        local_address=None,
-        remote_address=f"tcp://127.0.0.1:{port}",
-        key=key,
-        window=16,
-        allow_pickle=False,
-    )
+    ctx, router, handle = fake_remote_writer("fake", max_chunk_bytes=4096, max_chunks=4)
+    key = handle.key
     broadcast_bytes(pg, dumps(handle), 0)
     reader = None
     while reader is None:  # the reader's HELLO (heartbeats come from another socket)
