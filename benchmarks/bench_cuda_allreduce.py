@@ -1,12 +1,16 @@
-"""All-reduce latency on GPUs: custom all-reduce vs pynccl vs torch.distributed (NCCL).
+"""All-reduce on GPUs: custom all-reduce vs pynccl vs torch.distributed (NCCL).
 
-Each rank is a spawned process on its own GPU (or, for custom all-reduce
-only, two ranks may share one GPU through IPC). Every call is timed with CUDA
-events on the current stream; the table shows medians after warm-up, the
-bus bandwidth (2(n-1)/n x bytes / time) and custom/torch and pynccl/torch
-ratios. Without a GPU it says so and exits 0.
+For each world size in ``--worlds``, ranks are spawned processes, rank r on
+GPU r mod count. With one GPU per rank all three back ends run; when ranks
+share a GPU only custom all-reduce does (NCCL refuses two ranks on a device),
+and at world 1 only NCCL does (a copy: the floor of a collective's cost). Each
+call is timed with CUDA events on the current stream: the table shows medians
+after warm-up, one column per (world, back end), and the best bus bandwidth
+(2(n-1)/n x bytes / time). Ranks sharing one GPU without MPS are time-sliced,
+so their latency says more about the GPU's scheduler than about the kernels.
+Without a GPU it says so and exits 0.
 
-    python benchmarks/bench_cuda_allreduce.py --world 2 --quick
+    python benchmarks/bench_cuda_allreduce.py --worlds 1,2,4 --quick
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ def _measure(rank: int, world: int, port: int, args: argparse.Namespace) -> list
     init_gloo_rank(rank, world, port, timeout_s=300)
     one_gpu_per_rank = gpus >= world
     custom = CustomAllreduce(dist.group.WORLD, device, max_size=max(args.sizes) + 16)
-    pynccl = PyNcclCommunicator(dist.group.WORLD, device) if one_gpu_per_rank else None
+    pynccl = None
+    if one_gpu_per_rank:
+        pynccl = PyNcclCommunicator(dist.group.WORLD, device, allow_single_rank=True)
     nccl_group = dist.new_group(list(range(world)), backend="nccl") if one_gpu_per_rank else None
     rows = []
     for nbytes in args.sizes:
@@ -90,9 +96,27 @@ def _measure(rank: int, world: int, port: int, args: argparse.Namespace) -> list
     return rows
 
 
+BACKENDS = ("custom", "pynccl", "torch")
+
+
+def _merge(per_world: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per size: ``w{world} {back end}`` columns and the best bus bandwidth."""
+    rows: dict[int, dict[str, Any]] = {}
+    for world, world_rows in per_world.items():
+        factor = 2 * (world - 1) / world if world > 1 else 1.0
+        for r in world_rows:
+            row = rows.setdefault(r["bytes"], {"bytes": r["bytes"], "size": r["size"]})
+            for key in BACKENDS:
+                if f"{key}_us" in r:
+                    row[f"w{world} {key}_us"] = r[f"{key}_us"]
+                    busbw = factor * r["bytes"] / r[f"{key}_us"] / 1e3
+                    row[f"w{world} busbw_GBps"] = max(row.get(f"w{world} busbw_GBps", 0.0), busbw)
+    return [rows[b] for b in sorted(rows)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--worlds", default="1,2", help="comma-separated world sizes")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
@@ -107,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA GPU on this machine: nothing to measure (custom all-reduce needs one GPU")
         print("for two ranks; pynccl and torch.distributed NCCL need one GPU per rank).")
         return 0
-    if gpus < args.world:
-        print(f"{gpus} GPU(s) for {args.world} ranks: only custom all-reduce (ranks share GPUs)")
     top = 4 * MiB if args.quick else 64 * MiB
     sizes, n = [], 4 * KiB
     while n <= top:
@@ -117,32 +139,32 @@ def main(argv: list[str] | None = None) -> int:
     args.sizes = sizes
     if args.quick:
         args.iters, args.warmup = min(args.iters, 50), min(args.warmup, 5)
-    # spawn: a CUDA context does not survive fork.
-    try:
-        per_rank = run_ranks(
-            _measure, args.world, free_port(), args, timeout=1800, start_method="spawn"
-        )
-    except (RuntimeError, TimeoutError) as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    rows = per_rank[0]
-    factor = 2 * (args.world - 1) / args.world
+    worlds = [int(w) for w in args.worlds.split(",")]
+    per_world: dict[int, list[dict[str, Any]]] = {}
+    for world in worlds:
+        if gpus < world:
+            print(f"world {world} on {gpus} GPU(s): custom all-reduce only (ranks share GPUs)")
+        # spawn: a CUDA context does not survive fork.
+        try:
+            per_rank = run_ranks(
+                _measure, world, free_port(), args, timeout=1800, start_method="spawn"
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        per_world[world] = per_rank[0]
+    rows = _merge(per_world)
+    columns = ["size"]
     for row in rows:
-        for key in ("custom", "pynccl"):
-            if f"{key}_us" in row and "torch_us" in row:
-                row[f"{key}/torch"] = row[f"{key}_us"] / row["torch_us"]
-        best = min(row.get(k, float("inf")) for k in ("custom_us", "pynccl_us", "torch_us"))
-        if best != float("inf"):
-            row["best_busbw_GBps"] = factor * row["bytes"] / best / 1e3
-    columns = ["size", "custom_us", "pynccl_us", "torch_us", "custom/torch", "pynccl/torch"]
-    print_table(rows, [*columns, "best_busbw_GBps"])
+        columns += [c for c in row if c not in ("bytes", "size", *columns)]
+    print_table(rows, columns)
     write_json(args.json, {"command": reproduce_command(), "env": environment(), "rows": rows})
     if args.plot:
         series = {}
-        for key in ("custom_us", "pynccl_us", "torch_us"):
-            pts = [(r["bytes"], r[key]) for r in rows if key in r]
-            if pts:
-                series[key.removesuffix("_us")] = ([p[0] for p in pts], [p[1] for p in pts])
+        for column in columns[1:]:
+            if column.endswith("_us"):
+                pts = [(r["bytes"], r[column]) for r in rows if column in r]
+                series[column.removesuffix("_us")] = ([p[0] for p in pts], [p[1] for p in pts])
         plot_lines(
             args.plot, series, title="all-reduce latency (bf16)", xlabel="bytes", ylabel="us"
         )

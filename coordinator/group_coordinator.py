@@ -113,7 +113,11 @@ class GroupCoordinator:
         for ranks in group_ranks:
             dev = dist.new_group(list(ranks), backend=backend, timeout=deadline)
             # On Gloo one group serves both roles; a second would only add sockets.
-            cpu = dev if backend == "gloo" else dist.new_group(list(ranks), "gloo", deadline)
+            cpu = (
+                dev
+                if backend == "gloo"
+                else dist.new_group(list(ranks), backend="gloo", timeout=deadline)
+            )
             if list(ranks) == my_ranks:
                 device_group, cpu_group = dev, cpu
         assert device_group is not None and cpu_group is not None

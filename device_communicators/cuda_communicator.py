@@ -42,7 +42,7 @@ class PyNcclAllReduce(AllReduceBackend):
         if tensor.device != self.pynccl.device:
             return f"tensor on {tensor.device}, communicator on {self.pynccl.device}"
         try:
-            nccl_red_op(op)
+            nccl_red_op(op, tensor.dtype)
             assert self.pynccl.nccl is not None
             nccl_data_type(tensor.dtype, reduction=True, version_code=self.pynccl.nccl.version_code)
         except (GroupcoordTypeError, GroupcoordValueError) as exc:

@@ -44,7 +44,8 @@ def _runtime() -> ModuleType:
         from cupy_backends.cuda.api import runtime
     except ImportError as exc:
         raise BackendUnavailableError(
-            "custom all-reduce", f"CuPy is not installed ({exc}); pip install cupy-cuda12x"
+            "custom all-reduce",
+            f"CuPy is not installed ({exc}); pip install cupy-cuda12x (or cupy-cuda13x)",
         ) from exc
     return runtime
 

@@ -2,7 +2,7 @@
 
 Uses CuPy's low-level NVRTC binding, which needs no GPU or driver (CuPy's
 high-level ``RawModule`` asks for the current device), and the CUDA headers
-of the ``nvidia-cuda-runtime-cu12`` wheel. A cubin is cached under
+of the CUDA runtime wheel (CUDA 12 or 13) or a toolkit. A cubin is cached under
 ``kernel_cache_dir`` keyed by the SHA-256 of source + options, the target
 architecture and the NVRTC version, so a changed kernel or compiler never
 loads a stale binary.
@@ -96,7 +96,7 @@ def _nvrtc() -> ModuleType:
         return nvrtc
     except ImportError as exc:
         raise BackendUnavailableError(
-            "nvrtc", f"CuPy is not installed ({exc}); pip install cupy-cuda12x"
+            "nvrtc", f"CuPy is not installed ({exc}); pip install cupy-cuda12x (or cupy-cuda13x)"
         ) from exc
 
 
@@ -105,23 +105,41 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def cuda_include_dirs() -> list[str]:
-    """Include directories with cuda_fp16.h / cuda_bf16.h (the runtime wheel)."""
+# Where CUDA's headers live, first match wins: the CUDA 12 runtime wheel
+# (nvidia/cuda_runtime/include), the CUDA 13 wheels (nvidia/cu13/include),
+# then a toolkit ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda).
+_WHEEL_HEADER_PACKAGES = ("nvidia.cuda_runtime", "nvidia.cu13")
+_TOOLKIT_ENV = ("CUDA_HOME", "CUDA_PATH")
+_TOOLKIT_DEFAULT = "/usr/local/cuda"
+
+
+def _wheel_include_dirs() -> list[str]:
     dirs = []
-    try:
-        spec = importlib.util.find_spec("nvidia.cuda_runtime")
-    except ModuleNotFoundError:
-        spec = None
-    if spec is not None and spec.submodule_search_locations is not None:
-        for location in spec.submodule_search_locations:
-            include = os.path.join(location, "include")
-            if os.path.exists(os.path.join(include, "cuda_fp16.h")):
-                dirs.append(include)
-    if not dirs:
-        raise BackendUnavailableError(
-            "nvrtc", "CUDA headers not found; pip install nvidia-cuda-runtime-cu12"
-        )
+    for package in _WHEEL_HEADER_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(package)
+        except ModuleNotFoundError:
+            continue
+        if spec is None or spec.submodule_search_locations is None:
+            continue
+        dirs += [os.path.join(loc, "include") for loc in spec.submodule_search_locations]
     return dirs
+
+
+def cuda_include_dirs() -> list[str]:
+    """The first directory holding cuda_fp16.h and cuda_bf16.h (see the order above)."""
+    toolkits = [os.environ[name] for name in _TOOLKIT_ENV if os.environ.get(name)]
+    candidates = _wheel_include_dirs()
+    candidates += [os.path.join(t, "include") for t in (*toolkits, _TOOLKIT_DEFAULT)]
+    for include in candidates:
+        if all(os.path.exists(os.path.join(include, h)) for h in ("cuda_fp16.h", "cuda_bf16.h")):
+            return [include]
+    raise BackendUnavailableError(
+        "nvrtc",
+        "CUDA headers not found in "
+        + ", ".join(candidates)
+        + "; pip install groupcoord[cuda] (CUDA 12) or groupcoord[cuda13]",
+    )
 
 
 def _check_arch(arch: str) -> None:

@@ -5,7 +5,9 @@ collectives can be captured in CUDA graphs and run on whatever stream the
 caller is on. It bootstraps over a CPU group: rank 0 makes the unique id and
 it travels as 128 raw bytes (no pickle). When it cannot work (one rank,
 disabled in the config, library missing, no GPU, init error) it is built
-disabled with the reason; ``strict=True`` raises instead. It is never
+disabled with the reason; ``strict=True`` raises instead. ``allow_single_rank=True``
+builds a one-rank communicator (NCCL accepts it), which the GPU tests use to
+prove the ctypes binding and stream handling on a single GPU. It is never
 destroyed at garbage collection (NCCL teardown from a finalizer, possibly
 after CUDA was torn down at exit, can hang or crash); call :meth:`destroy`.
 """
@@ -74,9 +76,13 @@ def nccl_data_type(dtype: torch.dtype, *, reduction: bool, version_code: int = 0
     raise GroupcoordTypeError(f"dtype {dtype} has no NCCL equivalent")
 
 
-def nccl_red_op(op: Any) -> int:
+def nccl_red_op(op: Any, dtype: torch.dtype | None = None) -> int:
+    """NCCL's op for ``op`` on ``dtype``; NCCL 2.28 answers ncclInvalidArgument
+    for AVG on float8 (seen on an H100), so that is refused here, by name."""
     if op not in _OPS:
         raise GroupcoordValueError(f"op {op!r}: NCCL supports SUM, PRODUCT, MAX, MIN, AVG")
+    if op == ReduceOp.AVG and dtype in _FLOAT8:
+        raise GroupcoordTypeError(f"op AVG: NCCL does not average {dtype}; use SUM and divide")
     return int(_OPS[op])
 
 
@@ -99,7 +105,9 @@ class PyNcclCommunicator:
         group: Any,
         device: int | str | torch.device,
         library_path: str | None = None,
+        *,
         strict: bool = False,
+        allow_single_rank: bool = False,
     ) -> None:
         self.group = group
         self.rank, self.world_size = group_rank_and_size(group)
@@ -110,6 +118,7 @@ class PyNcclCommunicator:
         self.disabled = True
         self.reason = ""
         self._strict = strict
+        self._allow_single_rank = allow_single_rank
         self._closed = False
         local = self._local_refusal(library_path)
         # Every rank must take the same path or the others would wait in
@@ -146,7 +155,7 @@ class PyNcclCommunicator:
     def _local_refusal(self, library_path: str | None) -> str:
         if get_config().disable_pynccl:
             return "disabled by GROUPCOORD_DISABLE_PYNCCL"
-        if self.world_size == 1:
+        if self.world_size == 1 and not self._allow_single_rank:
             return "world size 1: nothing to communicate"
         try:
             self.nccl = load_nccl_library(library_path)
@@ -251,7 +260,7 @@ class PyNcclCommunicator:
         self._check(out_tensor, "out_tensor")
         if out_tensor.shape != in_tensor.shape or out_tensor.dtype != in_tensor.dtype:
             raise GroupcoordValueError("out_tensor must match in_tensor's shape and dtype")
-        nccl_op, dtype = nccl_red_op(op), self._dtype(in_tensor, reduction=True)
+        nccl_op, dtype = nccl_red_op(op, in_tensor.dtype), self._dtype(in_tensor, reduction=True)
         assert self.nccl is not None
         self.nccl.all_reduce(
             in_tensor.data_ptr(),
@@ -332,7 +341,7 @@ class PyNcclCommunicator:
             output_tensor.data_ptr(),
             output_tensor.numel(),
             self._dtype(input_tensor, reduction=True),
-            nccl_red_op(op),
+            nccl_red_op(op, input_tensor.dtype),
             comm,
             self._stream(stream),
         )
@@ -355,7 +364,8 @@ class PyNcclCommunicator:
                 f"output_tensor has {output_tensor.shape[0]} rows, sizes[{self.rank}]={sizes[self.rank]}"
             )
         assert self.nccl is not None
-        dtype, nccl_op = self._dtype(input_tensor, reduction=True), nccl_red_op(op)
+        dtype = self._dtype(input_tensor, reduction=True)
+        nccl_op = nccl_red_op(op, input_tensor.dtype)
         handle = self._stream(stream)
         row = math.prod(input_tensor.shape[1:])
         self.nccl.group_start()

@@ -228,7 +228,8 @@ def parse_nccl_version(code: int) -> str:
 
 
 def _wheel_library_path() -> str | None:
-    """``libnccl.so.2`` inside the ``nvidia-nccl-cu12`` wheel, if installed.
+    """``libnccl.so.2`` inside the ``nvidia-nccl-cu12`` or ``nvidia-nccl-cu13`` wheel
+    (both install ``nvidia/nccl/lib/libnccl.so.2``), if installed.
 
     ``nvidia`` is a namespace package spread over several wheels, so the
     ``nccl`` portion is found through its import spec, not ``nvidia.__file__``.
@@ -423,7 +424,7 @@ def load_nccl_library(path: str | None = None) -> NcclLibrary:
         except OSError as exc:
             hint = ""
             if path == _LOADER_NAME:
-                hint = " (install the cuda extra: pip install nvidia-nccl-cu12)"
+                hint = " (pip install groupcoord[cuda], or groupcoord[cuda13] for CUDA 13)"
             raise BackendUnavailableError("pynccl", f"cannot load {path}: {exc}{hint}") from exc
         library = NcclLibrary(path, lib)
         _LIBRARIES[path] = library

@@ -96,6 +96,10 @@ def test_every_result_code_has_its_string(nccl: NcclLibrary):
     assert "cuda" in strings[1].lower()
     assert "invalid argument" in strings[4]
     assert "invalid usage" in strings[5]
+    # ncclTimeout (8) has a string in NCCL 2.32.3 (the cu12 wheel) but not in
+    # 2.28.9 (the cu13 wheel on the project's H100): older ones say "unknown".
+    if nccl.version_code < 23200 and strings[8] == "unknown result code":
+        del strings[8]
     for code, text in strings.items():
         assert text and text != "unknown result code", NCCL_RESULT_NAMES[code]
     assert len(set(strings.values())) == len(strings)

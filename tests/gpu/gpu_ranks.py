@@ -7,6 +7,7 @@ custom all-reduce results are compared bit for bit.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -288,4 +289,253 @@ def cuda_communicator_ops(rank: int, world: int) -> dict[str, Any]:
         comm.destroy()
         return {"failures": failures, "chosen": chosen, "describe": comm.describe()}
     finally:
+        dist.destroy_process_group()
+
+
+# ---- pynccl at world 1: the ctypes binding and stream handling on one GPU -------------------
+
+WORLD1_DTYPES = (
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+)
+SENTINEL = 77
+
+
+def _padded(like: torch.Tensor, extra: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output view followed by sentinel elements: a wrong count or dtype size
+    (the ABI mistakes a world-1 call can show) overwrites them."""
+    buf = torch.full((like.numel() + extra,), SENTINEL, dtype=like.dtype, device=like.device)
+    return buf[: like.numel()].view(like.shape), buf[like.numel() :]
+
+
+def _exact(failures: list[str], what: str, out: torch.Tensor, ref: torch.Tensor, pad: Any) -> None:
+    torch.cuda.synchronize()
+    _check(failures, what, out, ref)
+    if pad is not None and not bool((pad == SENTINEL).all()):
+        failures.append(f"{what}: wrote past the end of its output")
+
+
+def pynccl_world1(rank: int, world: int) -> dict[str, Any]:
+    """Every op of the table through PyNcclCommunicator on one rank (NCCL accepts it)."""
+    from torch.distributed import ReduceOp
+
+    from device_communicators.errors import GroupcoordTypeError
+    from device_communicators.pynccl import PyNcclCommunicator
+
+    device = _setup(rank, world)
+    failures: list[str] = []
+    try:
+        comm = PyNcclCommunicator(dist.group.WORLD, device, strict=True, allow_single_rank=True)
+        assert comm.nccl is not None
+        n = 1031  # odd: a count rounded to a vector width shows
+        ops = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG]
+        dtypes: list[torch.dtype] = list(WORLD1_DTYPES)
+        if comm.nccl.version_code >= 22400:
+            dtypes += [torch.float8_e4m3fn, torch.float8_e5m2]
+        for dtype in dtypes:
+            x = integer_input(0, n, torch.float32).abs().to(dtype).to(device)
+            for op in ops:
+                if dtype.is_floating_point is False and op == ReduceOp.AVG:
+                    continue  # NCCL's ncclAvg is for floating types
+                out, pad = _padded(x)
+                if op == ReduceOp.AVG and dtype.itemsize == 1:  # float8: NCCL refuses AVG
+                    try:
+                        comm.all_reduce(x, out, op=op)
+                        failures.append(f"all_reduce {dtype} AVG was not refused")
+                    except GroupcoordTypeError as exc:
+                        if "does not average" not in str(exc):
+                            failures.append(f"all_reduce {dtype} AVG: unclear refusal {exc}")
+                    continue
+                try:
+                    comm.all_reduce(x, out, op=op)
+                except Exception as exc:  # noqa: BLE001 - reported per case
+                    failures.append(f"all_reduce {dtype} {op}: {exc}")
+                    continue
+                _exact(
+                    failures,
+                    f"all_reduce {dtype} {op}",
+                    out.view(torch.uint8),
+                    x.view(torch.uint8),
+                    pad,
+                )
+        x = integer_input(0, n, torch.float32).to(device)
+        out, pad = _padded(x)
+        comm.all_gather(out, x)
+        _exact(failures, "all_gather", out, x, pad)
+        out, pad = _padded(x)
+        comm.reduce_scatter(out, x)
+        _exact(failures, "reduce_scatter", out, x, pad)
+        rows = integer_input(0, 5 * 3, torch.float32).view(5, 3).to(device)
+        outv = torch.zeros(5, 3, device=device)
+        comm.all_gatherv(outv, rows, [5])
+        _exact(failures, "all_gatherv", outv, rows, None)
+        outv = torch.zeros(5, 3, device=device)
+        comm.reduce_scatterv(outv, rows, [5])
+        _exact(failures, "reduce_scatterv", outv, rows, None)
+        b = x.clone()
+        comm.broadcast(b, src=0)
+        _exact(failures, "broadcast", b, x, None)
+        got = torch.zeros_like(x)
+        comm.batch_send_recv(sends=[(x, 0)], recvs=[(got, 0)])
+        _exact(failures, "send/recv to self (grouped)", got, x, None)
+        # Several collectives in one NCCL group.
+        y = integer_input(0, 64, torch.float16).to(device)
+        out_x, out_y = torch.empty_like(x), torch.empty_like(y)
+        comm.group_start()
+        comm.all_reduce(x, out_x)
+        comm.all_reduce(y, out_y)
+        comm.group_end()
+        _exact(failures, "grouped all_reduce (1)", out_x, x, None)
+        _exact(failures, "grouped all_reduce (2)", out_y, y, None)
+        # Stream handling: the op must queue behind work on the caller's stream.
+        side = torch.cuda.Stream(device)
+        z = torch.zeros(n, device=device)
+        out_z = torch.empty_like(z)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # tens of ms of GPU time ahead of the fill
+            z.fill_(3.0)
+            comm.all_reduce(z, out_z)  # current stream: side
+        side.synchronize()
+        _exact(failures, "all_reduce on the caller's stream", out_z, torch.full((n,), 3.0), None)
+        out_z.zero_()
+        explicit = torch.cuda.Stream(device)
+        with torch.cuda.stream(explicit):
+            torch.cuda._sleep(50_000_000)
+            z.fill_(4.0)
+        comm.all_reduce(z, out_z, stream=explicit)  # stream= overrides the current one
+        explicit.synchronize()
+        _exact(failures, "all_reduce on stream=", out_z, torch.full((n,), 4.0), None)
+        # Captured in a CUDA graph, replayed with new inputs.
+        static_in = torch.zeros(n, device=device)
+        static_out = torch.zeros(n, device=device)
+        static_gather = torch.zeros(n, device=device)
+        graph = torch.cuda.CUDAGraph()
+        warm = torch.cuda.Stream(device)
+        warm.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(warm):
+            comm.all_reduce(static_in, static_out)
+        torch.cuda.current_stream(device).wait_stream(warm)
+        with torch.cuda.graph(graph):
+            comm.all_reduce(static_in, static_out)
+            comm.all_gather(static_gather, static_out)
+        for step in range(3):
+            new = integer_input(0, n, torch.float32, seed=step + 1).to(device)
+            static_in.copy_(new)
+            graph.replay()
+            _exact(failures, f"graph replay {step} all_reduce", static_out, new, None)
+            _exact(failures, f"graph replay {step} all_gather", static_gather, new, None)
+        del graph
+        version = comm.nccl.version
+        comm.destroy()
+    finally:
+        dist.destroy_process_group()
+    return {"failures": failures, "nccl": version, "dtypes": [str(d) for d in dtypes]}
+
+
+def pynccl_shared_gpu(rank: int, world: int) -> dict[str, Any]:
+    """Several ranks on one GPU: NCCL either works or every rank disables with one reason."""
+    from device_communicators.pynccl import PyNcclCommunicator
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    init_gloo(rank, world, timeout_s=120.0)
+    try:
+        comm = PyNcclCommunicator(dist.group.WORLD, device)
+        result: dict[str, Any] = {"available": comm.available, "reason": comm.reason}
+        if comm.available:
+            parts = [integer_input(r, 256, torch.float32) for r in range(world)]
+            result["ok"] = torch.equal(comm.all_reduce(parts[rank].to(device)).cpu(), sum(parts))
+            comm.destroy()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- GroupCoordinator on CUDA -------------------------------------------------------------
+
+
+def coordinator_world1(rank: int, world: int) -> list[str]:
+    """parallel_state on one GPU: every op is the identity, graph capture works."""
+    from coordinator import parallel_state as ps
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    failures: list[str] = []
+    ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", 0, "nccl")
+    try:
+        ps.initialize_model_parallel(1, 1)
+        tp = ps.get_tp_group()
+        if tp.device != device:
+            failures.append(f"tp group on {tp.device}")
+        x = integer_input(0, 6 * 8, torch.bfloat16).view(6, 8).to(device)
+        _check(failures, "all_reduce", tp.all_reduce(x), x)
+        _check(failures, "all_gather", tp.all_gather(x, dim=1), x)
+        _check(failures, "all_gatherv", tp.all_gatherv(x, dim=0, sizes=[6]), x)
+        _check(failures, "reduce_scatter", tp.reduce_scatter(x, dim=0), x)
+        _check(failures, "reduce_scatterv", tp.reduce_scatterv(x, dim=0, sizes=[6]), x)
+        gathered = tp.gather(x, dst=0, dim=0)
+        if gathered is None:
+            failures.append("gather returned None on its destination")
+        else:
+            _check(failures, "gather", gathered, x)
+        _check(failures, "broadcast", tp.broadcast(x, src=0), x)
+        got = tp.broadcast_tensor_dict({"h": x, "step": 3}, src=0)
+        if got is None or got["step"] != 3 or not torch.equal(got["h"], x):
+            failures.append(f"broadcast_tensor_dict gave {got}")
+        graph = torch.cuda.CUDAGraph()
+        static = torch.zeros(64, device=device)
+        with ps.graph_capture(device) as ctx:
+            if ctx.stream is None or ctx.stream == torch.cuda.default_stream(device):
+                failures.append("graph_capture did not give a side stream")
+            with torch.cuda.graph(graph, stream=ctx.stream):
+                out = tp.all_reduce(static) * 2
+        static.copy_(torch.arange(64.0, device=device))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(failures, "captured all_reduce replay", out, torch.arange(64.0) * 2)
+    finally:
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+    return failures
+
+
+def coordinator_shared_gpu(rank: int, world: int) -> dict[str, Any]:
+    """GroupCoordinator with several ranks on one GPU: custom all-reduce only
+    (NCCL refuses two ranks on one device), eager and in a captured graph."""
+    from coordinator.group_coordinator import GroupCoordinator
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    init_gloo(rank, world, timeout_s=120.0)
+    failures: list[str] = []
+    group = GroupCoordinator([list(range(world))], 0, "nccl", True, group_name="tp")
+    try:
+        comm = group.device_communicator
+        assert comm is not None
+        describe = dict(comm.describe())  # type: ignore[attr-defined]
+        parts = [make_input(r, 4096, torch.bfloat16) for r in range(world)]
+        mine = parts[rank].to(device)
+        _check(failures, "eager all_reduce", group.all_reduce(mine), fp32_rank_order_sum(parts))
+        static = torch.zeros(4096, dtype=torch.bfloat16, device=device)
+        graph = torch.cuda.CUDAGraph()
+        with group.graph_capture() as ctx:
+            group.all_reduce(static)  # warm-up on the capture stream
+            with torch.cuda.graph(graph, stream=ctx.stream):
+                out = group.all_reduce(static)
+        for step in range(3):
+            parts = [make_input(r, 4096, torch.bfloat16, seed=10 + step) for r in range(world)]
+            static.copy_(parts[rank])
+            graph.replay()
+            torch.cuda.synchronize()
+            _check(failures, f"replay {step}", out, fp32_rank_order_sum(parts))
+        del graph
+        return {"failures": failures, "describe": describe}
+    finally:
+        group.destroy()
         dist.destroy_process_group()

@@ -1,0 +1,269 @@
+"""PyNcclCommunicator's marshalling against a recording mock of libnccl (no GPU).
+
+Ranks are real forked processes with a Gloo group (the unique id travels over
+it). Inside a rank the mock replaces the GPU: tensors live on the CPU, the
+"current stream" is a recorded handle, and the mock moves data as NCCL does at
+world 1, so results and the recorded arguments (nccl.h's names) are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from mock_nccl import NCCL_H_DATA_TYPES, NCCL_H_RED_OPS, MockNccl
+from multiproc import init_gloo, run_ranks
+from torch.distributed import ReduceOp
+
+STREAM = 0xC0FFEE
+LIB = "mock-libnccl.so"
+
+
+class FakeStream:
+    cuda_stream = STREAM
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def mocked_communicator(world: int, version_code: int = 22809) -> Iterator[tuple[Any, MockNccl]]:
+    """A PyNcclCommunicator over the default group, bound to a fresh mock."""
+    import torch.distributed as dist
+
+    from device_communicators import pynccl, pynccl_wrapper
+    from device_communicators.pynccl import PyNcclCommunicator
+
+    mock = MockNccl(version_code)
+    pynccl_wrapper._LIBRARIES[LIB] = mock.library(LIB)
+    pynccl._as_device = lambda device: torch.device("cpu")  # this process only (a rank)
+    torch.cuda.current_stream = lambda device=None: FakeStream()  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: False  # also on a GPU machine: no device to enter
+    comm = PyNcclCommunicator(
+        dist.group.WORLD, "cuda:0", library_path=LIB, strict=True, allow_single_rank=world == 1
+    )
+    try:
+        yield comm, mock
+    finally:
+        comm.destroy()
+        dist.destroy_process_group()
+
+
+# ---- world 1: enums, counts, pointers, stream, data ---------------------------------------
+
+TORCH_TO_NCCL_H = {
+    torch.int8: "ncclInt8",
+    torch.uint8: "ncclUint8",
+    torch.int32: "ncclInt32",
+    torch.int64: "ncclInt64",
+    torch.float16: "ncclFloat16",
+    torch.float32: "ncclFloat32",
+    torch.float64: "ncclFloat64",
+    torch.bfloat16: "ncclBfloat16",
+}
+OPS_TO_NCCL_H = {
+    ReduceOp.SUM: "ncclSum",
+    ReduceOp.PRODUCT: "ncclProd",
+    ReduceOp.MAX: "ncclMax",
+    ReduceOp.MIN: "ncclMin",
+    ReduceOp.AVG: "ncclAvg",
+}
+
+
+def _padded_out(like: torch.Tensor, pad: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output view followed by sentinel elements that a wrong count would overwrite."""
+    buf = torch.full((like.numel() + pad,), 77, dtype=like.dtype)
+    return buf[: like.numel()].view(like.shape), buf[like.numel() :]
+
+
+def world1_all_reduce(rank: int, world: int) -> list[str]:
+    init_gloo(rank, world)
+    failures = []
+    with mocked_communicator(world) as (comm, mock):
+        init = mock.named("ncclCommInitRank")[0].args
+        if (init["nranks"], init["rank"]) != (1, 0) or not init["commId"].startswith(b"mock-id"):
+            failures.append(f"init args {init}")
+        for dtype, nccl_name in TORCH_TO_NCCL_H.items():
+            for op, op_name in OPS_TO_NCCL_H.items():
+                x = (torch.arange(300) % 50 + 1).to(dtype)  # 300: a narrowed count shows
+                out, sentinel = _padded_out(x)
+                comm.all_reduce(x, out, op=op)
+                call = mock.calls[-1]
+                expected = {
+                    "sendbuff": x.data_ptr(),
+                    "recvbuff": out.data_ptr(),
+                    "count": 300,
+                    "datatype": NCCL_H_DATA_TYPES[nccl_name],
+                    "op": NCCL_H_RED_OPS[op_name],
+                    "comm": comm.comm,
+                    "stream": STREAM,
+                }
+                if call.name != "ncclAllReduce" or call.args != expected:
+                    failures.append(f"{dtype} {op_name}: {call.name} {call.args} != {expected}")
+                if not torch.equal(out, x) or not (sentinel == 77).all():
+                    failures.append(f"{dtype} {op_name}: data {out.tolist()} {sentinel.tolist()}")
+    return failures
+
+
+def test_all_reduce_passes_nccl_h_enums_counts_pointers_and_stream():
+    assert run_ranks(world1_all_reduce, 1) == [[]]
+
+
+def world1_other_ops(rank: int, world: int) -> list[str]:
+    from device_communicators.errors import GroupcoordTypeError
+
+    init_gloo(rank, world)
+    failures = []
+    with mocked_communicator(world) as (comm, mock):
+        x = torch.arange(12, dtype=torch.float16)
+        out, sentinel = _padded_out(x)
+        comm.all_gather(out, x)
+        args = mock.calls[-1].args
+        if (args["sendcount"], args["datatype"]) != (12, NCCL_H_DATA_TYPES["ncclFloat16"]):
+            failures.append(f"all_gather args {args}")
+        if not torch.equal(out, x) or not (sentinel == 77).all():
+            failures.append("all_gather data")
+        out, sentinel = _padded_out(x)
+        comm.reduce_scatter(out, x, op=ReduceOp.MAX)
+        args = mock.calls[-1].args
+        if (args["recvcount"], args["op"]) != (12, NCCL_H_RED_OPS["ncclMax"]):
+            failures.append(f"reduce_scatter args {args}")
+        b = torch.arange(5, dtype=torch.int64)
+        comm.broadcast(b, src=0)
+        args = mock.calls[-1].args
+        if args["sendbuff"] != b.data_ptr() or args["recvbuff"] != b.data_ptr() or args["root"]:
+            failures.append(f"broadcast is not in place at root 0: {args}")
+        # float8 moves as bytes; reducing it needs NCCL's own float8 type (2.24+).
+        f8 = torch.zeros(4, dtype=torch.float8_e4m3fn)
+        comm.all_gather(torch.empty(4, dtype=torch.float8_e4m3fn), f8)
+        if mock.calls[-1].args["datatype"] != NCCL_H_DATA_TYPES["ncclUint8"]:
+            failures.append("float8 all_gather is not sent as uint8")
+        comm.all_reduce(f8)
+        if mock.calls[-1].args["datatype"] != NCCL_H_DATA_TYPES["ncclFloat8e4m3"]:
+            failures.append("float8 all_reduce does not use ncclFloat8e4m3")
+        calls_before = len(mock.calls)
+        try:  # NCCL 2.28 answers ncclInvalidArgument for AVG on float8: refused by us first
+            comm.all_reduce(f8, op=ReduceOp.AVG)
+            failures.append("float8 AVG was not refused")
+        except GroupcoordTypeError as exc:
+            if "does not average" not in str(exc) or len(mock.calls) != calls_before:
+                failures.append(
+                    f"float8 AVG refusal: {exc}, {len(mock.calls) - calls_before} calls"
+                )
+        # Send/recv to self only completes inside a group.
+        src, dst = torch.arange(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int32)
+        comm.batch_send_recv(sends=[(src, 0)], recvs=[(dst, 0)])
+        names = [c.name for c in mock.calls[-4:]]
+        if names != ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]:
+            failures.append(f"batch_send_recv calls {names}")
+        if [c.group_depth for c in mock.calls[-3:-1]] != [1, 1]:
+            failures.append("send/recv not inside the group")
+        if not torch.equal(dst, src):
+            failures.append(f"send/recv to self moved {dst.tolist()}")
+    return failures
+
+
+def test_gather_scatter_broadcast_float8_and_grouped_send_recv():
+    assert run_ranks(world1_other_ops, 1) == [[]]
+
+
+def world1_errors(rank: int, world: int) -> dict[str, Any]:
+    from device_communicators.errors import GroupcoordTypeError
+    from device_communicators.pynccl_wrapper import NcclError
+
+    init_gloo(rank, world)
+    seen: dict[str, Any] = {}
+    with mocked_communicator(world, version_code=22304) as (comm, mock):
+        mock.fail_next("ncclAllReduce", 5, "rank 3 called ncclAllGather")
+        try:
+            comm.all_reduce(torch.ones(4))
+        except NcclError as exc:
+            seen["message"] = str(exc)
+            seen["code"] = exc.code
+        seen["usable_after"] = torch.equal(comm.all_reduce(torch.ones(4)), torch.ones(4))
+        # A failure inside a grouped op still closes the group.
+        mock.fail_next("ncclBroadcast", 4, "bad root")
+        try:
+            comm.all_gatherv(torch.empty(3, 2), torch.ones(3, 2), [3])
+        except NcclError as exc:
+            seen["grouped"] = str(exc)
+        seen["depth_after"] = mock.group_depth
+        try:  # NCCL 2.23 has no float8 reduction: refused before any call
+            comm.all_reduce(torch.zeros(2, dtype=torch.float8_e5m2))
+        except GroupcoordTypeError as exc:
+            seen["float8_old"] = str(exc)
+        handle = comm.comm
+    seen["destroyed"] = [c.args["comm"] == handle for c in mock.named("ncclCommDestroy")]
+    return seen
+
+
+def test_errors_carry_nccl_strings_and_groups_stay_balanced():
+    seen = run_ranks(world1_errors, 1)[0]
+    assert seen["code"] == 5
+    assert "ncclInvalidUsage" in seen["message"] and "invalid usage" in seen["message"]
+    assert "rank 3 called ncclAllGather" in seen["message"]
+    assert seen["usable_after"]
+    assert "bad root" in seen["grouped"] and "ncclInvalidArgument" in seen["grouped"]
+    assert seen["depth_after"] == 0
+    assert "NCCL >= 2.24" in seen["float8_old"]
+    assert seen["destroyed"] == [True]  # destroy() once, with the handle init returned
+
+
+# ---- world 2: the v-collectives' per-root calls -------------------------------------------
+
+
+def world2_v_ops(rank: int, world: int) -> dict[str, Any]:
+    init_gloo(rank, world)
+    with mocked_communicator(world) as (comm, mock):
+        sizes = [2, 3]
+        inp = torch.zeros(sizes[rank], 4)
+        out = torch.zeros(sum(sizes), 4)
+        comm.all_gatherv(out, inp, sizes)
+        gatherv = [(c.name, c.group_depth, dict(c.args)) for c in mock.calls[-4:]]
+        big = torch.zeros(sum(sizes), 4)
+        mine = torch.zeros(sizes[rank], 4)
+        comm.reduce_scatterv(mine, big, sizes, op=ReduceOp.MIN)
+        scatterv = [(c.name, c.group_depth, dict(c.args)) for c in mock.calls[-4:]]
+        init = dict(mock.named("ncclCommInitRank")[0].args)
+        return {
+            "gatherv": gatherv,
+            "scatterv": scatterv,
+            "ptrs": [inp.data_ptr(), out.data_ptr(), big.data_ptr(), mine.data_ptr()],
+            "init": (init["nranks"], init["rank"], init["commId"][:7]),
+        }
+
+
+def test_v_collectives_issue_one_call_per_root_inside_one_group():
+    results = run_ranks(world2_v_ops, 2)
+    row_bytes = 4 * 4  # 4 float32 per row
+    for rank, r in enumerate(results):
+        inp, out, big, mine = r["ptrs"]
+        assert r["init"] == (2, rank, b"mock-id")
+        names = [name for name, _, _ in r["gatherv"]]
+        assert names == ["ncclGroupStart", "ncclBroadcast", "ncclBroadcast", "ncclGroupEnd"]
+        first, second = r["gatherv"][1][2], r["gatherv"][2][2]
+        assert (first["root"], first["count"], first["recvbuff"]) == (0, 8, out)
+        assert (second["root"], second["count"], second["recvbuff"]) == (1, 12, out + 2 * row_bytes)
+        own = first if rank == 0 else second
+        assert own["sendbuff"] == inp  # the root sends its own rows
+        assert all(depth == 1 for _, depth, _ in r["gatherv"][1:3])
+        names = [name for name, _, _ in r["scatterv"]]
+        assert names == ["ncclGroupStart", "ncclReduce", "ncclReduce", "ncclGroupEnd"]
+        first, second = r["scatterv"][1][2], r["scatterv"][2][2]
+        assert (first["root"], first["count"], first["sendbuff"]) == (0, 8, big)
+        assert (second["root"], second["count"], second["sendbuff"]) == (1, 12, big + 2 * row_bytes)
+        assert first["op"] == second["op"] == NCCL_H_RED_OPS["ncclMin"]
+        assert first["recvbuff"] == second["recvbuff"] == mine
+
+
+def test_every_mock_prototype_has_a_row_of_our_table_with_as_many_arguments():
+    from mock_nccl import PROTOTYPES
+
+    from device_communicators.pynccl_wrapper import NCCL_FUNCTIONS
+
+    rows = {row.name: row for row in NCCL_FUNCTIONS}
+    assert set(PROTOTYPES) <= set(rows)
+    for fn, (_, params) in PROTOTYPES.items():
+        assert len(rows[fn].argtypes) == len(params), fn
