@@ -47,9 +47,11 @@ def all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     return _fresh(lookup_group(group_name)._all_reduce_eager(tensor), tensor)
 
 
-@all_reduce.register_fake
-def _(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+def all_reduce_fake(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.empty_like(tensor)
+
+
+all_reduce.register_fake(all_reduce_fake)
 
 
 @torch.library.custom_op("groupcoord::all_gather", mutates_args=())
@@ -57,11 +59,15 @@ def all_gather(tensor: torch.Tensor, dim: int, world_size: int, group_name: str)
     return _fresh(lookup_group(group_name)._all_gather_eager(tensor, dim), tensor)
 
 
-@all_gather.register_fake
-def _(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+def all_gather_fake(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] *= world_size
     return tensor.new_empty(shape)
+
+
+all_gather.register_fake(all_gather_fake)
 
 
 @torch.library.custom_op("groupcoord::all_gatherv", mutates_args=())
@@ -84,11 +90,15 @@ def reduce_scatter(
     return _fresh(lookup_group(group_name)._reduce_scatter_eager(tensor, dim), tensor)
 
 
-@reduce_scatter.register_fake
-def _(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+def reduce_scatter_fake(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] //= world_size
     return tensor.new_empty(shape)
+
+
+reduce_scatter.register_fake(reduce_scatter_fake)
 
 
 @torch.library.custom_op("groupcoord::reduce_scatterv", mutates_args=())

@@ -66,7 +66,7 @@ class MeteredOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.ep is not None
         with self.meter.measure("dispatch_combine", hidden.nbytes + logits.nbytes):
-            out = self.ep.dispatch(hidden, logits, is_sequence_parallel=True)
+            out = self.ep.dispatch_router_logits(hidden, logits, is_sequence_parallel=True)
         return out[0], out[1]
 
     def ep_combine(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,12 @@ import datetime
 import importlib
 import os
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, ReduceOp
 
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
 from shm_broadcast.codec import dumps, loads
@@ -76,12 +76,33 @@ class GraphCaptureContext:
     stream: Any = None
 
 
+class Handle(Protocol):
+    """What vLLM's asynchronous sends and receives return."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class _CompletedHandle:
+    """The handle of a transfer that finished before its call returned."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+COMPLETED: Handle = _CompletedHandle()
+
+
 class GroupCoordinator:
     """A group of processes and every collective over it (see the module docstring).
 
     ``group_ranks`` lists every group of this kind (all ranks call the
     constructor with the same list); the caller's group is the one holding
-    its rank. ``timeout`` (keyword only, seconds) overrides the configured
+    its rank. ``timeout`` (keyword only; seconds or a timedelta) overrides the configured
     deadline for this group's waits.
     """
 
@@ -93,8 +114,9 @@ class GroupCoordinator:
         use_device_communicator: bool,
         use_message_queue_broadcaster: bool = False,
         group_name: str | None = None,
+        use_all2all: bool = False,
         *,
-        timeout: float | None = None,
+        timeout: datetime.timedelta | float | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise GroupcoordValueError(
@@ -131,6 +153,7 @@ class GroupCoordinator:
         )
         self.use_device_communicator = use_device_communicator
         self._collective_seq = 0
+        self.node_count = 1  # hosts among the group's ranks (set by _exchange_pids)
         self._destroyed = False
         self._plain_comm: DeviceCommunicatorBase | None = None
         self.device_communicator: DeviceCommunicatorBase | None = None
@@ -143,7 +166,7 @@ class GroupCoordinator:
             if not get_config().disable_shm_p2p:
                 # Tensor dicts to and from peers on this node go through shared memory.
                 self._p2p_channels.peers = dict(self._local_pids)
-            self._build_helpers(group_name, use_device_communicator, use_message_queue_broadcaster)
+            self._build_helpers(use_device_communicator, use_message_queue_broadcaster, use_all2all)
         except BaseException:
             # Leave nothing half-built behind (process groups, shared memory).
             self.destroy()
@@ -157,13 +180,14 @@ class GroupCoordinator:
         everyone = [torch.empty_like(mine) for _ in self.ranks]
         dist.all_gather(everyone, mine, group=self.cpu_group)
         here = int(mine[1])
+        self.node_count = len({int(t[1]) for t in everyone})
         return {
             r: int(t[0])
             for r, t in zip(self.ranks, everyone)
             if r != self.rank and int(t[1]) == here
         }
 
-    def _build_helpers(self, group_name: str | None, use_comm: bool, use_mq: bool) -> None:
+    def _build_helpers(self, use_comm: bool, use_mq: bool, use_all2all: bool) -> None:
         if use_comm and self.world_size > 1:
             cls = get_device_communicator_cls(self.device)
             # Back ends read their deadline from the config when built.
@@ -173,12 +197,7 @@ class GroupCoordinator:
                     device=self.device,
                     device_group=self.device_group,
                     unique_name=self.unique_name,
-                )
-            if group_name == "ep":
-                from device_communicators.all2all import create_all2all_manager
-
-                self.device_communicator.set_all2all_manager(
-                    create_all2all_manager(get_config().all2all_backend, self.device_communicator)
+                    use_all2all=use_all2all,
                 )
         if use_mq and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
@@ -407,11 +426,15 @@ class GroupCoordinator:
         return loads(data)
 
     def _mq_broadcast(self, obj: Any) -> Any:
-        """In-group rank 0 writes ``obj`` to the queue, the others read it, within the deadline."""
+        """In-group rank 0 writes ``obj`` to the queue, the others read it.
+
+        No deadline: this is an engine worker's idle wait between requests, so
+        it lasts as long as the writer (or, for the writer, the readers) live;
+        a dead peer ends it with PeerDiedError (see docs/coordinator.md)."""
         if self.rank_in_group == 0:
-            self.mq_broadcaster.enqueue(obj, timeout=self.timeout_s)
+            self.mq_broadcaster.enqueue(obj)
             return obj
-        return self.mq_broadcaster.dequeue(timeout=self.timeout_s)
+        return self.mq_broadcaster.dequeue()
 
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: ProcessGroup | None = None
@@ -520,6 +543,69 @@ class GroupCoordinator:
         _check_all_gather_group(all_gather_group)
         return tensor_dicts.recv(self, src, all_gather_group)
 
+    def isend_tensor_dict(
+        self,
+        tensor_dict: Mapping[str, Any],
+        dst: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[str, bool] | None = None,
+    ) -> list[Handle]:
+        """:meth:`send_tensor_dict`; the send is complete when this returns (our
+        shared-memory and Gloo paths buffer it), so the handles are complete."""
+        self.send_tensor_dict(tensor_dict, dst, all_gather_group, all_gather_tensors)
+        return [COMPLETED]
+
+    def irecv_tensor_dict(
+        self,
+        src: int | None = None,
+        all_gather_group: GroupCoordinator | None = None,
+        all_gather_tensors: Mapping[str, bool] | None = None,
+    ) -> tuple[dict[str, Any] | None, list[Handle], list[Callable[[], None]]]:
+        """(dict, handles, post-processing steps) as vLLM returns them; the dict has
+        arrived when this returns, so the handles are complete and no step is left."""
+        received = self.recv_tensor_dict(src, all_gather_group, all_gather_tensors)
+        return received, [COMPLETED], []
+
+    def isend_object(self, obj: Any, dst: int) -> Handle:
+        """:meth:`send_object`, complete when this returns."""
+        self.send_object(obj, dst)
+        return COMPLETED
+
+    def cpu_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum of a CPU tensor over the CPU (Gloo) group."""
+        _check_tensor(tensor, "tensor")
+        if self.world_size == 1:
+            return tensor
+        self._collective("cpu_all_reduce_", dist.all_reduce, tensor, ReduceOp.SUM, self.cpu_group)
+        return tensor
+
+    def reduce_scatterv_into_output(
+        self,
+        input_: torch.Tensor,
+        output: torch.Tensor,
+        dim: int = -1,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`reduce_scatterv` written into ``output``; returns ``output``."""
+        result = self.reduce_scatterv(input_, dim, sizes)
+        _check_tensor(output, "output")
+        if output.shape != result.shape or output.dtype != result.dtype:
+            raise GroupcoordValueError(
+                f"output must be {result.dtype}{list(result.shape)}, got "
+                f"{output.dtype}{list(output.shape)}"
+            )
+        return output.copy_(result)
+
+    def make_sibling_device_group(self, group_desc: str | None = None) -> ProcessGroup:
+        """A second device process group over the same ranks (made by these ranks only)."""
+        return dist.new_group(
+            self.ranks,
+            backend=dist.get_backend(self.device_group),
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+            use_local_synchronization=True,
+            group_desc=group_desc,
+        )
+
     # ---- point to point tensors ---------------------------------------------------------
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
@@ -531,13 +617,15 @@ class GroupCoordinator:
 
     def recv(
         self,
-        size: torch.Size | tuple[int, ...] | list[int],
+        size: torch.Size | tuple[int, ...] | list[int] | int,
         dtype: torch.dtype,
         src: int | None = None,
     ) -> torch.Tensor:
         """A tensor of ``size`` and ``dtype`` from in-group rank ``src`` (default: previous)."""
         if src is not None:
             self._check_peer(src, "src")
+        if isinstance(size, int) and not isinstance(size, bool):
+            size = (size,)  # vLLM callers pass a plain element count too
         peer = (self.rank_in_group - 1) % self.world_size if src is None else src
         out: torch.Tensor = self._p2p("recv", peer, self._tensor_comm().recv, size, dtype, src)
         return out
@@ -550,41 +638,80 @@ class GroupCoordinator:
             return
         self._collective("barrier", dist.barrier, self.cpu_group)
 
-    def dispatch(
+    def _moe(self, operation: str, alone: Any, *args: Any) -> Any:
+        """An EP call through the device communicator's all2all manager; a group of
+        one rank answers ``alone()`` (what the exchange would give)."""
+        if self.device_communicator is None:
+            if self.world_size == 1:
+                return alone()
+            raise NotSupportedError(operation, f"group {self.unique_name} (no device communicator)")
+        return self._collective(operation, getattr(self.device_communicator, operation), *args)
+
+    def dispatch_router_logits(
         self,
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
     ) -> Any:
-        """Send tokens to their experts' owners (EP group with an all2all manager)."""
-        if self.device_communicator is None:
-            if self.world_size == 1:
-                # Same shape as the all2all managers' answer (and vLLM's).
-                if extra_tensors is None:
-                    return hidden_states, router_logits
-                return hidden_states, router_logits, list(extra_tensors)
-            raise NotSupportedError(
-                "dispatch", f"group {self.unique_name} (no device communicator)"
-            )
-        comm = self.device_communicator
-        return self._collective(
-            "dispatch",
-            comm.dispatch,
-            hidden_states,
-            router_logits,
-            is_sequence_parallel,
-            extra_tensors,
-        )
+        """Every EP rank's tokens and router logits, in rank order (before top-k)."""
+
+        def alone() -> Any:
+            if extra_tensors is None:
+                return hidden_states, router_logits
+            return hidden_states, router_logits, list(extra_tensors)
+
+        args = (hidden_states, router_logits, is_sequence_parallel, extra_tensors)
+        return self._moe("dispatch_router_logits", alone, *args)
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> Any:
+        """Every EP rank's tokens with their top-k routing: (hidden, topk_weights,
+        topk_ids[, extras]) in rank order, as vLLM 0.33 returns them."""
+
+        def alone() -> Any:
+            if extra_tensors is None:
+                return hidden_states, topk_weights, topk_ids
+            return hidden_states, topk_weights, topk_ids, list(extra_tensors)
+
+        args = (hidden_states, topk_weights, topk_ids, is_sequence_parallel, extra_tensors)
+        return self._moe("dispatch", alone, *args)
 
     def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
         """Sum expert outputs back to the tokens' home ranks."""
+        return self._moe("combine", lambda: hidden_states, hidden_states, is_sequence_parallel)
+
+    def allocate_combine_input(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        is_sequence_parallel: bool = False,
+    ) -> torch.Tensor | None:
+        """A buffer the manager wants expert outputs in, or None (allocate as usual)."""
         if self.device_communicator is None:
-            if self.world_size == 1:
-                return hidden_states
-            raise NotSupportedError("combine", f"group {self.unique_name} (no device communicator)")
-        comm = self.device_communicator
-        return self._collective("combine", comm.combine, hidden_states, is_sequence_parallel)
+            return None
+        return self.device_communicator.allocate_combine_input(
+            shape, dtype, device, is_sequence_parallel
+        )
+
+    def combine_into_output(
+        self, hidden_states: torch.Tensor, output: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
+        """:meth:`combine` written into ``output``; returns ``output``."""
+        return self._moe(
+            "combine_into_output",
+            lambda: output.copy_(hidden_states),
+            hidden_states,
+            output,
+            is_sequence_parallel,
+        )
 
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         if self.device_communicator is not None:

@@ -1,11 +1,18 @@
-"""Process-wide parallel state: the world, TP, PP, DP and EP groups of this rank.
+"""Process-wide parallel state: the world and every model-parallel group of this rank.
 
-vLLM's ``parallel_state`` functions, with their names and arguments. All
-globals live in one :class:`ParallelState` object; initialising twice with
-different sizes raises :class:`AlreadyInitializedError`, and the ``destroy_*``
-functions leave nothing behind (groups, queues, shared memory, and the default
-process group when we created it). Works under ``torchrun`` (``env://``) and
-with an explicit rank, world size and init method.
+vLLM 0.33's ``parallel_state`` functions, with its names, parameter order and
+defaults; our additions are keyword-only, so a positional vLLM call never binds
+to them. All globals live in one :class:`ParallelState` object; initialising
+twice with different sizes raises :class:`AlreadyInitializedError`, and the
+``destroy_*`` functions leave nothing behind (groups, queues, shared memory,
+and the default process group when we created it). Works under ``torchrun``
+(``env://``) and with an explicit rank, world size and init method.
+
+Groups, as vLLM builds them (layout in :mod:`coordinator.layout`): world, TP
+(with a message-queue broadcaster), DCP (likewise), PCP, PP, DP, EP (always;
+its all2all manager only with ``enable_expert_parallel=True``), EPLB (the EP
+group itself) and the inner DP world. A group whose parallelism is off has
+one rank per group.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
+import gc
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -21,23 +30,48 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shm_broadcast.config import resolve_timeout
+from device_communicators.errors import unsupported
+from shm_broadcast.config import override, resolve_timeout
+from shm_broadcast.segments import cleanup_stale_segments
 from shm_broadcast.topology import in_the_same_node_as as _same_node
 
+from .custom_ops import (
+    all_gather_fake,
+    all_reduce_fake,
+    reduce_scatter_fake,
+)
 from .errors import AlreadyInitializedError, GroupcoordValueError, NotInitializedError
-from .group_coordinator import GraphCaptureContext, GroupCoordinator
+from .group_coordinator import GraphCaptureContext, GroupCoordinator, Handle
 from .layout import compute_layout
 from .stateless_group import StatelessProcessGroup
 
 __all__ = [
     "GraphCaptureContext",
+    "GroupCoordinator",
+    "Handle",
     "ParallelState",
     "StatelessProcessGroup",
+    "all_gather",
+    "all_gather_fake",
+    "all_reduce",
+    "all_reduce_fake",
+    "checkpoint_prepare_distributed_state",
+    "checkpoint_restore_distributed_state",
+    "cleanup_dist_env_and_memory",
     "destroy_distributed_environment",
     "destroy_model_parallel",
     "ensure_model_parallel_initialized",
+    "get_dcp_group",
+    "get_dcp_world_size_and_rank",
     "get_dp_group",
+    "get_engram_dp_group",
+    "get_engram_dp_size",
     "get_ep_group",
+    "get_eplb_group",
+    "get_etp_group",
+    "get_inner_dp_world_group",
+    "get_node_count",
+    "get_pcp_group",
     "get_pipeline_model_parallel_rank",
     "get_pipeline_model_parallel_world_size",
     "get_pp_group",
@@ -48,9 +82,34 @@ __all__ = [
     "graph_capture",
     "in_the_same_node_as",
     "init_distributed_environment",
+    "init_model_parallel_group",
+    "init_world_group",
     "initialize_model_parallel",
+    "is_global_first_rank",
+    "is_local_first_rank",
     "model_parallel_is_initialized",
+    "patched_fused_scaled_matmul_reduce_scatter",
+    "patched_fused_scaled_matmul_reduce_scatter_fake",
+    "reduce_scatter",
+    "reduce_scatter_fake",
+    "resume_device_comms",
+    "set_custom_all_reduce",
+    "suspend_device_comms",
 ]
+
+logger = logging.getLogger("groupcoord.coordinator")
+
+_MODEL_GROUPS = ("tp", "dcp", "pcp", "pp", "dp", "ep", "inner_dp_world")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParallelSizes:
+    tp: int
+    pp: int
+    pcp: int
+    dcp: int
+    dp: int
+    expert_parallel: bool
 
 
 @dataclasses.dataclass
@@ -59,21 +118,30 @@ class ParallelState:
 
     world: GroupCoordinator | None = None
     tp: GroupCoordinator | None = None
+    dcp: GroupCoordinator | None = None
+    pcp: GroupCoordinator | None = None
     pp: GroupCoordinator | None = None
     dp: GroupCoordinator | None = None
     ep: GroupCoordinator | None = None
-    # (tp, pp, dp, enable_expert_parallel) of the current model-parallel groups.
-    sizes: tuple[int, int, int, bool] | None = None
+    inner_dp_world: GroupCoordinator | None = None
+    sizes: ModelParallelSizes | None = None
     local_rank: int = 0
     backend: str = "gloo"
     timeout_s: float | None = None
+    custom_all_reduce: bool = True  # set_custom_all_reduce, read when groups are built
     # True when init_distributed_environment created torch's default group,
     # so destroy_distributed_environment must tear it down too.
     owns_default_group: bool = False
     exit_hook_registered: bool = False
+    # The process that built the groups: a forked child inherits this state and the
+    # exit hook, and must not tear down what its parent still uses.
+    owner_pid: int = 0
 
 
 _state = ParallelState()
+
+
+# ---- start-up ------------------------------------------------------------------------
 
 
 def init_distributed_environment(
@@ -81,17 +149,23 @@ def init_distributed_environment(
     rank: int = -1,
     distributed_init_method: str = "env://",
     local_rank: int = -1,
-    backend: str = "gloo",
-    timeout: float | None = None,
+    backend: str = "nccl",
+    timeout: datetime.timedelta | float | None = None,
 ) -> None:
     """Join torch.distributed (unless already joined) and build the world group.
 
+    vLLM's signature and default backend (NCCL; pass ``backend="gloo"`` on CPU).
     Under ``torchrun`` the defaults read RANK, WORLD_SIZE, LOCAL_RANK and
-    MASTER_ADDR/MASTER_PORT. ``timeout`` (seconds) bounds every wait of the
-    groups made here and by ``initialize_model_parallel``.
+    MASTER_ADDR/MASTER_PORT. ``timeout`` (a timedelta or seconds) bounds every
+    wait of the groups made here and by ``initialize_model_parallel``.
     """
     timeout_s = resolve_timeout(timeout)
     if not dist.is_initialized():
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise GroupcoordValueError(
+                "backend='nccl' (vLLM's default) needs a CUDA device and this process has none; "
+                "pass backend='gloo' for CPU ranks"
+            )
         if distributed_init_method == "env://":
             absent = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
             if absent:
@@ -120,72 +194,113 @@ def init_distributed_environment(
     _state.local_rank = local_rank
     _state.backend = backend
     _state.timeout_s = timeout_s
-    _state.world = GroupCoordinator(
-        [list(range(dist.get_world_size()))],
+    _state.owner_pid = os.getpid()
+    swept = cleanup_stale_segments()  # what killed processes of ours left on this host
+    if swept:
+        logger.warning(
+            "removed %d shared-memory segment(s) of dead processes: %s", len(swept), swept
+        )
+    _state.world = init_world_group(list(range(dist.get_world_size())), local_rank, backend)
+    if not _state.exit_hook_registered:
+        atexit.register(_destroy_at_exit)
+        _state.exit_hook_registered = True
+
+
+def init_world_group(ranks: list[int], local_rank: int, backend: str) -> GroupCoordinator:
+    return GroupCoordinator(
+        [list(ranks)],
         local_rank,
         backend,
         use_device_communicator=False,
         group_name="world",
-        timeout=timeout_s,
+        timeout=_state.timeout_s,
     )
-    if not _state.exit_hook_registered:
-        atexit.register(destroy_distributed_environment)
-        _state.exit_hook_registered = True
+
+
+def init_model_parallel_group(
+    group_ranks: list[list[int]],
+    local_rank: int,
+    backend: str,
+    use_message_queue_broadcaster: bool = False,
+    group_name: str | None = None,
+    use_device_communicator: bool = True,
+    use_all2all: bool = False,
+) -> GroupCoordinator:
+    # set_custom_all_reduce(False) applies to the groups built after it.
+    with override(disable_custom_all_reduce=not _state.custom_all_reduce):
+        return GroupCoordinator(
+            group_ranks,
+            local_rank,
+            backend,
+            use_device_communicator,
+            use_message_queue_broadcaster,
+            group_name,
+            use_all2all,
+            timeout=_state.timeout_s,
+        )
 
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    prefill_context_model_parallel_size: int = 1,
+    decode_context_model_parallel_size: int | None = 1,
+    backend: str | None = None,
+    *,
     data_parallel_size: int = 1,
     enable_expert_parallel: bool = False,
-    backend: str | None = None,
 ) -> None:
-    """Build the TP, PP, DP (and EP) groups of this rank (collective over the world).
+    """Build every model-parallel group of this rank (collective over the world).
 
-    TP varies fastest, then PP, then DP; EP spans DP x TP within a PP stage.
-    Only TP gets a message-queue broadcaster. Calling again with the same
-    sizes does nothing; with different sizes it raises.
+    vLLM's signature; DP size and expert parallelism, which vLLM reads from its
+    config, are keyword-only here with vLLM's defaults. Ends with a barrier of
+    the world group, so no rank (the store host included) leaves while others
+    still build groups. Calling again with the same sizes does nothing; with
+    different sizes it raises.
     """
     world = get_world_group()
-    sizes = (
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        data_parallel_size,
-        bool(enable_expert_parallel),
+    sizes = ModelParallelSizes(
+        tp=tensor_model_parallel_size,
+        pp=pipeline_model_parallel_size,
+        pcp=prefill_context_model_parallel_size,
+        dcp=1 if decode_context_model_parallel_size is None else decode_context_model_parallel_size,
+        dp=data_parallel_size,
+        expert_parallel=bool(enable_expert_parallel),
     )
     if _state.sizes is not None:
         if _state.sizes == sizes:
             return
         raise AlreadyInitializedError(
-            f"model parallel groups exist with (tp, pp, dp, ep) = {_state.sizes}; asked for "
-            f"{sizes}: call destroy_model_parallel() first"
+            f"model parallel groups exist with {_state.sizes}; asked for {sizes}: "
+            "call destroy_model_parallel() first"
         )
-    layout = compute_layout(world.world_size, *sizes)
+    layout = compute_layout(
+        world.world_size,
+        sizes.tp,
+        sizes.pp,
+        sizes.dp,
+        prefill_context_model_parallel_size=sizes.pcp,
+        decode_context_model_parallel_size=sizes.dcp,
+    )
     backend = backend or _state.backend
-    made: list[GroupCoordinator] = []
 
-    def group(groups: Any, name: str, use_mq: bool = False) -> GroupCoordinator:
-        coordinator = GroupCoordinator(
-            [list(g) for g in groups],
-            _state.local_rank,
-            backend,
-            use_device_communicator=True,
-            use_message_queue_broadcaster=use_mq,
-            group_name=name,
-            timeout=_state.timeout_s,
+    def group(kind: str, **kwargs: Any) -> GroupCoordinator:
+        ranks = [list(g) for g in getattr(layout, kind)]
+        return init_model_parallel_group(
+            ranks, _state.local_rank, backend, group_name=kind, **kwargs
         )
-        made.append(coordinator)
-        return coordinator
 
     try:
-        _state.tp = group(layout.tp, "tp", use_mq=True)
-        _state.pp = group(layout.pp, "pp")
-        _state.dp = group(layout.dp, "dp")
-        _state.ep = group(layout.ep, "ep") if layout.ep is not None else None
+        _state.tp = group("tp", use_message_queue_broadcaster=True)
+        _state.dcp = group("dcp", use_message_queue_broadcaster=True)
+        _state.pcp = group("pcp")
+        _state.pp = group("pp")
+        _state.dp = group("dp")
+        _state.ep = group("ep", use_all2all=sizes.expert_parallel)
+        _state.inner_dp_world = group("inner_dp_world", use_device_communicator=False)
+        world.barrier()
     except BaseException:
-        for coordinator in made:
-            coordinator.destroy()
-        _state.tp = _state.pp = _state.dp = _state.ep = None
+        destroy_model_parallel()
         raise
     _state.sizes = sizes
 
@@ -193,24 +308,44 @@ def initialize_model_parallel(
 def ensure_model_parallel_initialized(
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
+    prefill_context_model_parallel_size: int = 1,
+    decode_context_model_parallel_size: int | None = 1,
     backend: str | None = None,
 ) -> None:
     """Initialise the groups unless they exist; if they do, their sizes must match."""
     if not model_parallel_is_initialized():
         initialize_model_parallel(
-            tensor_model_parallel_size, pipeline_model_parallel_size, backend=backend
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+            prefill_context_model_parallel_size,
+            decode_context_model_parallel_size,
+            backend,
         )
         return
-    have = (get_tensor_model_parallel_world_size(), get_pipeline_model_parallel_world_size())
-    if have != (tensor_model_parallel_size, pipeline_model_parallel_size):
+    assert _state.sizes is not None
+    asked = (
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        prefill_context_model_parallel_size,
+        decode_context_model_parallel_size or 1,
+    )
+    have = (_state.sizes.tp, _state.sizes.pp, _state.sizes.pcp, _state.sizes.dcp)
+    if have != asked:
         raise AlreadyInitializedError(
-            f"model parallel groups exist with (tp, pp) = {have}; asked for "
-            f"({tensor_model_parallel_size}, {pipeline_model_parallel_size})"
+            f"model parallel groups exist with (tp, pp, pcp, dcp) = {have}; asked for {asked}"
         )
+
+
+def set_custom_all_reduce(enable: bool) -> None:
+    """Whether groups built from now on may use custom all-reduce (CUDA)."""
+    _state.custom_all_reduce = bool(enable)
 
 
 def model_parallel_is_initialized() -> bool:
     return _state.tp is not None and _state.pp is not None
+
+
+# ---- getters ----------------------------------------------------------------------------
 
 
 def _get(group: GroupCoordinator | None, what: str) -> GroupCoordinator:
@@ -227,6 +362,14 @@ def get_tp_group() -> GroupCoordinator:
     return _get(_state.tp, "tensor model parallel (call initialize_model_parallel)")
 
 
+def get_dcp_group() -> GroupCoordinator:
+    return _get(_state.dcp, "decode context parallel (call initialize_model_parallel)")
+
+
+def get_pcp_group() -> GroupCoordinator:
+    return _get(_state.pcp, "prefill context parallel (call initialize_model_parallel)")
+
+
 def get_pp_group() -> GroupCoordinator:
     return _get(_state.pp, "pipeline model parallel (call initialize_model_parallel)")
 
@@ -236,10 +379,24 @@ def get_dp_group() -> GroupCoordinator:
 
 
 def get_ep_group() -> GroupCoordinator:
-    return _get(
-        _state.ep,
-        "expert parallel (call initialize_model_parallel with enable_expert_parallel=True)",
-    )
+    return _get(_state.ep, "expert parallel (call initialize_model_parallel)")
+
+
+def get_eplb_group() -> GroupCoordinator:
+    """The EP group: expert load balancing exchanges over the same ranks."""
+    return _get(_state.ep, "expert parallel load balancing (call initialize_model_parallel)")
+
+
+def get_inner_dp_world_group() -> GroupCoordinator:
+    return _get(_state.inner_dp_world, "inner data parallel world (call initialize_model_parallel)")
+
+
+def get_dcp_world_size_and_rank(enabled: bool = True) -> tuple[int, int]:
+    """(size, rank) of this rank's DCP group, or (1, 0) when ``enabled`` is False."""
+    if not enabled:
+        return 1, 0
+    dcp = get_dcp_group()
+    return dcp.world_size, dcp.rank_in_group
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -256,6 +413,41 @@ def get_pipeline_model_parallel_world_size() -> int:
 
 def get_pipeline_model_parallel_rank() -> int:
     return get_pp_group().rank_in_group
+
+
+def get_node_count() -> int:
+    """Hosts among the world's ranks (counted when the world group was built)."""
+    return get_world_group().node_count
+
+
+def is_global_first_rank() -> bool:
+    """Rank 0 of the world, or True before torch.distributed is initialised."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def is_local_first_rank() -> bool:
+    """Local rank 0 on this host, or True before the world group exists."""
+    return _state.world is None or _state.world.local_rank == 0
+
+
+# ---- collectives by group name (vLLM's custom-op functions) ------------------------------
+
+
+def all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.ops.groupcoord.all_reduce(tensor, group_name)
+
+
+def all_gather(tensor: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    return torch.ops.groupcoord.all_gather(tensor, dim, world_size, group_name)
+
+
+def reduce_scatter(
+    tensor: torch.Tensor, dim: int, world_size: int, group_name: str
+) -> torch.Tensor:
+    return torch.ops.groupcoord.reduce_scatter(tensor, dim, world_size, group_name)
+
+
+# ---- graph capture, topology ----------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -275,9 +467,12 @@ def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
     return _same_node(pg, source_rank)
 
 
+# ---- teardown ---------------------------------------------------------------------------
+
+
 def destroy_model_parallel() -> None:
-    """Destroy the TP, PP, DP and EP groups (safe to call when there are none)."""
-    for name in ("ep", "dp", "pp", "tp"):
+    """Destroy every model-parallel group (safe to call when there are none)."""
+    for name in reversed(_MODEL_GROUPS):
         group = getattr(_state, name)
         if group is not None:
             setattr(_state, name, None)
@@ -294,3 +489,50 @@ def destroy_distributed_environment() -> None:
     if _state.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
     _state.owns_default_group = False
+
+
+def _destroy_at_exit() -> None:
+    """The exit hook: only the process that built the groups tears them down (a
+    forked child that exits normally leaves its parent's groups and queues alone)."""
+    if _state.owner_pid == os.getpid():
+        destroy_distributed_environment()
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """Tear everything down and release cached device memory (vLLM's test helper)."""
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    if shutdown_ray:
+        with contextlib.suppress(ImportError):
+            import ray  # type: ignore[import-not-found]
+
+            ray.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- names of the contract that groupcoord keeps but does not implement ---------------------
+
+_NO_CONFIG = "a config-driven group whose layout groupcoord does not model"
+get_etp_group = unsupported("get_etp_group", _NO_CONFIG)
+get_engram_dp_group = unsupported("get_engram_dp_group", _NO_CONFIG)
+get_engram_dp_size = unsupported("get_engram_dp_size", _NO_CONFIG)
+suspend_device_comms = unsupported(
+    "suspend_device_comms", "releasing and re-creating NCCL communicators (sleep mode)"
+)
+resume_device_comms = unsupported(
+    "resume_device_comms", "releasing and re-creating NCCL communicators (sleep mode)"
+)
+checkpoint_prepare_distributed_state = unsupported(
+    "checkpoint_prepare_distributed_state", "elastic-EP checkpointing of communicators"
+)
+checkpoint_restore_distributed_state = unsupported(
+    "checkpoint_restore_distributed_state", "elastic-EP checkpointing of communicators"
+)
+patched_fused_scaled_matmul_reduce_scatter = unsupported(
+    "patched_fused_scaled_matmul_reduce_scatter", "torch symmetric-memory async-TP kernels"
+)
+patched_fused_scaled_matmul_reduce_scatter_fake = unsupported(
+    "patched_fused_scaled_matmul_reduce_scatter_fake", "torch symmetric-memory async-TP kernels"
+)

@@ -11,10 +11,12 @@ Rank 0 hosts the store.
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from collections import defaultdict
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shm_broadcast.codec import dumps, loads
@@ -42,33 +44,59 @@ class StatelessProcessGroup:
         self._recv_seq: dict[int, int] = defaultdict(int)
         self._bcast_seq: dict[int, int] = defaultdict(int)
         self._gather_seq = 0
+        # vLLM's field names for the same counters.
+        self.send_dst_counter = self._send_seq
+        self.recv_src_counter = self._recv_seq
+        self.broadcast_recv_src_counter = self._bcast_seq
+        self.data_expiration_seconds = 3600  # keys are deleted by their last reader instead
 
-    @classmethod
+    @staticmethod
     def create(
-        cls, host: str, port: int, rank: int, world_size: int, timeout: float | None = None
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        data_expiration_seconds: int = 3600,
+        store_timeout: int = 300,
+        listen_socket: socket.socket | None = None,
+        *,
+        timeout: float | datetime.timedelta | None = None,
     ) -> StatelessProcessGroup:
-        """Join (rank 0: host) the store at ``host:port`` and wait until every rank is there."""
+        """Join (rank 0: host) the store at ``host:port`` and wait until every rank is there.
+
+        vLLM's signature: ``store_timeout`` (seconds) bounds the store's own
+        operations; ``listen_socket`` lets rank 0 serve on a socket it already
+        bound (so no other process can take the port in between). ``timeout``
+        (ours) bounds this group's waits (default: the configured deadline).
+        """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise GroupcoordValueError(f"world_size must be a positive int, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise GroupcoordValueError(f"rank={rank!r} is not in range(world_size={world_size})")
         timeout_s = resolve_timeout(timeout)
         what = f"StatelessProcessGroup({host}:{port}, rank {rank})"
+        store_kwargs: dict[str, Any] = {}
+        if listen_socket is not None:
+            if rank != 0:
+                raise GroupcoordValueError("listen_socket: only rank 0 (the store host) serves")
+            store_kwargs = {"master_listen_fd": listen_socket.detach(), "use_libuv": False}
         try:
             store = dist.TCPStore(
                 host,
                 port,
                 world_size,
                 is_master=rank == 0,
-                timeout=datetime.timedelta(seconds=timeout_s),
+                timeout=datetime.timedelta(seconds=min(timeout_s, resolve_timeout(store_timeout))),
                 wait_for_workers=False,
+                **store_kwargs,
             )
         except (dist.DistStoreError, dist.DistNetworkError) as exc:
             # An absent store host shows up as a network error (connect timed
             # out), a present but silent one as a store error: both mean rank 0.
             raise GroupcoordTimeoutError(what, "connect", timeout_s, [0], detail=str(exc)) from exc
-        group = cls(rank, world_size, store, timeout_s)
-        group.barrier()
+        group = StatelessProcessGroup(rank, world_size, store, timeout_s)
+        group.data_expiration_seconds = data_expiration_seconds
+        group.barrier(timeout_s)
         return group
 
     # ---- point to point -------------------------------------------------------
@@ -81,7 +109,7 @@ class StatelessProcessGroup:
         _set(self._live_store(), key, payload)
         self._send_seq[dst] += 1
 
-    def recv_obj(self, src: int, timeout: float | None = None) -> Any:
+    def recv_obj(self, src: int, *, timeout: float | None = None) -> Any:
         """The next object rank ``src`` sent to this rank."""
         self._check_peer(src, "src")
         key = f"p2p/{src}/{self.rank}/{self._recv_seq[src]}"
@@ -94,7 +122,7 @@ class StatelessProcessGroup:
 
     # ---- collectives ----------------------------------------------------------
 
-    def broadcast_obj(self, obj: Any | None, src: int, timeout: float | None = None) -> Any:
+    def broadcast_obj(self, obj: Any | None, src: int, *, timeout: float | None = None) -> Any:
         """``src``'s ``obj`` on every rank (``obj`` is ignored on the others)."""
         self._check_rank(src, "src")
         if self.world_size == 1:
@@ -114,13 +142,44 @@ class StatelessProcessGroup:
             store.delete_key(f"{key}/read")
         return value
 
-    def all_gather_obj(self, obj: Any, timeout: float | None = None) -> list[Any]:
+    def all_gather_obj(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
         return self._gather("all_gather_obj", dumps(obj), timeout, decode=True)
 
-    def barrier(self, timeout: float | None = None) -> None:
-        """Return once every rank has called ``barrier``; a timeout names the absent ranks."""
-        self._gather("barrier", b"", timeout, decode=False)
+    def barrier(self, timeout: float | datetime.timedelta = 30.0) -> None:
+        """Return once every rank has called ``barrier`` (vLLM's 30 s default);
+        a timeout names the absent ranks."""
+        self._gather("barrier", b"", resolve_timeout(timeout), decode=False)
+
+    # ---- tensors (through the store, as objects: for small control tensors) -----------
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.send_obj(tensor, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill ``tensor`` with what ``src`` sent (shape and dtype must match)."""
+        return _fill(tensor, self.recv_obj(src), f"recv from rank {src}")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """``src``'s ``tensor`` copied into ``tensor`` on every rank; returns it."""
+        got = self.broadcast_obj(tensor if self.rank == src else None, src)
+        return tensor if self.rank == src else _fill(tensor, got, f"broadcast from rank {src}")
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Every rank's ``tensor`` reduced (SUM, PRODUCT, MAX, MIN) in rank order; new tensor."""
+        parts = self.all_gather_obj(tensor)
+        reducers: dict[Any, Any] = {
+            dist.ReduceOp.SUM: torch.add,
+            dist.ReduceOp.PRODUCT: torch.mul,
+            dist.ReduceOp.MAX: torch.maximum,
+            dist.ReduceOp.MIN: torch.minimum,
+        }
+        if op not in reducers:
+            raise GroupcoordValueError(f"op: expected SUM, PRODUCT, MAX or MIN, got {op!r}")
+        out = parts[0].clone()
+        for part in parts[1:]:
+            out = reducers[op](out, part)
+        return out
 
     def close(self, timeout: float | None = None) -> None:
         """Leave the group (collective): rank 0 keeps the store up until every rank has left."""
@@ -209,3 +268,12 @@ class StatelessProcessGroup:
 def _set(store: dist.Store, key: str, value: bytes) -> None:
     # torch's stub types the value as str; the binding takes bytes as they are.
     store.set(key, value)  # type: ignore[arg-type]
+
+
+def _fill(tensor: torch.Tensor, got: Any, what: str) -> torch.Tensor:
+    if not isinstance(got, torch.Tensor) or got.shape != tensor.shape or got.dtype != tensor.dtype:
+        raise GroupcoordValueError(
+            f"{what}: expected a {tensor.dtype}{list(tensor.shape)} tensor, got "
+            f"{getattr(got, 'dtype', type(got).__name__)}{list(getattr(got, 'shape', []))}"
+        )
+    return tensor.copy_(got)

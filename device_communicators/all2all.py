@@ -1,7 +1,9 @@
 """Expert-parallel all2all managers: move tokens to the expert owners and back.
 
 A mixture-of-experts layer whose experts are split over the ranks of the EP
-group needs, on every rank, the tokens of all ranks (``dispatch``) and, after
+group needs, on every rank, the tokens of all ranks with their routing
+(vLLM 0.33's ``dispatch(hidden, topk_weights, topk_ids)``, or
+``dispatch_router_logits(hidden, router_logits)`` before top-k) and, after
 the local experts ran, each token's partial outputs summed back on the rank
 that owns the token (``combine``). Two managers do this over a device
 communicator:
@@ -30,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import ClosedError, GroupcoordTypeError, GroupcoordValueError
+from .errors import ClosedError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 
 __all__ = [
     "AllGatherReduceScatterAll2AllManager",
@@ -89,9 +91,9 @@ class HasMoEBufferSpec(Protocol):
     def moe_buffer_spec(self) -> MoEBufferSpec: ...
 
 
-DispatchResult = (
-    tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
-)
+# (hidden, router_logits or topk_weights[, topk_ids][, extras]): the tensors gathered
+# in the order given, then the extra tensors as a list when the caller passed some.
+DispatchResult = tuple[Any, ...]
 
 
 class All2AllManagerBase:
@@ -110,7 +112,7 @@ class All2AllManagerBase:
         self._closed = False
 
     # ----------------------------------------------------------------- public API
-    def dispatch(
+    def dispatch_router_logits(
         self,
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor,
@@ -118,19 +120,54 @@ class All2AllManagerBase:
         extra_tensors: Sequence[torch.Tensor] | None = None,
     ) -> DispatchResult:
         """Gather every rank's tokens; returns (hidden, logits[, extras]) in rank order."""
-        self._check_open("dispatch")
-        extras = self._check_dispatch_args(hidden_states, router_logits, extra_tensors)
-        counts = self._counts_for(hidden_states.shape[0])
-        tensors = [hidden_states, router_logits, *extras]
-        if sum(counts) == 0:
-            # No rank has a token; every rank knows it, so all skip the collective.
-            gathered = [t.new_empty(t.shape) for t in tensors]
-        else:
-            gathered = self._dispatch(tensors, counts)
-        self._pending_counts = counts
-        if extra_tensors is None:
-            return gathered[0], gathered[1]
-        return gathered[0], gathered[1], gathered[2:]
+        return self._gather_tokens(
+            [("hidden_states", hidden_states), ("router_logits", router_logits)], extra_tensors
+        )
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: Sequence[torch.Tensor] | None = None,
+    ) -> DispatchResult:
+        """Gather every rank's tokens with their routing (vLLM 0.33's form); returns
+        (hidden, topk_weights, topk_ids[, extras]) in rank order."""
+        return self._gather_tokens(
+            [
+                ("hidden_states", hidden_states),
+                ("topk_weights", topk_weights),
+                ("topk_ids", topk_ids),
+            ],
+            extra_tensors,
+        )
+
+    def allocate_combine_input(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        is_sequence_parallel: bool = False,
+    ) -> torch.Tensor | None:
+        """None: these managers combine from any tensor, so the caller allocates as usual."""
+        self._check_open("allocate_combine_input")
+        return None
+
+    def combine_into_output(
+        self,
+        hidden_states: torch.Tensor,
+        output: torch.Tensor,
+        is_sequence_parallel: bool = False,
+    ) -> torch.Tensor:
+        """:meth:`combine` written into ``output`` (this rank's tokens); returns ``output``."""
+        combined = self.combine(hidden_states, is_sequence_parallel)
+        if not isinstance(output, torch.Tensor) or output.shape != combined.shape:
+            raise GroupcoordValueError(
+                f"output must be a tensor of shape {tuple(combined.shape)} (this rank's "
+                f"tokens), got {getattr(output, 'shape', type(output).__name__)}"
+            )
+        return output.copy_(combined)
 
     def combine(
         self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
@@ -214,24 +251,44 @@ class All2AllManagerBase:
         """Hook: drop buffers."""
 
     # ------------------------------------------------------------------ helpers
+    def _gather_tokens(
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        extra_tensors: Sequence[torch.Tensor] | None,
+    ) -> DispatchResult:
+        self._check_open("dispatch")
+        extras = self._check_dispatch_args(named, extra_tensors)
+        hidden_states = named[0][1]
+        counts = self._counts_for(hidden_states.shape[0])
+        tensors = [t for _, t in named] + extras
+        if sum(counts) == 0:
+            # No rank has a token; every rank knows it, so all skip the collective.
+            gathered = [t.new_empty(t.shape) for t in tensors]
+        else:
+            gathered = self._dispatch(tensors, counts)
+        self._pending_counts = counts
+        fixed = tuple(gathered[: len(named)])
+        if extra_tensors is None:
+            return fixed  # type: ignore[return-value]
+        return (*fixed, gathered[len(named) :])  # type: ignore[return-value]
+
     def _check_open(self, operation: str) -> None:
         if self._closed:
             raise ClosedError(f"{self.name} all2all manager: {operation} after destroy()")
 
     def _check_dispatch_args(
         self,
-        hidden_states: torch.Tensor,
-        router_logits: torch.Tensor,
+        named: list[tuple[str, torch.Tensor]],
         extra_tensors: Sequence[torch.Tensor] | None,
     ) -> list[torch.Tensor]:
-        named = [("hidden_states", hidden_states), ("router_logits", router_logits)]
         extras = list(extra_tensors) if extra_tensors is not None else []
-        named += [(f"extra_tensors[{i}]", t) for i, t in enumerate(extras)]
+        named = named + [(f"extra_tensors[{i}]", t) for i, t in enumerate(extras)]
         for arg, tensor in named:
             if not isinstance(tensor, torch.Tensor):
                 raise GroupcoordTypeError(
                     f"{arg} must be a torch.Tensor, got {type(tensor).__name__}"
                 )
+        hidden_states = named[0][1]
         if hidden_states.dim() != 2:
             raise GroupcoordValueError(
                 f"hidden_states must be 2-D [tokens, hidden], got shape {tuple(hidden_states.shape)}"
@@ -346,9 +403,18 @@ def known_all2all_backends() -> list[str]:
     return sorted(_MANAGERS)
 
 
+# vLLM's vendor kernels (GPU libraries groupcoord does not wrap), by name prefix.
+VENDOR_ALL2ALL_PREFIXES = ("deepep", "pplx", "flashinfer", "mori", "nixl")
+
+
 def create_all2all_manager(name: str, communicator: All2AllCommunicator) -> All2AllManagerBase:
     """The all2all manager called ``name`` over ``communicator`` (the EP group's)."""
     cls = _MANAGERS.get(name)
+    if cls is None and name.startswith(VENDOR_ALL2ALL_PREFIXES):
+        raise NotSupportedError.by_groupcoord(
+            f"all2all backend {name}",
+            f"vendor all2all kernels are not wrapped; use {' or '.join(known_all2all_backends())}",
+        )
     if cls is None:
         raise GroupcoordValueError(
             f"all2all backend {name!r} is unknown; known backends: {', '.join(known_all2all_backends())}"

@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from shm_broadcast.gloo_errors import gloo_errors
 
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
-from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
+from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError, unsupported
 
 
 class DeviceCommunicatorBase:
@@ -41,6 +41,9 @@ class DeviceCommunicatorBase:
         device: torch.device | None = None,
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
+        global_ranks: list[int] | None = None,
+        global_world_size: int | None = None,
+        use_all2all: bool = False,
     ) -> None:
         self.cpu_group = cpu_group
         self.device = device if device is not None else torch.device("cpu")
@@ -60,6 +63,25 @@ class DeviceCommunicatorBase:
             [*fast, TorchDistributedAllReduce(self.device_group, self.what, self.peer_pids)],
             owner=f"{type(self).__name__}({unique_name or 'unnamed'})",
         )
+        if global_ranks is not None and list(global_ranks) != self.ranks:
+            raise GroupcoordValueError(
+                f"global_ranks={list(global_ranks)} but cpu_group holds ranks {self.ranks}"
+            )
+        if global_world_size is not None and global_world_size != dist.get_world_size():
+            raise GroupcoordValueError(
+                f"global_world_size={global_world_size} but the world has "
+                f"{dist.get_world_size()} ranks"
+            )
+        if use_all2all:
+            from shm_broadcast.config import get_config
+
+            from .all2all import create_all2all_manager
+
+            try:
+                self.set_all2all_manager(create_all2all_manager(get_config().all2all_backend, self))
+            except BaseException:
+                self.destroy()  # the back ends built above hold shared memory
+                raise
 
     # ---- hooks for subclasses -------------------------------------------------
 
@@ -82,7 +104,7 @@ class DeviceCommunicatorBase:
     # ---- collectives ------------------------------------------------------------
 
     def all_reduce(
-        self, input_: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+        self, input_: torch.Tensor, *, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
         """Reduce over the group; returns a new tensor, ``input_`` is unchanged."""
         self._check_tensor(input_, "input_")
@@ -175,13 +197,50 @@ class DeviceCommunicatorBase:
         (sizes,) = self._discover_sizes([input_], [dim])
         return self._gather_padded(input_, dim, sizes, dst=dst)
 
-    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Overwrite ``input_`` on every rank with ``src``'s; returns ``input_``."""
-        self._check_tensor(input_, "input_")
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with ``src``'s; returns ``tensor``."""
+        self._check_tensor(tensor, "tensor")
         self._check_peer(src, "src", allow_self=True)
         if self.world_size == 1:
-            return input_
-        return self._broadcast_(input_, src)
+            return tensor
+        return self._broadcast_(tensor, src)
+
+    def reduce_scatterv_into_output(
+        self,
+        input_: torch.Tensor,
+        output: torch.Tensor,
+        dim: int = -1,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`reduce_scatterv` written into ``output``; returns ``output``."""
+        result = self.reduce_scatterv(input_, dim, sizes)
+        self._check_tensor(output, "output")
+        if output.shape != result.shape or output.dtype != result.dtype:
+            raise GroupcoordValueError(
+                f"output must be {result.dtype}{list(result.shape)}, got "
+                f"{output.dtype}{list(output.shape)}"
+            )
+        return output.copy_(result)
+
+    def get_symmetric_memory_buffer(
+        self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """None, vLLM's answer when no symmetric-memory buffer is available (callers
+        then allocate a plain tensor): groupcoord registers none."""
+        return None
+
+    def batch_isend_irecv(self, p2p_ops: list) -> None:
+        """Run ``torch.distributed.P2POp`` sends and receives together and wait for all."""
+        if not p2p_ops:
+            return
+        with self._gloo("batch_isend_irecv"):
+            for work in dist.batch_isend_irecv(p2p_ops):
+                work.wait()
+
+    suspend = unsupported("suspend", "releasing and re-creating communicators (sleep mode)")
+    resume = unsupported("resume", "releasing and re-creating communicators (sleep mode)")
+    checkpoint_prepare = unsupported("checkpoint_prepare", "elastic-EP checkpointing")
+    checkpoint_restore = unsupported("checkpoint_restore", "elastic-EP checkpointing")
 
     # ---- transport hooks (subclasses route these through faster paths) ----------
 
@@ -244,23 +303,54 @@ class DeviceCommunicatorBase:
 
     # ---- expert parallelism -----------------------------------------------------
 
-    def dispatch(
+    def _all2all(self, operation: str) -> Any:
+        if self.all2all_manager is None:
+            raise NotSupportedError(f"{operation} (no all2all manager set)", self.backend_name)
+        return self.all2all_manager
+
+    def dispatch_router_logits(
         self,
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor,
         is_sequence_parallel: bool = False,
         extra_tensors: list[torch.Tensor] | None = None,
     ) -> Any:
-        if self.all2all_manager is None:
-            raise NotSupportedError("dispatch (no all2all manager set)", self.backend_name)
-        return self.all2all_manager.dispatch(
+        return self._all2all("dispatch_router_logits").dispatch_router_logits(
             hidden_states, router_logits, is_sequence_parallel, extra_tensors
         )
 
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        is_sequence_parallel: bool = False,
+        extra_tensors: list[torch.Tensor] | None = None,
+    ) -> Any:
+        return self._all2all("dispatch").dispatch(
+            hidden_states, topk_weights, topk_ids, is_sequence_parallel, extra_tensors
+        )
+
     def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False) -> Any:
-        if self.all2all_manager is None:
-            raise NotSupportedError("combine (no all2all manager set)", self.backend_name)
-        return self.all2all_manager.combine(hidden_states, is_sequence_parallel)
+        return self._all2all("combine").combine(hidden_states, is_sequence_parallel)
+
+    def allocate_combine_input(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        is_sequence_parallel: bool = False,
+    ) -> torch.Tensor | None:
+        return self._all2all("allocate_combine_input").allocate_combine_input(
+            shape, dtype, device, is_sequence_parallel
+        )
+
+    def combine_into_output(
+        self, hidden_states: torch.Tensor, output: torch.Tensor, is_sequence_parallel: bool = False
+    ) -> torch.Tensor:
+        return self._all2all("combine_into_output").combine_into_output(
+            hidden_states, output, is_sequence_parallel
+        )
 
     def prepare_communication_buffer_for_model(self, model: torch.nn.Module) -> None:
         if self.all2all_manager is not None:

@@ -29,8 +29,9 @@ class CpuCommunicator(DeviceCommunicatorBase):
         device: torch.device | None = None,
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
+        use_all2all: bool = False,
     ) -> None:
-        super().__init__(cpu_group, device, device_group, unique_name)
+        super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
         self.shm_all_reduce = ShmAllReduce(self.cpu_group, unique_name=self.unique_name)

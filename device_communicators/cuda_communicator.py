@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
 from .custom_all_reduce import CustomAllreduce
-from .errors import GroupcoordTypeError, GroupcoordValueError
+from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .pynccl import PyNcclCommunicator, nccl_data_type, nccl_red_op
 
 __all__ = ["CudaCommunicator", "PyNcclAllReduce"]
@@ -67,13 +67,30 @@ class CudaCommunicator(DeviceCommunicatorBase):
         device: torch.device | None = None,
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
+        global_ranks: list[int] | None = None,
+        global_world_size: int | None = None,
+        tcp_store_group: Any = None,
+        use_all2all: bool = False,
     ) -> None:
+        if tcp_store_group is not None:
+            raise NotSupportedError.by_groupcoord(
+                "CudaCommunicator(tcp_store_group=...)",
+                "communicators over a StatelessProcessGroup (elastic EP)",
+            )
         if device is None:
             index = torch.cuda.current_device() if torch.cuda.is_available() else 0
             device = torch.device("cuda", index)
         if torch.device(device).type != "cuda":
             raise GroupcoordValueError(f"device must be a CUDA device, got {device}")
-        super().__init__(cpu_group, torch.device(device), device_group, unique_name)
+        super().__init__(
+            cpu_group,
+            torch.device(device),
+            device_group,
+            unique_name,
+            global_ranks,
+            global_world_size,
+            use_all2all,
+        )
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
         # Called by the base constructor once cpu_group and device are set.
@@ -106,6 +123,14 @@ class CudaCommunicator(DeviceCommunicatorBase):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), self.capture():
             yield stream
+
+    def custom_all_gather(self, input_: torch.Tensor) -> torch.Tensor | None:
+        """None: no custom all-gather kernel here (vLLM's callers then use all_gather)."""
+        return None
+
+    def custom_reduce_scatter(self, input_: torch.Tensor) -> torch.Tensor | None:
+        """None: no custom reduce-scatter kernel here (callers then use reduce_scatter)."""
+        return None
 
     # ---- collectives through pynccl ------------------------------------------------
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -185,16 +210,16 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self.pynccl.reduce_scatterv(out, moved, sizes)
         return out.movedim(0, dim).contiguous()
 
-    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if not self.pynccl.available:
-            return super().broadcast(input_, src)
-        self._check_tensor(input_, "input_")
+            return super().broadcast(tensor, src)
+        self._check_tensor(tensor, "tensor")
         self._check_peer(src, "src", allow_self=True)
-        work = input_ if input_.is_contiguous() else input_.contiguous()
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
         self.pynccl.broadcast(work, src)
-        if work is not input_:
-            input_.copy_(work)
-        return input_
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         if not self.pynccl.available:

@@ -5,17 +5,21 @@ from __future__ import annotations
 from shm_broadcast.errors import (
     BackendUnavailableError,
     ClosedError,
+    DesyncError,
     GroupcoordError,
     GroupcoordTimeoutError,
     GroupcoordTypeError,
     GroupcoordValueError,
+    NotSupportedError,
     PeerDiedError,
     ProtocolError,
+    unsupported,
 )
 
 __all__ = [
     "BackendUnavailableError",
     "ClosedError",
+    "DesyncError",
     "GroupcoordError",
     "GroupcoordTimeoutError",
     "GroupcoordTypeError",
@@ -23,13 +27,5 @@ __all__ = [
     "NotSupportedError",
     "PeerDiedError",
     "ProtocolError",
+    "unsupported",
 ]
-
-
-class NotSupportedError(GroupcoordError, NotImplementedError):
-    """An optional capability that this back end lacks; names both."""
-
-    def __init__(self, capability: str, backend: str) -> None:
-        self.capability = capability
-        self.backend = backend
-        super().__init__(f"{capability} is not implemented for back end {backend}")

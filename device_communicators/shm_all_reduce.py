@@ -55,7 +55,7 @@ from .errors import (
     PeerDiedError,
 )
 from .host_alloc import empty_output
-from .shm_phases import LINE, PhaseLines
+from .shm_phases import LINE, PhaseLines, call_code
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
@@ -295,10 +295,11 @@ class ShmAllReduce(AllReduceBackend):
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
-        lines = self._start("all_reduce", self.refusal(tensor, op))
+        lines = self._start("all_reduce", self.refusal(tensor, op), tensor, op)
         out = empty_output(tensor.shape, tensor.dtype)
         numel = tensor.numel()
         if numel == 0:
+            self._empty_barrier(lines)
             return out
         src = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         flat_out = out.view(-1)
@@ -321,7 +322,7 @@ class ShmAllReduce(AllReduceBackend):
         piece costs one barrier, and a rank reduces only its own range, so a
         reduce-scatter moves and adds 1/world of what an all-reduce does.
         """
-        lines = self._start("reduce_scatter", self.refusal(flat, op))
+        lines = self._start("reduce_scatter", self.refusal(flat, op), flat, op)
         if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
             raise GroupcoordValueError(
                 f"reduce_range needs a 1-D tensor and 0 <= lo <= hi <= numel, got "
@@ -329,6 +330,9 @@ class ShmAllReduce(AllReduceBackend):
             )
         out = empty_output((hi - lo,), flat.dtype)
         n = flat.numel()
+        if n == 0:
+            self._empty_barrier(lines)
+            return out
         piece = self.max_bytes // flat.element_size()
         me = self.rank_in_group
         with self._desync_guard:
@@ -358,9 +362,10 @@ class ShmAllReduce(AllReduceBackend):
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``."""
-        lines = self._start("all_gather", self.copy_refusal(tensor))
+        lines = self._start("all_gather", self.copy_refusal(tensor), tensor)
         out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
         if tensor.numel() == 0:
+            self._empty_barrier(lines)
             return out
         src = _bytes_of(tensor.contiguous())
         dst = out.view(self.world_size, -1).view(torch.uint8)
@@ -378,8 +383,9 @@ class ShmAllReduce(AllReduceBackend):
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite ``tensor`` with in-group rank ``src``'s; returns ``tensor``."""
-        lines = self._start("broadcast", self.copy_refusal(tensor))
+        lines = self._start("broadcast", self.copy_refusal(tensor), tensor, root=src)
         if tensor.numel() == 0:
+            self._empty_barrier(lines)
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         data = _bytes_of(work)
@@ -403,14 +409,33 @@ class ShmAllReduce(AllReduceBackend):
 
     # ---- call bookkeeping -------------------------------------------------------------
 
-    def _start(self, operation: str, reason: str | None) -> PhaseLines:
+    def _start(
+        self,
+        operation: str,
+        reason: str | None,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType | None = None,
+        root: int = 0,
+    ) -> PhaseLines:
+        """Refuse, or stamp the call's fingerprint (checked against every rank's at the
+        call's first barrier: desync detection, always on)."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._failure is not None:
             raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
-        assert self._lines is not None  # enabled (no refusal) means set up
-        self._lines.operation = operation
-        return self._lines
+        lines = self._lines
+        assert lines is not None  # enabled (no refusal) means set up
+        lines.operation = operation
+        lines.stamp(call_code(operation, tensor.dtype, op, root), tensor.numel())
+        return lines
+
+    def _empty_barrier(self, lines: PhaseLines) -> None:
+        """An empty collective is still a collective: one barrier keeps every rank's
+        calls in step (and checks them), so calls can never pair up shifted."""
+        with self._desync_guard:
+            gen = self._next_generation()
+            lines.publish(2 * gen - 1)
+            lines.wait_all(2 * gen - 1)
 
     def _next_generation(self) -> int:
         assert self._lines is not None

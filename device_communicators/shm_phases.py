@@ -27,7 +27,7 @@ from shm_broadcast.liveness import pid_namespace
 from shm_broadcast.liveness import process_alive as pid_alive
 
 from . import futex
-from .errors import GroupcoordTimeoutError, PeerDiedError
+from .errors import DesyncError, GroupcoordTimeoutError, PeerDiedError
 
 LINE = 64
 _QWORDS = LINE // 8  # int64 index stride between lines
@@ -36,6 +36,54 @@ _PID = 1  # int64 index within a line
 _PIDNS = 3  # int64 index within a line
 _ASLEEP = 4  # int32 index within a line (bytes 16..19)
 _BELL = 5  # int32 index within a line (bytes 20..23)
+# The fingerprint of the rank's calls: two slots of two int64s (bytes 32..63),
+# used by call parity, since a peer can be at most one call ahead of a rank
+# that has not checked yet (it cannot pass the next call's first barrier).
+# Per slot: operation/dtype/reduce-op/root packed; call number << 44 | count.
+_FP_SLOTS = (6, 4)  # by call parity: even calls, odd calls
+_COUNT_BITS = 44
+
+OPERATIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
+_DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}  # 0: another dtype
+_REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+
+
+def call_code(operation: str, dtype: torch.dtype, reduce_op: object, root: int) -> int:
+    """Operation, dtype, reduce op and root of a call, packed into one int64."""
+    op_name = str(reduce_op).rsplit(".", 1)[-1].upper() if reduce_op is not None else ""
+    op_code = _REDUCE_OPS.index(op_name) + 1 if op_name in _REDUCE_OPS else 0
+    return (
+        (OPERATIONS.index(operation) << 40)
+        | (_DTYPE_CODE.get(dtype, 0) << 32)
+        | (op_code << 16)
+        | (root & 0xFFFF)
+    )
+
+
+def _describe_stamp(stamp: tuple[int, int]) -> str:
+    code, word = stamp
+    count = word & ((1 << _COUNT_BITS) - 1)
+    return f"{describe_call(code, count)} as call #{word >> _COUNT_BITS}"
+
+
+def describe_call(code: int, count: int) -> str:
+    """E.g. ``all_reduce(float32[4096], SUM)`` or ``broadcast(uint8[100], src=1)``."""
+    operation = OPERATIONS[(code >> 40) & 0xFF]
+    dtype_code = (code >> 32) & 0xFF
+    dtype = str(_DTYPES[dtype_code - 1]).removeprefix("torch.") if dtype_code else "other"
+    op_code, root = (code >> 16) & 0xFFFF, code & 0xFFFF
+    extra = ""
+    if operation in ("all_reduce", "reduce_scatter"):
+        extra = f", {_REDUCE_OPS[op_code - 1] if op_code else 'op?'}"
+    elif operation == "broadcast":
+        extra = f", src={root}"
+    return f"{operation}({dtype}[{count}]{extra})"
+
+
 # A waiter yields the core in a loop this long, then sleeps on its doorbell.
 # Waking a sleeper costs 0.1-2 ms on a VM (the idle vCPU must be rescheduled
 # by the host), so sleeping is for long waits only: 20 us here doubled the
@@ -78,6 +126,10 @@ class PhaseLines:
         # Named in timeout / peer-death errors; set by the caller per call.
         self.operation = ""
         self.generation = 0
+        self.calls = 0  # calls stamped so far (the same on every rank while in step)
+        self._check_pending = False
+        self._my_stamp = [rank_in_group * _QWORDS + slot for slot in _FP_SLOTS]
+        self._peer_stamps = [[r * _QWORDS + slot for r in self._others] for slot in _FP_SLOTS]
 
     @staticmethod
     def nbytes(world_size: int) -> int:
@@ -104,6 +156,35 @@ class PhaseLines:
         self._words.release()
         self._address_holder = None
 
+    # ---- the call's fingerprint -------------------------------------------------------
+
+    def stamp(self, code: int, count: int) -> None:
+        """Record this rank's call before its first publish; checked after the first wait."""
+        self.calls = calls = self.calls + 1
+        at = self._my_stamp[calls & 1]
+        counters = self._counters
+        counters[at] = code
+        counters[at + 1] = ((calls & 0xFFFFF) << _COUNT_BITS) | count
+        self._check_pending = True
+
+    def _check_agreement(self) -> None:
+        """After the call's first barrier every rank's stamp is visible (stored before
+        its counter): any rank that called something else fails the call everywhere."""
+        self._check_pending = False
+        counters = self._counters
+        parity = self.calls & 1
+        me = self._my_stamp[parity]
+        code, word = counters[me], counters[me + 1]
+        for at in self._peer_stamps[parity]:
+            if counters[at] != code or counters[at + 1] != word:
+                r = at // _QWORDS
+                raise DesyncError(
+                    f"{self.what}: rank {self.ranks[self.rank_in_group]} called "
+                    f"{_describe_stamp((code, word))}, rank {self.ranks[r]} called "
+                    f"{_describe_stamp((counters[at], counters[at + 1]))}: the ranks' "
+                    "collectives are out of step (no result returned)"
+                )
+
     # ---- publish and wait ---------------------------------------------------------
 
     def all_reached(self, phase: int) -> bool:
@@ -127,7 +208,13 @@ class PhaseLines:
                 futex.wake(self._bell_address(r))
 
     def wait_all(self, phase: int) -> None:
-        """Wait until every rank's counter reaches ``phase``: yield-spin, then sleep."""
+        """Wait until every rank's counter reaches ``phase``: yield-spin, then sleep;
+        the first wait of a call then checks that every rank made the same call."""
+        self._wait_all(phase)
+        if self._check_pending:
+            self._check_agreement()
+
+    def _wait_all(self, phase: int) -> None:
         if self.all_reached(phase):
             return
         start = time.monotonic()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .codec import dumps, loads
+from .codec import add_safe_types, dumps, loads
 from .config import GroupcoordConfig, get_config, override, set_config
 from .errors import (
     BackendUnavailableError,
@@ -22,6 +22,7 @@ from .segments import ShmSegment, cleanup_owned_segments, cleanup_stale_segments
 from .topology import in_the_same_node_as
 
 __all__ = [
+    "add_safe_types",
     "BackendUnavailableError",
     "ClosedError",
     "GroupcoordConfig",

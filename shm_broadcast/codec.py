@@ -1,9 +1,11 @@
 """msgspec msgpack codec for everything groupcoord sends: plain data and tensors, no pickle.
 
 Supported, round-tripping exactly: None, bool, int (any size), float, str,
-bytes, list, tuple (stays a tuple), dict (any supported hashable keys),
-msgspec Structs, torch tensors (every dtype, any shape, non-contiguous),
-torch dtypes / devices / ``torch.Size``, numpy arrays and numpy scalars.
+bytes, list, tuple (stays a tuple), dict (any supported hashable keys), set,
+frozenset, msgspec Structs, torch tensors (every dtype, any shape,
+non-contiguous), torch dtypes / devices / ``torch.Size``, numpy arrays and
+numpy scalars; and dataclasses, enums and NamedTuples, which the receiver
+rebuilds only when it declared them with :func:`add_safe_types`.
 Anything else raises :class:`GroupcoordTypeError` naming the type, unless the
 caller passes ``allow_pickle=True`` on both sides.
 
@@ -28,6 +30,8 @@ scheduler can use this module without paying for torch.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import enum
 import pickle
 import struct
 import sys
@@ -38,13 +42,14 @@ from typing import Any
 
 import msgspec
 
-from .errors import GroupcoordTypeError, ProtocolError
+from .errors import GroupcoordTypeError, ProtocolError, UndeclaredTypeError
 
 __all__ = [
     "FRAME_ALIGN",
     "MESSAGE_PREFIX",
     "Codec",
     "EncodedMessage",
+    "add_safe_types",
     "dumps",
     "frames_as_buffers",
     "loads",
@@ -74,6 +79,61 @@ _EXT_TORCH_DTYPE = 9
 _EXT_TORCH_DEVICE = 10
 _EXT_TORCH_SIZE = 11
 _EXT_PICKLE = 12
+_EXT_DATACLASS = 13
+_EXT_ENUM = 14
+_EXT_SET = 15
+_EXT_FROZENSET = 16
+_EXT_NAMEDTUPLE = 17
+
+# Classes a receiver may rebuild from a message (dataclasses, enums, NamedTuples),
+# declared by the receiving process with add_safe_types; keyed by module:qualname.
+_SAFE_TYPES: dict[str, type] = {}
+_SAFE_LOCK = threading.Lock()
+
+
+def _type_key(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _is_namedtuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make")
+
+
+def add_safe_types(types: Sequence[type]) -> None:
+    """Declare classes this process may rebuild when it decodes a message: dataclasses
+    (frozen, slots, nested, with defaults), ``enum.Enum``/``IntEnum``/``Flag`` and
+    ``typing.NamedTuple`` classes (named after ``torch.serialization.add_safe_globals``).
+
+    Decoding calls nothing but a declared class's constructor (or, for an enum, its
+    value lookup) and never imports a module. Sending needs no declaration; an
+    undeclared class in a received message raises ``GroupcoordTypeError`` naming it.
+    msgspec Structs, sets and frozensets need none.
+    """
+    checked = []
+    for cls in types:
+        if not isinstance(cls, type) or not (
+            dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum) or _is_namedtuple(cls)
+        ):
+            raise GroupcoordTypeError(
+                f"add_safe_types: {cls!r} is not a dataclass, enum or NamedTuple class"
+            )
+        checked.append(cls)
+    with _SAFE_LOCK:
+        for cls in checked:
+            _SAFE_TYPES[_type_key(cls)] = cls
+
+
+def _safe_type(key: str, kind: str) -> Any:
+    cls = _SAFE_TYPES.get(key)
+    if cls is None:
+        module, _, qualname = key.partition(":")
+        raise UndeclaredTypeError(
+            f"the message holds {kind} {module}.{qualname}, which this process has not "
+            f"declared safe to rebuild: call shm_broadcast.add_safe_types([{qualname}]) "
+            "on the receiving side first"
+        )
+    return cls
+
 
 _Ext = msgspec.msgpack.Ext
 # What crafted or corrupted bytes can make the decoding steps raise (a bad
@@ -178,6 +238,19 @@ class Codec:
             return obj
         if isinstance(obj, msgspec.Struct):
             return self._walk_struct(obj)
+        if t is set or t is frozenset:
+            code = _EXT_SET if t is set else _EXT_FROZENSET
+            return _Ext(code, self._enc.encode(self._walk_list(list(obj))))
+        if isinstance(obj, enum.Enum):
+            return _Ext(_EXT_ENUM, self._enc.encode([_type_key(t), self._walk(obj.value)]))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            values = {
+                f.name: self._walk(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init
+            }
+            return _Ext(_EXT_DATACLASS, self._enc.encode([_type_key(t), values]))
+        if isinstance(obj, tuple) and _is_namedtuple(t):
+            fields = self._walk_list(list(obj))
+            return _Ext(_EXT_NAMEDTUPLE, self._enc.encode([_type_key(t), fields]))
         torch = sys.modules.get("torch")
         if torch is not None:
             if isinstance(obj, torch.Tensor):
@@ -198,8 +271,9 @@ class Codec:
             return _Ext(_EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         raise GroupcoordTypeError(
             f"cannot encode an object of type {t.__module__}.{t.__qualname__} without pickle; "
-            "supported: None, bool, int, float, str, bytes, list, tuple, dict, msgspec.Struct, "
-            "torch.Tensor, numpy.ndarray (or create the queue with allow_pickle=True)"
+            "supported: None, bool, int, float, str, bytes, list, tuple, dict, set, frozenset, "
+            "dataclasses, enums, NamedTuples, msgspec.Struct, torch.Tensor, numpy.ndarray "
+            "(or create the queue with allow_pickle=True)"
         )
 
     def _walk_dict(self, d: dict[Any, Any]) -> Any:
@@ -315,6 +389,8 @@ class Codec:
         self._in_frames = frames
         try:
             return self._dec.decode(header)
+        except UndeclaredTypeError:
+            raise  # names the class and the fix
         except _MALFORMED as exc:
             raise ProtocolError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
         finally:
@@ -324,6 +400,8 @@ class Codec:
         """Decode a message that has no frames (the common small-object case)."""
         try:
             return self._dec.decode(header)
+        except UndeclaredTypeError:
+            raise  # names the class and the fix
         except _MALFORMED as exc:
             raise ProtocolError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
 
@@ -366,6 +444,19 @@ class Codec:
             import torch
 
             return torch.Size(self._dec.decode(data))
+        if code == _EXT_DATACLASS:
+            key, values = self._dec.decode(data)
+            return _safe_type(key, "dataclass")(**values)
+        if code == _EXT_ENUM:
+            key, value = self._dec.decode(data)
+            return _safe_type(key, "enum")(value)
+        if code == _EXT_NAMEDTUPLE:
+            key, values = self._dec.decode(data)
+            return _safe_type(key, "NamedTuple")(*values)
+        if code == _EXT_SET:
+            return set(self._dec.decode(data))
+        if code == _EXT_FROZENSET:
+            return frozenset(self._dec.decode(data))
         if code == _EXT_PICKLE:
             if not self.allow_pickle:
                 raise ProtocolError(

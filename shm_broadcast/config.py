@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -122,10 +123,17 @@ def override(**changes: Any) -> Iterator[GroupcoordConfig]:
         _config = previous
 
 
-def resolve_timeout(timeout: float | None) -> float:
-    """A caller's timeout, or the configured default; refuses non-positive values."""
+def resolve_timeout(timeout: float | datetime.timedelta | None) -> float:
+    """Seconds from a caller's timeout (a number of seconds, a ``datetime.timedelta``,
+    or None for the configured default); refuses non-positive values and other types."""
     if timeout is None:
         return get_config().timeout_s
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise GroupcoordValueError(
+            f"timeout must be seconds (a number), a datetime.timedelta or None, got {timeout!r}"
+        )
     if not timeout > 0:
         raise GroupcoordValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return float(timeout)

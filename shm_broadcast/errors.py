@@ -9,6 +9,7 @@ re-export these and add their own.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 
 class GroupcoordError(Exception):
@@ -76,8 +77,18 @@ class GroupcoordValueError(GroupcoordError, ValueError):
     """An argument with a bad value (shape, size, rank, dim ...)."""
 
 
+class DesyncError(GroupcoordValueError):
+    """Ranks of a group called different collectives (operation, dtype, size, op or
+    root) as the same call; raised on every rank before any result is returned."""
+
+
 class GroupcoordTypeError(GroupcoordError, TypeError):
     """An argument of a type that cannot work (dtype, object kind ...)."""
+
+
+class UndeclaredTypeError(ProtocolError, GroupcoordTypeError):
+    """A received message holds a class the receiver has not declared with
+    ``add_safe_types``: refused (a hostile message, or a missing declaration)."""
 
 
 class ShmSpaceError(GroupcoordError, OSError):
@@ -95,3 +106,31 @@ class BackendUnavailableError(GroupcoordError, RuntimeError):
 
 class ClosedError(GroupcoordError, RuntimeError):
     """The object was shut down or destroyed and cannot be used any more."""
+
+
+class NotSupportedError(GroupcoordError, NotImplementedError):
+    """An optional capability that this back end lacks; names both."""
+
+    def __init__(self, capability: str, backend: str, message: str = "") -> None:
+        self.capability = capability
+        self.backend = backend
+        super().__init__(message or f"{capability} is not implemented for back end {backend}")
+
+    @classmethod
+    def by_groupcoord(cls, name: str, why: str) -> NotSupportedError:
+        """The one error for a vLLM 0.33 name that groupcoord keeps but does not implement."""
+        return cls(name, "groupcoord", f"{name} is not supported by groupcoord: {why}")
+
+
+def unsupported(name: str, why: str) -> Any:
+    """A stand-in for a contract function we do not implement: it raises
+    :meth:`NotSupportedError.by_groupcoord` and says so in ``__groupcoord_unsupported__``
+    (the compatibility table reads it)."""
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        raise NotSupportedError.by_groupcoord(name, why)
+
+    stand_in.__name__ = stand_in.__qualname__ = name.rsplit(".", 1)[-1]
+    stand_in.__doc__ = f"Not supported by groupcoord: {why}"
+    stand_in.__groupcoord_unsupported__ = why  # type: ignore[attr-defined]
+    return stand_in

@@ -12,7 +12,9 @@ flow control). Every wait has a deadline; a dead peer raises
 
 from __future__ import annotations
 
+import datetime
 import logging
+import math
 import os
 import re
 import secrets
@@ -39,6 +41,7 @@ from .errors import (
     ClosedError,
     GroupcoordTimeoutError,
     GroupcoordValueError,
+    NotSupportedError,
     PeerDiedError,
     ProtocolError,
 )
@@ -66,6 +69,8 @@ _SPIN_S = 0.0005
 _IPC_PREFIX = "groupcoord_mq_"
 _IPC_RE = re.compile(r"^groupcoord_mq_groupcoord_(\d+)_ring_[0-9a-f]+\.sock$")
 _IDLE_SLEEP_S = 0.0001
+# An unbounded enqueue/dequeue (timeout=None) logs that it still waits this often.
+_IDLE_NOTICE_S = 60.0
 
 
 class Handle(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,6 +90,41 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
     key: bytes
     window: int
     allow_pickle: bool
+
+    # vLLM 0.33's field names, read from ours.
+    @property
+    def buffer_handle(self) -> tuple[int, int, int, str] | None:
+        """(local readers, chunk bytes, chunks, ring name), or None without local readers."""
+        if self.buffer_name is None:
+            return None
+        return (
+            len(self.local_reader_ranks),
+            self.max_chunk_bytes,
+            self.max_chunks,
+            self.buffer_name,
+        )
+
+    @property
+    def local_subscribe_addr(self) -> str | None:
+        return self.local_address
+
+    @property
+    def remote_subscribe_addr(self) -> str | None:
+        return self.remote_address
+
+    @property
+    def remote_addr_ipv6(self) -> bool:
+        return self.remote_address is not None and "[" in self.remote_address
+
+    @property
+    def local_notify_addr(self) -> str | None:
+        """None: local readers are woken through the ring, not a notify socket."""
+        return None
+
+    @property
+    def tensor_arena_handle(self) -> None:
+        """None: there is no separate tensor arena (see ``enable_shm_tensor_arena``)."""
+        return None
 
 
 def _default_ip() -> str:
@@ -138,14 +178,21 @@ class MessageQueue:
         n_reader: int,
         n_local_reader: int,
         local_reader_ranks: list[int] | None = None,
-        max_chunk_bytes: int | None = None,
-        max_chunks: int | None = None,
+        max_chunk_bytes: int = 1024 * 1024 * 24,
+        max_chunks: int = 10,
         connect_ip: str | None = None,
+        enable_shm_tensor_arena: bool = False,
         *,
         name: str | None = None,
         allow_pickle: bool = False,
         writer_rank: int = 0,
     ) -> None:
+        if enable_shm_tensor_arena:
+            raise NotSupportedError.by_groupcoord(
+                "MessageQueue(enable_shm_tensor_arena=True)",
+                "tensors travel inside the ring's chunks (or ZeroMQ beyond a chunk); "
+                "there is no separate arena",
+            )
         cfg = get_config()
         _check_int("n_reader", n_reader, 0)
         _check_int("n_local_reader", n_local_reader, 0)
@@ -187,6 +234,7 @@ class MessageQueue:
         self._closed = False
         self._released = False
         self._busy = False
+        self._notice: str | None = None  # the operation of an unbounded wait, for its log
         self._key = secrets.token_bytes(32)
         self._window = max(16, max_chunks)
         self._ctx = zmq.Context()
@@ -246,12 +294,12 @@ class MessageQueue:
             allow_pickle=self.allow_pickle,
         )
 
-    @classmethod
-    def create_from_handle(cls, handle: Handle, rank: int) -> MessageQueue:
+    @staticmethod
+    def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
         """Join as a reader: a local one if ``rank`` is in the handle's local ranks."""
         if not isinstance(handle, Handle):
             raise GroupcoordValueError(f"handle must be a Handle, got {type(handle).__qualname__}")
-        self = cls.__new__(cls)
+        self = MessageQueue.__new__(MessageQueue)
         self.name = handle.name
         self.what = f"MessageQueue {handle.name}"
         self.n_reader = handle.n_reader
@@ -266,6 +314,7 @@ class MessageQueue:
         self._closed = False
         self._released = False
         self._busy = False
+        self._notice = None
         self._key = handle.key
         self._window = handle.window
         self._ctx = zmq.Context()
@@ -314,7 +363,7 @@ class MessageQueue:
 
     # -- readiness ---------------------------------------------------------
 
-    def wait_until_ready(self, timeout: float | None = None) -> None:
+    def wait_until_ready(self, *, timeout: float | datetime.timedelta | None = None) -> None:
         """Collective: return once every reader is connected (writer) / the writer is (reader)."""
         timeout_s = resolve_timeout(timeout)
         deadline = time.monotonic() + timeout_s
@@ -378,17 +427,16 @@ class MessageQueue:
 
     # -- writer ------------------------------------------------------------
 
-    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Send ``obj`` to every reader; waits (bounded) while readers are behind."""
+    def enqueue(self, obj: Any, timeout: float | datetime.timedelta | None = None) -> None:
+        """Send ``obj`` to every reader; waits while readers are behind: at most
+        ``timeout``, or (None, vLLM's semantics) as long as they live, with a notice."""
         if self.role != "writer":
             raise GroupcoordValueError(f"{self.what}: enqueue on a {self.role} (rank {self.rank})")
         if self._closed:
             self._check_open()
         msg = self._codec.encode(obj)  # refuses bad objects before anything is sent
-        # The deadline starts now; waits compute it only when they have to wait.
-        start = time.monotonic()
-        timeout_s = resolve_timeout(timeout)
-        deadline = start + timeout_s
+        timeout_s, deadline = _deadline(timeout)
+        self._notice = None if timeout is not None else "enqueue"
         self._busy = True
         try:
             body: list[Any] | None = None
@@ -452,7 +500,7 @@ class MessageQueue:
             lambda: ring.chunk_free(idx),
             deadline,
             self._check_open,
-            check,
+            self._with_notice(check),
             lambda: GroupcoordTimeoutError(
                 self.what,
                 "enqueue",
@@ -465,11 +513,20 @@ class MessageQueue:
 
     # -- reader ------------------------------------------------------------
 
-    def dequeue(self, timeout: float | None = None) -> Any:
-        """Next object from the writer, in order; waits up to ``timeout`` seconds."""
+    def dequeue(
+        self, timeout: float | datetime.timedelta | None = None, indefinite: bool = False
+    ) -> Any:
+        """Next object from the writer, in order.
+
+        With a ``timeout`` (seconds or a timedelta) it waits at most that long. With
+        None (vLLM's semantics) it waits as long as the writer lives: an idle engine
+        worker is not an error, a dead writer raises :class:`PeerDiedError` within
+        ``peer_check_interval_s``. A notice is logged every ``_IDLE_NOTICE_S`` of
+        waiting unless ``indefinite`` is True.
+        """
         self._check_open()
-        timeout_s = resolve_timeout(timeout)
-        deadline = time.monotonic() + timeout_s
+        timeout_s, deadline = _deadline(timeout)
+        self._notice = None if indefinite or timeout is not None else "dequeue"
         self._busy = True
         try:
             if self.role == "local reader":
@@ -530,7 +587,7 @@ class MessageQueue:
             lambda: ring.ready(idx, me),
             deadline,
             quick,
-            lambda: self._check_writer_alive("dequeue"),
+            self._with_notice(lambda: self._check_writer_alive("dequeue")),
             lambda: self._reader_timeout("dequeue", timeout_s, f"chunk {idx} not written"),
         )
 
@@ -564,6 +621,30 @@ class MessageQueue:
                 return self._codec.decode(body[0], body[1:])
             finally:
                 tcp.consumed()
+
+    def _with_notice(self, check: Callable[[], None]) -> Callable[[], None]:
+        """``check``, plus a log line every ``_IDLE_NOTICE_S`` of an unbounded wait."""
+        operation = self._notice
+        if operation is None:
+            return check
+        started = time.monotonic()
+        next_notice = started + _IDLE_NOTICE_S
+
+        def checked() -> None:
+            nonlocal next_notice
+            check()
+            now = time.monotonic()
+            if now >= next_notice:
+                next_notice = now + _IDLE_NOTICE_S
+                logger.info(
+                    "%s: %s has waited %.0f s; the peers are alive, still waiting "
+                    "(indefinite=True silences this)",
+                    self.what,
+                    operation,
+                    now - started,
+                )
+
+        return checked
 
     def _reader_timeout(
         self, operation: str, timeout_s: float, detail: str
@@ -784,6 +865,15 @@ class MessageQueue:
             mq.shutdown()
             raise
         return mq, handles
+
+
+def _deadline(timeout: float | datetime.timedelta | None) -> tuple[float, float]:
+    """(seconds, monotonic deadline) of a queue wait; None waits without a deadline
+    (liveness checks still end it when a peer dies)."""
+    if timeout is None:
+        return math.inf, math.inf
+    timeout_s = resolve_timeout(timeout)
+    return timeout_s, time.monotonic() + timeout_s
 
 
 def _spin_wait(

@@ -22,10 +22,13 @@ import threading
 
 from .config import get_config
 from .errors import GroupcoordValueError, ShmSpaceError
-from .liveness import process_alive
+from .liveness import pid_namespace, process_alive
 
 SEGMENT_PREFIX = "groupcoord_"
-_NAME_RE = re.compile(r"^groupcoord_(\d+)_[A-Za-z0-9]+_[0-9a-f]+$")
+# groupcoord_<creator pid>_<tag>_<random>[n<creator pid namespace>]: the namespace
+# tells whether the pid can be checked from here (containers sharing /dev/shm,
+# e.g. docker --ipc=host, have pids of their own).
+_NAME_RE = re.compile(r"^groupcoord_(\d+)_[A-Za-z0-9]+_[0-9a-f]+(?:n(\d+))?$")
 
 _owned_lock = threading.Lock()
 _owned: dict[str, int] = {}  # segment name -> creating pid
@@ -66,7 +69,7 @@ class ShmSegment:
                 f"{get_config().shm_dir} has only {free} bytes free "
                 "(enlarge it, e.g. docker --shm-size, or ask for a smaller buffer)"
             )
-        name = f"{SEGMENT_PREFIX}{os.getpid()}_{tag}_{secrets.token_hex(6)}"
+        name = f"{SEGMENT_PREFIX}{os.getpid()}_{tag}_{secrets.token_hex(6)}n{pid_namespace()}"
         path = shm_path(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         with _owned_lock:
@@ -159,15 +162,17 @@ def cleanup_owned_segments() -> int:
 
 
 def cleanup_stale_segments() -> list[str]:
-    """Unlink our segments whose creating process no longer exists."""
+    """Unlink our segments whose creating process no longer exists. Only segments
+    made in this pid namespace are judged: another's pids mean nothing here."""
     removed: list[str] = []
     try:
         entries = os.listdir(get_config().shm_dir)
     except FileNotFoundError:
         return removed
+    here = str(pid_namespace())
     for entry in entries:
         match = _NAME_RE.match(entry)
-        if match and not process_alive(int(match.group(1))):
+        if match and match.group(2) == here and not process_alive(int(match.group(1))):
             _unlink_name(entry)
             removed.append(entry)
     return removed

@@ -112,6 +112,11 @@ def _tcp_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, max(int(cfg.heartbeat_timeout_s * 1000), 200))
 
 
+def _poll_ms(left: float) -> int:
+    """One poll's milliseconds: the time left (infinite for an unbounded wait), capped."""
+    return _POLL_MS if left >= _POLL_MS / 1000 else int(left * 1000) + 1
+
+
 class _BadFrames:
     """Counts and logs (rate-limited) frames that failed verification."""
 
@@ -265,7 +270,7 @@ class TcpWriter:
                 role="writer",
                 detail="remote readers over TCP",
             )
-        if self.sock.poll(min(int(left * 1000) + 1, _POLL_MS), zmq.POLLIN):
+        if self.sock.poll(_poll_ms(left), zmq.POLLIN):
             self._handle_incoming(operation)
 
     # -- set-up -------------------------------------------------------------
@@ -460,7 +465,7 @@ class TcpReader:
                 if left <= 0:
                     raise on_timeout()
                 check()
-                events = dict(self._poller.poll(min(int(left * 1000) + 1, _POLL_MS)))
+                events = dict(self._poller.poll(_poll_ms(left)))
                 if self.monitor in events:
                     self._check_monitor(operation)
                 continue

@@ -62,7 +62,9 @@ def _dispatch_combine_rank(rank: int, world_size: int, backend: str, counts: lis
         mine = _tokens(rank, counts[rank]) * (step + 1)
         logits = mine @ router
         ids = torch.arange(counts[rank], dtype=torch.int64) + 1000 * rank
-        hidden, all_logits, extras = manager.dispatch(mine, logits, extra_tensors=[ids])
+        hidden, all_logits, extras = manager.dispatch_router_logits(
+            mine, logits, extra_tensors=[ids]
+        )
         expected_ids = torch.cat(
             [torch.arange(c, dtype=torch.int64) + 1000 * r for r, c in enumerate(counts)]
         )
@@ -106,10 +108,10 @@ def _misuse_rank(rank: int, world_size: int, backend: str):
     manager = create_all2all_manager(backend, _communicator(world_size))
     messages = []
     bad_calls = [
-        lambda: manager.dispatch(torch.zeros(3), torch.zeros(3, 2)),
-        lambda: manager.dispatch(torch.zeros(3, 4), torch.zeros(2, 2)),
-        lambda: manager.dispatch(torch.zeros(3, 4), "logits"),
-        lambda: manager.dispatch(
+        lambda: manager.dispatch_router_logits(torch.zeros(3), torch.zeros(3, 2)),
+        lambda: manager.dispatch_router_logits(torch.zeros(3, 4), torch.zeros(2, 2)),
+        lambda: manager.dispatch_router_logits(torch.zeros(3, 4), "logits"),
+        lambda: manager.dispatch_router_logits(
             torch.zeros(3, 4), torch.zeros(3, 2), extra_tensors=[torch.zeros(5)]
         ),
         lambda: manager.combine(torch.zeros(3, 4)),  # no dispatch pending
@@ -123,7 +125,9 @@ def _misuse_rank(rank: int, world_size: int, backend: str):
             raise AssertionError("bad call did not raise")
     # The group is still usable: a good pair right after the bad calls.
     n = rank + 1
-    hidden, logits = manager.dispatch(torch.full((n, 4), float(rank)), torch.zeros(n, 2))
+    hidden, logits = manager.dispatch_router_logits(
+        torch.full((n, 4), float(rank)), torch.zeros(n, 2)
+    )
     assert hidden.shape == (sum(range(1, world_size + 1)), 4)
     try:
         manager.combine(torch.zeros(n, 4))  # wrong row count: needs all ranks' tokens
@@ -134,16 +138,16 @@ def _misuse_rank(rank: int, world_size: int, backend: str):
     # Stated counts skip discovery and are checked against the local rows.
     counts = list(range(1, world_size + 1))
     with manager.token_counts(counts):
-        hidden, _ = manager.dispatch(torch.ones(n, 4), torch.zeros(n, 2))
+        hidden, _ = manager.dispatch_router_logits(torch.ones(n, 4), torch.zeros(n, 2))
         assert hidden.shape[0] == sum(counts)
         assert torch.equal(manager.combine(hidden), torch.full((n, 4), float(world_size)))
         try:
-            manager.dispatch(torch.ones(n + 1, 4), torch.zeros(n + 1, 2))
+            manager.dispatch_router_logits(torch.ones(n + 1, 4), torch.zeros(n + 1, 2))
         except GroupcoordValueError as exc:
             messages.append(str(exc))
     manager.destroy()
     try:
-        manager.dispatch(torch.ones(n, 4), torch.zeros(n, 2))
+        manager.dispatch_router_logits(torch.ones(n, 4), torch.zeros(n, 2))
     except ClosedError as exc:
         messages.append(str(exc))
     return messages
@@ -181,11 +185,13 @@ def _prepared_rank(rank: int, world_size: int):
         torch.nn.Sequential(torch.nn.Linear(2, 2), TinyMoE())
     )
     assert manager.buffer_spec is not None and manager.buffer_spec.hidden_size == 6
-    hidden, logits = comm.dispatch(torch.full((rank + 1, 6), float(rank)), torch.zeros(rank + 1, 3))
+    hidden, logits = comm.dispatch_router_logits(
+        torch.full((rank + 1, 6), float(rank)), torch.zeros(rank + 1, 3)
+    )
     reused = hidden.untyped_storage().nbytes() == 4 * world_size * 6 * 4
     out = comm.combine(hidden)
     try:
-        comm.dispatch(torch.zeros(1, 7), torch.zeros(1, 3))
+        comm.dispatch_router_logits(torch.zeros(1, 7), torch.zeros(1, 3))
         too_wide = ""
     except ValueError as exc:
         too_wide = str(exc)
@@ -209,7 +215,11 @@ def test_unknown_backend_lists_known_ones():
     with pytest.raises(
         GroupcoordValueError, match="known backends: allgather_reducescatter, naive"
     ):
-        create_all2all_manager("deepep", object())  # type: ignore[arg-type]
+        create_all2all_manager("alltoall_typo", object())  # type: ignore[arg-type]
+    # vLLM's vendor back ends are named and refused with the one uniform error.
+    for vendor in ("deepep_low_latency", "pplx", "flashinfer_all2allv", "mori", "nixl_ep"):
+        with pytest.raises(NotImplementedError, match=f"{vendor}.* not supported by groupcoord"):
+            create_all2all_manager(vendor, object())  # type: ignore[arg-type]
 
 
 def _coordinator_rank(rank: int, world_size: int, backend: str, counts: list[int]):
@@ -218,14 +228,16 @@ def _coordinator_rank(rank: int, world_size: int, backend: str, counts: list[int
 
     init_gloo(rank, world_size)
     with override(all2all_backend=backend):
-        ep = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="ep")
+        ep = GroupCoordinator(
+            [list(range(world_size))], rank, "gloo", True, group_name="ep", use_all2all=True
+        )
     try:
         assert ep.device_communicator is not None
         assert ep.device_communicator.all2all_manager.name == backend
         router, experts = _expert_weights()
         per_rank = EXPERTS // world_size
         mine = _tokens(rank, counts[rank])
-        hidden, logits = ep.dispatch(mine, mine @ router)
+        hidden, logits = ep.dispatch_router_logits(mine, mine @ router)
         partial = _moe(hidden, logits, experts, range(rank * per_rank, (rank + 1) * per_rank))
         return ep.combine(partial).tolist()
     finally:
@@ -234,7 +246,7 @@ def _coordinator_rank(rank: int, world_size: int, backend: str, counts: list[int
 
 @pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
 def test_ep_group_coordinator_uses_configured_manager(backend):
-    """GroupCoordinator named "ep" builds the configured manager on its CPU communicator."""
+    """GroupCoordinator(use_all2all=True) builds the configured manager on its CPU communicator."""
     counts = [4, 0, 3, 1]
     results = run_ranks(_coordinator_rank, 4, backend, counts, timeout=90)
     router, experts = _expert_weights()

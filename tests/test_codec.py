@@ -203,14 +203,14 @@ def test_torch_dtype_device_size_values():
 @pytest.mark.parametrize(
     "bad",
     [
-        {1, 2},
+        collections.deque([1, 2]),
         object(),
-        collections.namedtuple("NT", "a")(1),
+        range(3),
         bytearray(b"x"),
         1j,
-        [1, {"k": frozenset()}],
+        [1, {"k": collections.OrderedDict()}],
     ],
-    ids=["set", "object", "namedtuple", "bytearray", "complex", "nested-frozenset"],
+    ids=["deque", "object", "range", "bytearray", "complex", "nested-ordereddict"],
 )
 def test_unknown_types_are_refused_naming_the_type(bad):
     with pytest.raises(TypeError) as info:
@@ -223,12 +223,12 @@ def test_unknown_types_are_refused_naming_the_type(bad):
 
 def test_codec_still_works_after_a_refusal():
     with pytest.raises(TypeError):
-        dumps([1, {2, 3}])
+        dumps([1, collections.deque([2, 3])])
     assert loads(dumps([1, (2, 3)])) == [1, (2, 3)]
 
 
 def test_allow_pickle_is_an_explicit_opt_in_on_both_sides():
-    obj = {"s": {1, 2, 3}}
+    obj = {"s": collections.deque([1, 2, 3])}
     data = dumps(obj, allow_pickle=True)
     assert loads(data, allow_pickle=True) == obj
     with pytest.raises(ProtocolError, match="allow_pickle"):

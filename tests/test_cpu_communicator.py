@@ -250,9 +250,13 @@ class RecordingManager:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def dispatch(self, hidden_states, router_logits, is_sequence_parallel, extra_tensors):
+    def dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel, extras):
         self.calls.append(f"dispatch {tuple(hidden_states.shape)} {is_sequence_parallel}")
         return hidden_states * 2, router_logits
+
+    def dispatch(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel, extras):
+        self.calls.append(f"dispatch top-k {tuple(topk_ids.shape)} {is_sequence_parallel}")
+        return hidden_states * 3, topk_weights, topk_ids
 
     def combine(self, hidden_states, is_sequence_parallel):
         self.calls.append(f"combine {is_sequence_parallel}")
@@ -270,7 +274,7 @@ def _all2all_delegation(rank: int, world: int) -> list[str]:
 
     comm = make_comm(rank, world)
     h = torch.ones(3, 2)
-    for call in (lambda: comm.dispatch(h, h), lambda: comm.combine(h)):
+    for call in (lambda: comm.dispatch_router_logits(h, h), lambda: comm.combine(h)):
         try:
             call()
         except NotSupportedError as exc:
@@ -280,8 +284,11 @@ def _all2all_delegation(rank: int, world: int) -> list[str]:
     comm.prepare_communication_buffer_for_model(torch.nn.Linear(2, 2))  # no manager: no-op
     manager = RecordingManager()
     comm.set_all2all_manager(manager)
-    out, _ = comm.dispatch(h, h, is_sequence_parallel=True)
+    out, _ = comm.dispatch_router_logits(h, h, is_sequence_parallel=True)
     assert torch.equal(out, h * 2)
+    ids = torch.zeros(3, 1, dtype=torch.int64)
+    out, weights, got_ids = comm.dispatch(h, h, ids)
+    assert torch.equal(out, h * 3) and got_ids is ids
     assert torch.equal(comm.combine(h), h + 1)
     comm.prepare_communication_buffer_for_model(torch.nn.Linear(2, 2))
     comm.destroy()
@@ -291,7 +298,13 @@ def _all2all_delegation(rank: int, world: int) -> list[str]:
 
 def test_dispatch_and_combine_go_through_the_all2all_manager() -> None:
     calls = run_ranks(_all2all_delegation, 2, timeout=60)[0]
-    assert calls == ["dispatch (3, 2) True", "combine False", "prepare Linear", "destroy"]
+    assert calls == [
+        "dispatch (3, 2) True",
+        "dispatch top-k (3, 1) False",
+        "combine False",
+        "prepare Linear",
+        "destroy",
+    ]
 
 
 def _subgroup(rank: int, world: int) -> list | None:

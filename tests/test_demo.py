@@ -49,7 +49,7 @@ class _CommunicatorOps:
         return self.comm.all_gatherv(x, dim=0, sizes=sizes)
 
     def ep_dispatch(self, hidden, logits):
-        return self.comm.dispatch(hidden, logits, True)
+        return self.comm.dispatch_router_logits(hidden, logits, True)
 
     def ep_combine(self, hidden):
         return self.comm.combine(hidden, True)

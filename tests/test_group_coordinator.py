@@ -302,24 +302,24 @@ def _destroy_only(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
-def _queue_reader_without_writer(rank: int, world_size: int) -> str:
+def _queue_reader_with_an_idle_writer(rank: int, world_size: int) -> float:
     g = world_group(rank, world_size, timeout=1.5, use_message_queue_broadcaster=True)
-    if rank == 0:
-        time.sleep(3.5)  # the writer never writes
-        g.destroy()
-        return ""
     start = time.monotonic()
-    with pytest.raises(GroupcoordTimeoutError) as info:
-        g.broadcast_object()
+    if rank == 0:
+        time.sleep(3.0)  # idle, alive, past the group's 1.5 s deadline
+        g.broadcast_object({"step": 1})
+    else:
+        assert g.broadcast_object() == {"step": 1}
     elapsed = time.monotonic() - start
-    assert 1.4 < elapsed < 3.0, elapsed
     g.destroy()
-    return str(info.value)
+    return elapsed
 
 
-def test_an_object_broadcast_through_the_queue_honours_the_group_deadline() -> None:
-    message = run_ranks(_queue_reader_without_writer, 2, timeout=60)[1]
-    assert "timed out after 1.5 s" in message
+def test_an_object_broadcast_through_the_queue_waits_for_a_living_idle_writer() -> None:
+    """The queue is an engine worker's idle wait: the group deadline guards against
+    dead peers (tests/test_vllm_dropin.py), not idle ones."""
+    waited = run_ranks(_queue_reader_with_an_idle_writer, 2, timeout=60)[1]
+    assert waited > 2.5
 
 
 def _single_reader_queues(rank: int, world_size: int) -> list:
@@ -408,9 +408,9 @@ def _failed_constructor(rank: int, world_size: int) -> None:
         original(self)
 
     CpuCommunicator.destroy = recording_destroy  # type: ignore[method-assign]
-    # The communicator is built, then the all2all manager refuses the name.
+    # The communicator is built, then the all2all manager refuses the name: it cleans up.
     with override(all2all_backend="bogus"), pytest.raises(GroupcoordValueError, match="bogus"):
-        GroupCoordinator([[0, 1]], rank, "gloo", True, True, group_name="ep")
+        GroupCoordinator([[0, 1]], rank, "gloo", True, True, group_name="ep", use_all2all=True)
     assert destroyed == ["ep:0"]
     assert [s for s in list_segments() if s.startswith(f"groupcoord_{os.getpid()}_")] == []
     with pytest.raises(NotInitializedError):

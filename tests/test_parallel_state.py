@@ -15,8 +15,8 @@ from shm_broadcast.segments import list_segments
 
 
 def _tp2_pp2(rank: int, world_size: int) -> dict:
-    ps.init_distributed_environment(timeout=60)  # env:// as under torchrun
-    ps.init_distributed_environment()  # a second call is a no-op
+    ps.init_distributed_environment(backend="gloo", timeout=60)  # env:// as under torchrun
+    ps.init_distributed_environment(backend="gloo")  # a second call is a no-op
     assert not ps.model_parallel_is_initialized()
     ps.initialize_model_parallel(2, 2)
     ps.initialize_model_parallel(2, 2)  # same sizes: no-op
@@ -33,8 +33,17 @@ def _tp2_pp2(rank: int, world_size: int) -> dict:
     # Only TP has a message queue.
     assert tp.mq_broadcaster is not None and pp.mq_broadcaster is None
     assert ps.get_world_group().mq_broadcaster is None
-    with pytest.raises(NotInitializedError, match="expert parallel"):
-        ps.get_ep_group()
+    # Every group vLLM builds exists; EP spans DP x PCP x TP but has no all2all manager
+    # unless expert parallelism was asked for.
+    ep = ps.get_ep_group()
+    assert ep.ranks == tp.ranks and ep.device_communicator is not None
+    assert ep.device_communicator.all2all_manager is None
+    assert ps.get_eplb_group() is ep
+    assert ps.get_pcp_group().ranks == [rank] and ps.get_dcp_group().ranks == [rank]
+    assert ps.get_dcp_world_size_and_rank() == (1, 0)
+    assert ps.get_inner_dp_world_group().ranks == [0, 1, 2, 3]
+    assert ps.get_node_count() == 1
+    assert ps.is_global_first_rank() == (rank == 0)
 
     step = {"step": 3, "ids": [rank // 2, 9]} if tp.rank_in_group == 0 else None
     got = tp.broadcast_object(step)
@@ -57,7 +66,7 @@ def _tp2_pp2(rank: int, world_size: int) -> dict:
         assert ctx.stream is None
 
     assert ps.in_the_same_node_as(ps.get_world_group()) == [True] * 4
-    with pytest.raises(AlreadyInitializedError, match=r"\(tp, pp, dp, ep\) = \(2, 2, 1, False\)"):
+    with pytest.raises(AlreadyInitializedError, match=r"tp=2, pp=2, pcp=1, dcp=1, dp=1"):
         ps.initialize_model_parallel(4, 1)
     with pytest.raises(AlreadyInitializedError):
         ps.ensure_model_parallel_initialized(4, 1)
@@ -84,9 +93,9 @@ def test_tp2_pp2_groups_methods_reinit_and_teardown() -> None:
 
 def _tp2_dp2_ep(rank: int, world_size: int) -> None:
     ps.init_distributed_environment(
-        world_size, rank, f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank
+        world_size, rank, f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank, "gloo"
     )
-    ps.initialize_model_parallel(2, 1, 2, enable_expert_parallel=True)
+    ps.initialize_model_parallel(2, 1, data_parallel_size=2, enable_expert_parallel=True)
     tp, dp, ep = ps.get_tp_group(), ps.get_dp_group(), ps.get_ep_group()
     assert tp.ranks == ([0, 1] if rank < 2 else [2, 3])
     assert dp.ranks == ([0, 2] if rank % 2 == 0 else [1, 3])
@@ -98,7 +107,7 @@ def _tp2_dp2_ep(rank: int, world_size: int) -> None:
     counts = [3, 1, 2, 0]
     hidden = torch.arange(counts[rank] * 4, dtype=torch.float32).reshape(-1, 4) + 10 * rank
     logits = torch.full((counts[rank], 2), float(rank))
-    all_hidden, all_logits = ep.dispatch(hidden, logits)
+    all_hidden, all_logits = ep.dispatch_router_logits(hidden, logits)
     want = torch.cat(
         [
             torch.arange(c * 4, dtype=torch.float32).reshape(-1, 4) + 10 * r

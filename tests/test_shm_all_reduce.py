@@ -184,7 +184,9 @@ def _refusals(rank: int, world: int) -> list[str]:
         x = torch.tensor([6, 3], dtype=torch.int32) * (rank + 1)
         assert not shm.can_handle(x, ReduceOp.BAND)
         reasons.append(str(shm.refusal(x, ReduceOp.BAND)))
-        assert torch.equal(comm.all_reduce(x, ReduceOp.BAND), torch.tensor([6 & 12, 3 & 6]).int())
+        assert torch.equal(
+            comm.all_reduce(x, op=ReduceOp.BAND), torch.tensor([6 & 12, 3 & 6]).int()
+        )
         assert shm.can_handle(torch.zeros(3))
         assert comm.all_reduce_chain.select(torch.zeros(3)) is shm
         return reasons

@@ -21,7 +21,7 @@ WORKER = textwrap.dedent(
     )
 
     torch.set_num_threads(1)
-    init_distributed_environment()  # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* from torchrun
+    init_distributed_environment(backend="gloo")  # RANK, WORLD_SIZE, MASTER_* from torchrun
     initialize_model_parallel(tensor_model_parallel_size=2)
     tp = get_tp_group()
     x = torch.arange(4.0) * (tp.rank_in_group + 1)

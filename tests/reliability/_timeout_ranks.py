@@ -60,7 +60,6 @@ def _coordinator_call(g: Any, call: str) -> Callable[[], Any]:
         "gather": lambda: g.gather(x, dst=0, dim=0),
         "broadcast": lambda: g.broadcast(x, src=1),
         "broadcast_object": lambda: g.broadcast_object(src=1),
-        "broadcast_object (message queue)": lambda: g.broadcast_object(src=0),
         "broadcast_object_list": lambda: g.broadcast_object_list([None], src=1),
         "broadcast_tensor_dict": lambda: g.broadcast_tensor_dict(src=1),
         "recv_object": lambda: g.recv_object(src=1),
@@ -147,15 +146,17 @@ def stateless_rows(rank: int, world: int, rows: list[tuple[str, int]], ports: li
             if absent:
                 return None  # the store host never comes
             return attempt(
-                lambda: StatelessProcessGroup.create("127.0.0.1", port, rank, world, TIMEOUT_S)
+                lambda: StatelessProcessGroup.create(
+                    "127.0.0.1", port, rank, world, timeout=TIMEOUT_S
+                )
             )
-        group = StatelessProcessGroup.create("127.0.0.1", port, rank, world, 30)
+        group = StatelessProcessGroup.create("127.0.0.1", port, rank, world, timeout=30)
         group.timeout_s = TIMEOUT_S
         calls: dict[str, Callable[[], Any]] = {
             "recv_obj": lambda: group.recv_obj(src=1),
             "broadcast_obj": lambda: group.broadcast_obj(None, src=1),
             "all_gather_obj": lambda: group.all_gather_obj(rank),
-            "barrier": lambda: group.barrier(),
+            "barrier": lambda: group.barrier(TIMEOUT_S),  # vLLM: its own timeout, 30 s default
             "close": lambda: group.close(timeout=TIMEOUT_S),
         }
         try:
@@ -252,10 +253,8 @@ def mq_rows(rank: int, world: int, rows: list[tuple[str, int]]) -> dict:
             if call.startswith("enqueue"):
                 # The reader never reads: the ring (2 chunks) or the TCP credit window fills.
                 return attempt(lambda: [mq.enqueue(i, timeout=TIMEOUT_S) for i in range(200)])
-            if call.startswith("dequeue"):
-                return attempt(lambda: mq.dequeue(timeout=TIMEOUT_S))
-            with override(timeout_s=TIMEOUT_S):  # broadcast_object takes the configured deadline
-                return attempt(lambda: mq.broadcast_object())
+            assert call.startswith("dequeue"), call
+            return attempt(lambda: mq.dequeue(timeout=TIMEOUT_S))
         finally:
             dist.barrier()
             if mq is not None:

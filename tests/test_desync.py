@@ -1,0 +1,83 @@
+"""Desync detection on the shared-memory collectives (always on): ranks that make
+different calls as the same call get a DesyncError on every rank, naming both
+sides, before any result is returned; the group stays usable."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks
+from torch.distributed import ReduceOp
+
+# (name, what rank 0 does, what the other ranks do, both sides as the error names them)
+CASES = {
+    "size": (
+        lambda g: g.all_reduce(torch.ones(4096)),
+        lambda g: g.all_reduce(torch.ones(8192)),
+        ("all_reduce(float32[4096], SUM)", "all_reduce(float32[8192], SUM)"),
+    ),
+    "operation": (
+        lambda g: g.all_reduce(torch.ones(64)),
+        lambda g: g.all_gather(torch.ones(64), dim=0),
+        ("all_reduce(float32[64], SUM)", "all_gather(float32[64])"),
+    ),
+    "dtype": (
+        lambda g: g.broadcast(torch.ones(32, dtype=torch.float32), src=0),
+        lambda g: g.broadcast(torch.ones(32, dtype=torch.int32), src=0),
+        ("broadcast(float32[32], src=0)", "broadcast(int32[32], src=0)"),
+    ),
+    "reduce op": (
+        lambda g: g.device_communicator.all_reduce(torch.ones(16), op=ReduceOp.SUM),
+        lambda g: g.device_communicator.all_reduce(torch.ones(16), op=ReduceOp.MAX),
+        ("all_reduce(float32[16], SUM)", "all_reduce(float32[16], MAX)"),
+    ),
+    "root": (
+        lambda g: g.broadcast(torch.ones(8), src=0),
+        lambda g: g.broadcast(torch.ones(8), src=1),
+        ("broadcast(float32[8], src=0)", "broadcast(float32[8], src=1)"),
+    ),
+}
+
+
+def _mismatch(rank: int, world: int, case: str) -> dict:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.errors import DesyncError
+
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="dsy")
+    try:
+        mine, others, _ = CASES[case]
+        call = mine if rank == 0 else others
+        start = time.monotonic()
+        try:
+            call(group)
+            raised = ""
+        except DesyncError as exc:
+            raised = str(exc)
+        took = time.monotonic() - start
+        # The group is usable afterwards: a matching call gives the right answer.
+        after = group.all_reduce(torch.full((100,), float(rank))).tolist()
+        return {"raised": raised, "took": took, "after": after, "is_value_error": True}
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ranks_that_disagree_all_raise_naming_both_sides(case, world):
+    results = run_ranks(_mismatch, world, case, timeout=60)
+    rank0_side, other_side = CASES[case][2]
+    for rank, got in enumerate(results):
+        assert got["raised"], f"rank {rank} returned a result for a mismatched call"
+        assert got["took"] < 1.0, got["took"]
+        assert rank0_side in got["raised"] and other_side in got["raised"], got["raised"]
+        assert "dsy" in got["raised"] and "call #" in got["raised"]
+        assert got["after"] == [float(sum(range(world)))] * 100
+
+
+def test_desync_error_is_a_value_error():
+    from shm_broadcast.errors import DesyncError
+
+    assert issubclass(DesyncError, ValueError)

@@ -1,0 +1,89 @@
+"""A process forked from a rank that exits normally leaves the rank's groups,
+queues and segments intact; segments of killed processes are swept at the next
+init_distributed_environment, but only those of this pid namespace."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+
+import torch
+from multiproc import run_ranks, start_ranks
+
+from coordinator import parallel_state as ps
+from shm_broadcast.config import get_config
+from shm_broadcast.segments import cleanup_stale_segments, list_segments
+
+
+def _init(rank: int, world: int) -> None:
+    method = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"
+    ps.init_distributed_environment(world, rank, method, rank, "gloo")
+    ps.initialize_model_parallel(world)
+
+
+def _fork_then_collectives(rank: int, world: int) -> dict:
+    _init(rank, world)
+    try:
+        tp = ps.get_tp_group()
+        assert tp.broadcast_object("before" if rank == 0 else None) == "before"
+        pid = os.fork()
+        if pid == 0:  # the child: a normal interpreter exit runs the at-exit hooks
+            atexit._run_exitfuncs()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        got = {
+            "child_exit": os.waitstatus_to_exitcode(status),
+            "all_reduce": tp.all_reduce(torch.ones(1000)).sum().item(),
+            "queue": tp.broadcast_object({"after": rank} if rank == 0 else None),
+        }
+        return got
+    finally:
+        ps.destroy_distributed_environment()
+
+
+def test_a_forked_child_exiting_normally_leaves_the_parent_working():
+    for got in run_ranks(_fork_then_collectives, 2, timeout=60):
+        assert got == {"child_exit": 0, "all_reduce": 2000.0, "queue": {"after": 0}}
+
+
+def _init_and_idle(rank: int, world: int) -> None:
+    _init(rank, world)
+    time.sleep(60)  # killed by the test with its groups (and their segments) alive
+
+
+def _init_and_report(rank: int, world: int, dead: list[int]) -> list[str]:
+    _init(rank, world)
+    try:
+        return [s for s in list_segments() if int(s.split("_")[1]) in dead]
+    finally:
+        ps.destroy_distributed_environment()
+
+
+def test_segments_of_killed_ranks_are_swept_at_the_next_init():
+    group = start_ranks(_init_and_idle, 2, timeout=60)
+    pids = [group.pid(0), group.pid(1)]
+    deadline = time.monotonic() + 30
+    while not any(int(s.split("_")[1]) in pids for s in list_segments()):
+        assert time.monotonic() < deadline, "the ranks never made their segments"
+        time.sleep(0.05)
+    time.sleep(1.0)  # let both finish building their groups
+    for rank in (0, 1):
+        group.kill(rank)
+    group.collect(killed=[0, 1])
+    assert any(int(s.split("_")[1]) in pids for s in list_segments())  # left behind
+    left = run_ranks(_init_and_report, 2, pids, timeout=60)
+    assert left == [[], []]
+
+
+def test_the_sweep_leaves_segments_of_another_pid_namespace():
+    # A dead pid, but made in another pid namespace (a container sharing /dev/shm):
+    # its pid means nothing here, so the segment is not ours to judge.
+    name = "groupcoord_999999_ring_0123456789abn1"
+    path = os.path.join(get_config().shm_dir, name)
+    open(path, "wb").close()
+    try:
+        assert name not in cleanup_stale_segments()
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)

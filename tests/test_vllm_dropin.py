@@ -1,0 +1,202 @@
+"""vLLM 0.33 call sites, unchanged but for the import prefix: a worker's start-up,
+the model layers' collectives, MoE dispatch/combine, and the message queue as
+vLLM's multiprocess executor drives it (idle workers, shutdown, a dead writer)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+from multiproc import init_gloo, run_ranks, start_ranks
+
+from coordinator import communication_op as comm_op
+from coordinator import parallel_state as ps
+from coordinator.utils import divide, ensure_divisibility, get_pp_indices
+
+
+def _worker_start_up(rank: int, world: int) -> dict:
+    method = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"
+    # vLLM's worker: positional arguments, a timedelta timeout.
+    ps.init_distributed_environment(
+        world, rank, method, rank, "gloo", datetime.timedelta(seconds=60)
+    )
+    ps.ensure_model_parallel_initialized(world, 1, 1, 1)
+    try:
+        x = torch.arange(8.0).reshape(2, 4) + rank
+        got = {
+            "all_reduce": comm_op.tensor_model_parallel_all_reduce(x).tolist(),
+            "all_gather": comm_op.tensor_model_parallel_all_gather(x, dim=-1).shape[-1],
+            "reduce_scatter": comm_op.tensor_model_parallel_reduce_scatter(
+                torch.ones(2, 4 * world), dim=-1
+            ).tolist(),
+            "gather": comm_op.tensor_model_parallel_gather(x, dst=0, dim=0),
+            "dict": comm_op.broadcast_tensor_dict(
+                {"ids": torch.tensor([7, 8]), "n": 2} if rank == 0 else None, src=0
+            ),
+            # Every group vLLM builds exists after init, of size 1 where the parallelism is off.
+            "sizes": [
+                g().world_size
+                for g in (
+                    ps.get_ep_group,
+                    ps.get_pcp_group,
+                    ps.get_dcp_group,
+                    ps.get_dp_group,
+                    ps.get_inner_dp_world_group,
+                )
+            ],
+            "ep_all2all": ps.get_ep_group().device_communicator.all2all_manager is not None,
+        }
+        if got["gather"] is not None:
+            got["gather"] = got["gather"].shape[0]
+        got["dict"] = {"ids": got["dict"]["ids"].tolist(), "n": got["dict"]["n"]}
+        return got
+    finally:
+        ps.destroy_distributed_environment()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_worker_start_up_and_model_layer_collectives(world):
+    results = run_ranks(_worker_start_up, world, timeout=90)
+    expected_sum = [
+        [float(sum(i + r for r in range(world))) for i in range(j, j + 4)] for j in (0, 4)
+    ]
+    for rank, got in enumerate(results):
+        assert got["all_reduce"] == expected_sum
+        assert got["all_gather"] == 4 * world
+        assert got["reduce_scatter"] == [[float(world)] * 4] * 2
+        assert got["gather"] == (2 * world if rank == 0 else None)
+        assert got["dict"] == {"ids": [7, 8], "n": 2}
+        assert got["sizes"] == [world, 1, 1, 1, world]
+        assert got["ep_all2all"] is False  # positional (tp, pp, pcp, dcp): EP stays off
+
+
+def _moe_round(rank: int, world: int, counts: list[int]) -> dict:
+    method = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"
+    ps.init_distributed_environment(world, rank, method, rank, "gloo")
+    ps.initialize_model_parallel(1, 1, data_parallel_size=world, enable_expert_parallel=True)
+    try:
+        ep = ps.get_ep_group()
+        n = counts[rank]
+        hidden = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) + 100 * rank
+        weights = torch.full((n, 2), rank + 0.5)
+        ids = (torch.arange(n * 2, dtype=torch.int64).reshape(n, 2) + rank) % world
+        out = ep.dispatch(hidden, weights, ids)
+        assert isinstance(out, tuple) and len(out) == 3, type(out)
+        all_hidden, all_weights, all_ids = out
+        # This rank owns expert ``rank``: it keeps the tokens whose first choice is it.
+        mine = (all_ids[:, 0] == rank).to(all_hidden.dtype).unsqueeze(1)
+        partial = all_hidden * mine
+        result = torch.empty_like(hidden)
+        returned = ep.combine_into_output(partial, result)
+        return {
+            "hidden": all_hidden.tolist(),
+            "weights": all_weights[:, 0].tolist(),
+            "ids": all_ids.tolist(),
+            "combined_ok": returned is result and torch.equal(result, hidden),
+        }
+    finally:
+        ps.destroy_distributed_environment()
+
+
+@pytest.mark.parametrize(
+    "counts", [[3, 0], [2, 1, 0, 3], [0, 0, 0, 0]], ids=["w2-uneven", "w4-uneven", "w4-empty"]
+)
+def test_moe_dispatch_returns_vllm_0_33_triple_and_combine_restores_tokens(counts):
+    world = len(counts)
+    results = run_ranks(_moe_round, world, counts, timeout=90)
+    want_hidden = torch.cat(
+        [
+            torch.arange(c * 4, dtype=torch.float32).reshape(c, 4) + 100 * r
+            for r, c in enumerate(counts)
+        ]
+    ).tolist()
+    want_weights = [r + 0.5 for r, c in enumerate(counts) for _ in range(c)]
+    for got in results:
+        assert got["hidden"] == want_hidden
+        assert got["weights"] == want_weights
+        assert len(got["ids"]) == sum(counts)
+        assert got["combined_ok"]
+
+
+def test_utils_as_vllm():
+    assert divide(12, 4) == 3
+    with pytest.raises(ValueError, match="not divisible"):
+        ensure_divisibility(10, 4)
+    assert [get_pp_indices(22, r, 4) for r in range(4)] == [(0, 5), (5, 11), (11, 17), (17, 22)]
+    assert get_pp_indices(10, 1, 2, partition=[3, 7]) == (3, 10)
+
+
+# ---- the message queue as vLLM's executor drives it -----------------------------------
+
+
+def _queue(rank: int, world: int):
+    from shm_broadcast.message_queue import MessageQueue
+
+    init_gloo(rank, world)
+    import torch.distributed as dist
+
+    return MessageQueue.create_from_process_group(dist.group.WORLD, 1 << 20, 4, writer_rank=0)
+
+
+def _idle_then_shutdown(rank: int, world: int) -> dict:
+    from shm_broadcast.config import override
+    from shm_broadcast.errors import ClosedError
+
+    with override(timeout_s=1.0):  # the configured deadline: the idle reader must outlast it
+        mq = _queue(rank, world)
+        if rank == 0:
+            time.sleep(2.5)
+            mq.enqueue({"step": 1})
+            time.sleep(1.0)
+            mq.shutdown()  # what the executor does at exit: wakes the idle workers
+            return {}
+        start = time.monotonic()
+        first = mq.dequeue()
+        waited = time.monotonic() - start
+        start = time.monotonic()
+        try:
+            mq.dequeue(indefinite=True)
+            woke = "no error"
+        except ClosedError as exc:
+            woke = f"{type(exc).__mro__[1:4]} {exc}"
+        woke_after = time.monotonic() - start
+        mq.shutdown()
+        return {"first": first, "waited": waited, "woke": woke, "woke_after": woke_after}
+
+
+def test_an_idle_worker_outlasts_the_deadline_and_shutdown_wakes_it():
+    reader = run_ranks(_idle_then_shutdown, 2, timeout=60)[1]
+    assert reader["first"] == {"step": 1}
+    assert reader["waited"] > 2.0  # more than the 1 s configured deadline
+    assert "RuntimeError" in reader["woke"] and "shut" in reader["woke"]
+    assert reader["woke_after"] < 2.0
+
+
+def _reader_of_a_killed_writer(rank: int, world: int) -> dict:
+    from shm_broadcast.errors import PeerDiedError
+
+    mq = _queue(rank, world)
+    if rank == 0:
+        time.sleep(60)  # killed by the test while the reader idles
+        return {}
+    try:
+        mq.dequeue()
+    except PeerDiedError as exc:
+        return {"detected_at": time.monotonic(), "message": str(exc)}
+    finally:
+        mq.shutdown()
+    return {"detected_at": None}
+
+
+def test_a_reader_idling_on_a_killed_writer_raises_peer_died_within_seconds():
+    group = start_ranks(_reader_of_a_killed_writer, 2, timeout=60)
+    time.sleep(3.0)  # the reader is idle in dequeue()
+    killed_at = time.monotonic()
+    group.kill(0)
+    reader = group.collect(killed=[0])[1]
+    assert reader["detected_at"] is not None
+    assert reader["detected_at"] - killed_at < 5.0
+    assert "writer" in reader["message"]
