@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from device_communicators.base_device_communicator import DeviceCommunicatorBase
+from device_communicators.base_device_communicator import DeviceCommunicatorBase, write_into
 from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import get_config, override, resolve_timeout
 from shm_broadcast.group_io import broadcast_bytes
@@ -587,14 +587,7 @@ class GroupCoordinator:
         sizes: list[int] | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce_scatterv` written into ``output``; returns ``output``."""
-        result = self.reduce_scatterv(input_, dim, sizes)
-        _check_tensor(output, "output")
-        if output.shape != result.shape or output.dtype != result.dtype:
-            raise GroupcoordValueError(
-                f"output must be {result.dtype}{list(result.shape)}, got "
-                f"{output.dtype}{list(output.shape)}"
-            )
-        return output.copy_(result)
+        return write_into(output, self.reduce_scatterv(input_, dim, sizes))
 
     def make_sibling_device_group(self, group_desc: str | None = None) -> ProcessGroup:
         """A second device process group over the same ranks (made by these ranks only)."""

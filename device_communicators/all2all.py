@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .base_device_communicator import write_into
 from .errors import ClosedError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 
 __all__ = [
@@ -161,13 +162,7 @@ class All2AllManagerBase:
         is_sequence_parallel: bool = False,
     ) -> torch.Tensor:
         """:meth:`combine` written into ``output`` (this rank's tokens); returns ``output``."""
-        combined = self.combine(hidden_states, is_sequence_parallel)
-        if not isinstance(output, torch.Tensor) or output.shape != combined.shape:
-            raise GroupcoordValueError(
-                f"output must be a tensor of shape {tuple(combined.shape)} (this rank's "
-                f"tokens), got {getattr(output, 'shape', type(output).__name__)}"
-            )
-        return output.copy_(combined)
+        return write_into(output, self.combine(hidden_states, is_sequence_parallel))
 
     def combine(
         self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False

@@ -28,6 +28,19 @@ from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistribu
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError, unsupported
 
 
+def write_into(output: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` copied into the caller's ``output`` (the ``*_into_output`` methods),
+    which must match it; returns ``output``."""
+    if not isinstance(output, torch.Tensor):
+        raise GroupcoordTypeError(f"output must be a torch.Tensor, got {type(output).__name__}")
+    if output.shape != result.shape or output.dtype != result.dtype:
+        raise GroupcoordValueError(
+            f"output must be {result.dtype}{list(result.shape)}, got "
+            f"{output.dtype}{list(output.shape)}"
+        )
+    return output.copy_(result)
+
+
 class DeviceCommunicatorBase:
     """Collectives of one group on one device kind.
 
@@ -213,14 +226,7 @@ class DeviceCommunicatorBase:
         sizes: list[int] | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce_scatterv` written into ``output``; returns ``output``."""
-        result = self.reduce_scatterv(input_, dim, sizes)
-        self._check_tensor(output, "output")
-        if output.shape != result.shape or output.dtype != result.dtype:
-            raise GroupcoordValueError(
-                f"output must be {result.dtype}{list(result.shape)}, got "
-                f"{output.dtype}{list(output.shape)}"
-            )
-        return output.copy_(result)
+        return write_into(output, self.reduce_scatterv(input_, dim, sizes))
 
     def get_symmetric_memory_buffer(
         self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

@@ -411,6 +411,10 @@ class MessageQueue:
                         f"{subscribed}/{self.n_local_reader} local readers subscribed",
                     )
                 self._check_open()
+            # Every local reader has mapped the ring (its pid is in): the name has
+            # done its job. Unlinked now, nothing is left in /dev/shm however the
+            # processes end (os._exit, SIGTERM, SIGKILL); the mappings live on.
+            ring.unlink()
             self._local_sock.send(_READY)
         if self._tcp_writer is not None:
             self._tcp_writer.wait_ready(deadline, timeout_s, self._check_open)

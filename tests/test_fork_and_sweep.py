@@ -48,8 +48,14 @@ def test_a_forked_child_exiting_normally_leaves_the_parent_working():
 
 
 def _init_and_idle(rank: int, world: int) -> None:
+    from shm_broadcast.segments import ShmSegment
+
     _init(rank, world)
-    time.sleep(60)  # killed by the test with its groups (and their segments) alive
+    # Rings are unlinked once set up; a segment killed while still named (a crash
+    # during set-up, say) is what the sweep is for.
+    segment = ShmSegment.create(4096, tag="orphan")
+    time.sleep(60)  # killed by the test with the segment still named
+    segment.close()
 
 
 def _init_and_report(rank: int, world: int, dead: list[int]) -> list[str]:
