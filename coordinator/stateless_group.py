@@ -4,16 +4,21 @@
 torch.distributed's default group (an engine and its workers, or two
 engines). Objects travel as msgspec msgpack through ``shm_broadcast.codec``
 (never pickle); every wait has a deadline and a timeout names the ranks that
-did not arrive; every key is deleted once its last reader has read it.
-Rank 0 hosts the store.
+did not arrive. Each rank deletes the keys it wrote once they are older than
+``data_expiration_seconds`` (vLLM's scheme), and readers never delete; the
+store host (rank 0) returns from a collective only once every rank confirmed
+its result, so it may exit at once without cutting off a peer.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +27,7 @@ import torch.distributed as dist
 from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import resolve_timeout
 
-from .errors import ClosedError, GroupcoordTimeoutError, GroupcoordValueError
+from .errors import ClosedError, GroupcoordTimeoutError, GroupcoordValueError, PeerDiedError
 
 
 class StatelessProcessGroup:
@@ -48,7 +53,13 @@ class StatelessProcessGroup:
         self.send_dst_counter = self._send_seq
         self.recv_src_counter = self._recv_seq
         self.broadcast_recv_src_counter = self._bcast_seq
-        self.data_expiration_seconds = 3600  # keys are deleted by their last reader instead
+        # This rank's own keys (key, time written), deleted by expire_data.
+        self.data_expiration_seconds = 3600
+        self.entries: collections.deque[tuple[str, float]] = collections.deque()
+
+    @property
+    def broadcast_send_counter(self) -> int:
+        return self._bcast_seq[self.rank]
 
     @staticmethod
     def create(
@@ -106,7 +117,7 @@ class StatelessProcessGroup:
         self._check_peer(dst, "dst")
         payload = dumps(obj)
         key = f"p2p/{self.rank}/{dst}/{self._send_seq[dst]}"
-        _set(self._live_store(), key, payload)
+        self._post(key, payload, "send_obj")
         self._send_seq[dst] += 1
 
     def recv_obj(self, src: int, *, timeout: float | None = None) -> Any:
@@ -114,9 +125,8 @@ class StatelessProcessGroup:
         self._check_peer(src, "src")
         key = f"p2p/{src}/{self.rank}/{self._recv_seq[src]}"
         self._wait([key], "recv_obj", timeout, missing=lambda: [src])
-        store = self._live_store()
-        obj = loads(store.get(key))
-        store.delete_key(key)
+        with self._store_call("recv_obj") as store:
+            obj = loads(store.get(key))
         self._recv_seq[src] += 1
         return obj
 
@@ -128,19 +138,16 @@ class StatelessProcessGroup:
         if self.world_size == 1:
             return obj
         key = f"bcast/{src}/{self._bcast_seq[src]}"
-        store = self._live_store()
+        timeout = self.timeout_s if timeout is None else resolve_timeout(timeout)
         if self.rank == src:
-            _set(store, key, dumps(obj))
-            self._bcast_seq[src] += 1
-            return obj
-        self._wait([key], "broadcast_obj", timeout, missing=lambda: [src])
-        value = loads(store.get(key))
+            self._post(key, dumps(obj), "broadcast_obj")
+        if self.rank != src:
+            self._wait([key], "broadcast_obj", timeout, missing=lambda: [src])
+            with self._store_call("broadcast_obj") as store:
+                obj = loads(store.get(key))
         self._bcast_seq[src] += 1
-        # The last reader removes the value and the counter.
-        if store.add(f"{key}/read", 1) == self.world_size - 1:
-            store.delete_key(key)
-            store.delete_key(f"{key}/read")
-        return value
+        self._confirm(key, "broadcast_obj", timeout)
+        return obj
 
     def all_gather_obj(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
@@ -214,12 +221,15 @@ class StatelessProcessGroup:
         return {int(r) for r in store.get("close/left").decode().split(",") if r}
 
     def _gather(self, operation: str, payload: bytes, timeout: float | None, decode: bool) -> Any:
+        # A bad timeout is refused before anything is posted (a posted value would
+        # meet the peers' next call).
+        timeout = self.timeout_s if timeout is None else resolve_timeout(timeout)
         store = self._live_store()
         # The sequence number advances only on success: a call that timed out
         # can be retried and meets the late ranks' first attempt.
         seq = self._gather_seq
         keys = [f"gather/{seq}/{r}" for r in range(self.world_size)]
-        _set(store, keys[self.rank], payload)
+        self._post(keys[self.rank], payload, operation)
         self._wait(
             keys,
             operation,
@@ -227,21 +237,80 @@ class StatelessProcessGroup:
             missing=lambda: [r for r, k in enumerate(keys) if not store.check([k])],
         )
         self._gather_seq += 1
-        values = store.multi_get(keys) if decode else []
-        # Every rank has read every value once the counter reaches world_size.
-        if store.add(f"gather/{seq}/read", 1) == self.world_size:
-            for key in keys:
-                store.delete_key(key)
-            store.delete_key(f"gather/{seq}/read")
+        values = []
+        if decode:
+            with self._store_call(operation):
+                values = store.multi_get(keys)
+        self._confirm(f"gather/{seq}", operation, timeout)
         return [loads(v) for v in values] if decode else None
+
+    def _confirm(self, key: str, operation: str, timeout: float | None) -> None:
+        """Every other rank reports that it has its result; the store host (rank 0)
+        returns only once all have, so it may exit at once without cutting off a
+        peer that still waits on its store."""
+        ack = f"{key}/ack"
+        with self._store_call(operation) as store:
+            if self.rank != 0:
+                store.add(ack, 1)
+                return
+            timeout_s = self.timeout_s if timeout is None else resolve_timeout(timeout)
+            deadline = time.monotonic() + timeout_s
+            while (done := store.add(ack, 0)) < self.world_size - 1:
+                if time.monotonic() > deadline:
+                    raise GroupcoordTimeoutError(
+                        self._what(),
+                        operation,
+                        timeout_s,
+                        [],
+                        role="store host",
+                        detail=f"{done} of {self.world_size - 1} ranks confirmed their result",
+                    )
+                time.sleep(0.0002)
+            store.delete_key(ack)
+
+    # ---- keys: each rank writes and expires its own; readers only read ---------------
+    #
+    # A rank's last store call in an operation is the read of its result, so a
+    # store host (rank 0) that returns and exits first breaks nobody who already
+    # has the data; its keys go away with it, the others' through expire_data.
+
+    def _post(self, key: str, payload: bytes, operation: str) -> None:
+        with self._store_call(operation) as store:
+            self.expire_data()
+            _set(store, key, payload)
+        self.entries.append((key, time.monotonic()))
+
+    def expire_data(self) -> None:
+        """Delete this rank's own keys older than ``data_expiration_seconds``."""
+        store = self._live_store()
+        now = time.monotonic()
+        while self.entries and now - self.entries[0][1] > self.data_expiration_seconds:
+            key, _ = self.entries.popleft()
+            store.delete_key(key)
+
+    @contextlib.contextmanager
+    def _store_call(self, operation: str) -> Iterator[dist.Store]:
+        """The store, with a lost connection to its host reported as PeerDiedError."""
+        store = self._live_store()
+        try:
+            yield store
+        except dist.DistNetworkError as exc:
+            raise PeerDiedError(
+                self._what(),
+                operation,
+                [0],
+                f"lost the TCPStore hosted by rank 0 ({exc})",
+            ) from exc
 
     def _wait(self, keys: list[str], operation: str, timeout: float | None, missing: Any) -> None:
         timeout_s = self.timeout_s if timeout is None else resolve_timeout(timeout)
-        store = self._live_store()
-        try:
-            store.wait(keys, datetime.timedelta(seconds=timeout_s))
-        except dist.DistStoreError as exc:
-            raise GroupcoordTimeoutError(self._what(), operation, timeout_s, missing()) from exc
+        with self._store_call(operation) as store:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            except dist.DistNetworkError:
+                raise
+            except dist.DistStoreError as exc:
+                raise GroupcoordTimeoutError(self._what(), operation, timeout_s, missing()) from exc
 
     def _live_store(self) -> dist.Store:
         if self.store is None:

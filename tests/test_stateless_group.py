@@ -6,7 +6,7 @@ import os
 import time
 
 import pytest
-from multiproc import run_ranks
+from multiproc import run_ranks, start_ranks
 
 from coordinator.errors import GroupcoordTimeoutError, GroupcoordValueError
 from coordinator.stateless_group import StatelessProcessGroup
@@ -29,28 +29,25 @@ def _every_call(rank: int, world_size: int) -> dict:
     ]
     gathered = group.all_gather_obj({"rank": rank, "sq": rank * rank})
     group.barrier()
-    leftover = None
-    if rank == 0:
-        assert group.store is not None
-        # All ranks passed the last barrier (the third gather: create, all_gather,
-        # barrier), so everything before it is cleaned up; faster ranks may have left.
-        leftover = sorted(
-            k
-            for k in group.store.list_keys()
-            if not k.startswith("gather/2/") and k != "close/left"
-        )
+    # Readers never delete: each rank expires the keys it wrote (vLLM's scheme).
+    mine = [key for key, _ in group.entries]
+    group.data_expiration_seconds = 0.2
+    time.sleep(0.3)
+    group.barrier()  # a write: expires this rank's older keys first
+    assert group.store is not None
+    still_there = [k for k in mine if group.store.check([k])]
     group.close()
-    return {"got": got, "bcast": bcast, "gathered": gathered, "leftover": leftover}
+    return {"got": got, "bcast": bcast, "gathered": gathered, "still_there": still_there}
 
 
-def test_every_call_on_three_ranks_and_no_key_left_behind() -> None:
+def test_every_call_on_three_ranks_and_each_writer_expires_its_keys() -> None:
     results = run_ranks(_every_call, 3, timeout=60)
     for rank, res in enumerate(results):
         prev = (rank - 1) % 3
         assert res["got"] == [{"from": prev, "i": i, "t": (1, 2.5, "x")} for i in range(3)]
         assert res["bcast"] == [[src, b"\x00\xff"] for src in range(3)]
         assert res["gathered"] == [{"rank": r, "sq": r * r} for r in range(3)]
-    assert results[0]["leftover"] == []
+    assert all(res["still_there"] == [] for res in results)
 
 
 def _absent_rank(rank: int, world_size: int) -> str:
@@ -144,3 +141,40 @@ def _no_store_host(rank: int, world_size: int) -> str:
 def test_joining_without_a_store_host_times_out_naming_rank_0() -> None:
     message = run_ranks(_no_store_host, 1, timeout=60)[0]
     assert "connect timed out after 1 s waiting for ranks [0]" in message
+
+
+def _host_returns_first(rank: int, world_size: int) -> dict | None:
+    group = _join(rank, world_size, timeout=30)
+    value = group.broadcast_obj({"step": 1} if rank == 0 else None, src=0)
+    everyone = group.all_gather_obj(rank)
+    group.barrier()
+    if rank == 0:
+        os._exit(0)  # the store host returns and exits at once, as vLLM's test workers do
+    time.sleep(0.2)  # the host is gone by now: nothing here may need the store any more
+    return {"value": value, "everyone": everyone}
+
+
+def test_ranks_finish_when_the_store_host_returns_and_exits_first() -> None:
+    for _ in range(5):
+        group = start_ranks(_host_returns_first, 3, timeout=60)
+        results = group.collect(killed=[0])
+        assert results[1:] == [{"value": {"step": 1}, "everyone": [0, 1, 2]}] * 2
+
+
+def _store_host_gone(rank: int, world_size: int) -> str:
+    group = _join(rank, world_size, timeout=30)
+    group.barrier()
+    if rank == 0:
+        os._exit(0)
+    time.sleep(0.5)
+    try:
+        group.recv_obj(src=0, timeout=5)
+    except ConnectionError as exc:  # PeerDiedError naming the store host
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_call_after_the_store_host_left_names_it() -> None:
+    group = start_ranks(_store_host_gone, 2, timeout=60)
+    message = group.collect(killed=[0])[1]
+    assert message.startswith("PeerDiedError") and "rank 0" in message, message
