@@ -11,6 +11,10 @@ and ``send_object_list`` then one ``send`` per tensor.
     python benchmarks/bench_collectives.py --quick
     python benchmarks/bench_collectives.py --worlds 2,4 --plot
 
+The same all_reduce, all_gather and reduce_scatter also run through the
+torchcomms-style ``coordinator.comm.Comm`` on the group (``comm_us``;
+``comm_vs_group`` = Comm time / GroupCoordinator time, 1.0 = same speed).
+
 Numbers are medians over batches after warm-up; ratio = torch time / ours.
 """
 
@@ -83,6 +87,7 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
+    from coordinator.comm import comm_from_group
     from coordinator.group_coordinator import GroupCoordinator
 
     # 1800 s: torch's default process-group timeout, which this benchmark used.
@@ -97,6 +102,7 @@ def _rank_main(
     )
     # The baseline runs on its own Gloo group so neither side sees the other's state.
     plain = dist.new_group(list(range(world)), backend="gloo")
+    comm = comm_from_group(group)
     rows = []
 
     def barrier() -> None:
@@ -108,11 +114,10 @@ def _rank_main(
             n -= n % (world * DICT_TENSORS)
             x = torch.randn(n)
             iters, batches = _iters_for(nbytes, quick)
-            ours, theirs = _pair(op, group, plain, x, rank, world)
-            if ours is None:
-                continue
+            ours, theirs, through_comm = _pair(op, group, plain, comm, x, rank, world)
             t_ours = _timed(ours, barrier, iters, batches)
             t_torch = _timed(theirs, barrier, iters, batches)
+            t_comm = _timed(through_comm, barrier, iters, batches) if through_comm else None
             rows.append(
                 {
                     "world": world,
@@ -123,30 +128,43 @@ def _rank_main(
                     "torch_us": t_torch * 1e6,
                     "ratio": t_torch / t_ours,
                     "ours_GBps": n * 4 / t_ours / 1e9,
+                    "comm_us": None if t_comm is None else t_comm * 1e6,
+                    "comm_vs_group": None if t_comm is None else t_comm / t_ours,
                 }
             )
+    comm.finalize()
     group.destroy()
     dist.destroy_process_group()
     return rows if rank == 0 else []
 
 
-def _pair(op: str, group: Any, plain: Any, x: Any, rank: int, world: int) -> tuple[Any, Any]:
-    """(ours, torch) closures doing the same work for ``op``."""
+def _pair(
+    op: str, group: Any, plain: Any, comm: Any, x: Any, rank: int, world: int
+) -> tuple[Any, Any, Any]:
+    """(ours, torch, Comm or None) closures doing the same work for ``op``."""
     import torch
     import torch.distributed as dist
 
     if op == "all_reduce":
         buf = x.clone()
-        return (lambda: group.all_reduce(x)), (lambda: dist.all_reduce(buf, group=plain))
+        return (
+            (lambda: group.all_reduce(x)),
+            (lambda: dist.all_reduce(buf, group=plain)),
+            (lambda: comm.all_reduce(buf)),
+        )
     if op == "all_gather":
         out = torch.empty(x.numel() * world)
-        return (lambda: group.all_gather(x, dim=0)), (
-            lambda: dist.all_gather_single(out, x, group=plain)
+        return (
+            (lambda: group.all_gather(x, dim=0)),
+            (lambda: dist.all_gather_single(out, x, group=plain)),
+            (lambda: comm.all_gather_single(out, x)),
         )
     if op == "reduce_scatter":
         out = torch.empty(x.numel() // world)
-        return (lambda: group.reduce_scatter(x, dim=0)), (
-            lambda: dist.reduce_scatter_single(out, x, group=plain)
+        return (
+            (lambda: group.reduce_scatter(x, dim=0)),
+            (lambda: dist.reduce_scatter_single(out, x, group=plain)),
+            (lambda: comm.reduce_scatter_single(out, x)),
         )
     parts = list(x.chunk(DICT_TENSORS))
     tensor_dict: dict[str, Any] = {f"t{i}": p.clone() for i, p in enumerate(parts)}
@@ -173,10 +191,10 @@ def _pair(op: str, group: Any, plain: Any, x: Any, rank: int, world: int) -> tup
             for b in bufs:
                 dist.broadcast(b, src=0, group=plain)
 
-        return ours_b, torch_b
+        return ours_b, torch_b, None
     if op == "send_recv_tensor_dict":
         if rank > 1:
-            return (lambda: None), (lambda: None)
+            return (lambda: None), (lambda: None), None
 
         def ours_p() -> None:
             if rank == 0:
@@ -211,7 +229,7 @@ def _pair(op: str, group: Any, plain: Any, x: Any, rank: int, world: int) -> tup
                 torch_recv(0)
                 torch_send(0)
 
-        return ours_p, torch_p
+        return ours_p, torch_p, None
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -261,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     command = reproduce_command(None if argv is None else [sys.argv[0], *argv])
     print(f"# {command}", flush=True)
     rows: list[dict] = []
-    columns = ["world", "op", "size", "ours_us", "torch_us", "ratio", "ours_GBps"]
+    columns = [
+        "world", "op", "size", "ours_us", "torch_us", "ratio", "ours_GBps", "comm_us",
+        "comm_vs_group",
+    ]  # fmt: skip
     for world in worlds:
         rows.extend(run_world(world, sizes, ops, args.quick, not args.no_mq, args.timeout))
         if len(worlds) > 1:

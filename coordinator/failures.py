@@ -11,33 +11,14 @@ on another host and dead). The success path costs nothing.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
-import zlib
 
 import torch.distributed as dist
 
 from shm_broadcast.gloo_errors import failure_kind
-from shm_broadcast.liveness import process_alive as pid_alive
+from shm_broadcast.liveness import dead_peers
 
 from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError
-
-
-def host_key() -> int:
-    """Equal for two processes exactly when their pids are comparable (same host, same pid namespace)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        boot, pid_ns = "", 0
-    return zlib.crc32(f"{socket.gethostname()}|{boot}|{pid_ns}".encode())
-
-
-def dead_peers(local_pids: dict[int, int]) -> list[int]:
-    """Global ranks (of ``local_pids``: rank -> pid on this host) whose process is gone."""
-    return sorted(r for r, pid in local_pids.items() if not pid_alive(pid))
 
 
 def absent_ranks(

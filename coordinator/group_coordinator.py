@@ -28,6 +28,7 @@ from device_communicators.base_device_communicator import DeviceCommunicatorBase
 from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import get_config, override, resolve_timeout
 from shm_broadcast.group_io import broadcast_bytes
+from shm_broadcast.liveness import dead_peers, host_key
 
 from . import custom_ops, tensor_dicts
 from .errors import (
@@ -37,7 +38,7 @@ from .errors import (
     GroupcoordValueError,
     NotSupportedError,
 )
-from .failures import absent_ranks, classify, dead_peers, host_key
+from .failures import absent_ranks, classify
 from .p2p_channels import P2PChannels
 
 # Device kind -> (module, class) of its communicator, imported on first use

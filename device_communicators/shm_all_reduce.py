@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import BroadcastOptions
 from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config, resolve_timeout
@@ -123,7 +124,10 @@ class ShmAllReduce(AllReduceBackend):
     Every rank of ``cpu_group`` must construct it at the same time. If the
     ranks do not all share this node's shared memory (or it is disabled, or
     there is no room), it is built disabled and ``refusal`` says why, so the
-    next back end takes every tensor.
+    next back end takes every tensor. ``cpu_group`` may be a group torch
+    knows (its global ranks name peers in errors) or a bare Gloo backend
+    that torch does not (``coordinator.comm``): then pass ``ranks``, how
+    errors name its members.
     """
 
     name = "shm"
@@ -134,12 +138,19 @@ class ShmAllReduce(AllReduceBackend):
         max_bytes: int | None = None,
         timeout_s: float | None = None,
         unique_name: str = "",
+        *,
+        ranks: list[int] | None = None,
     ) -> None:
         config = get_config()
-        self.group = cpu_group
-        self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
-        self.world_size = len(self.ranks)
-        self.rank_in_group = self.ranks.index(dist.get_rank())
+        self.world_size = cpu_group.size()
+        self.rank_in_group = cpu_group.rank()
+        self.ranks: list[int] = (
+            dist.get_process_group_ranks(cpu_group) if ranks is None else list(ranks)
+        )
+        if len(self.ranks) != self.world_size:
+            raise GroupcoordValueError(
+                f"ranks={self.ranks} names {len(self.ranks)} ranks, the group has {self.world_size}"
+            )
         # Errors start with the group's name, like the coordinator's own errors.
         self.what = unique_name or "shm group"
         cap = config.shm_all_reduce_max_bytes if max_bytes is None else max_bytes
@@ -158,7 +169,7 @@ class ShmAllReduce(AllReduceBackend):
         self._slot_bytes: list[list[torch.Tensor]] = []
         self._typed: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
         try:
-            self._set_up(local_reason=self._local_refusal(config.disable_shm_all_reduce))
+            self._set_up(cpu_group, self._local_refusal(config.disable_shm_all_reduce))
         except BaseException:
             # A peer that vanished mid set-up (Gloo raises): never keep the segment.
             self._release()
@@ -184,11 +195,13 @@ class ShmAllReduce(AllReduceBackend):
         # One line per rank, then one for rank 0's token.
         return _align((self.world_size + 1) * LINE, _PAGE)
 
-    def _set_up(self, local_reason: str | None) -> None:
+    def _set_up(self, group: ProcessGroup, local_reason: str | None) -> None:
         """Rank 0 creates the segment; everyone attaches; all agree or all disable.
 
         The same three small collectives run on every rank whatever happens
         locally, so a rank that cannot take part never leaves the others waiting.
+        The group is not kept: a reference here could make its (Gloo) destructor
+        run late, at interpreter exit, on whatever thread frees this object.
         """
         handle = torch.zeros(_HANDLE_BYTES, dtype=torch.uint8)
         if self.rank_in_group == 0 and local_reason is None:
@@ -204,8 +217,12 @@ class ShmAllReduce(AllReduceBackend):
                 handle[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             except (OSError, GroupcoordError) as exc:
                 local_reason = f"rank 0 could not create the segment: {exc}"
-        with gloo_errors(self.what, "shm all-reduce set-up", self.group):
-            dist.broadcast(handle, src=self.ranks[0], group=self.group)
+        # The group's own methods: they work whether or not torch registered it.
+        others = [r for i, r in enumerate(self.ranks) if i != self.rank_in_group]
+        with gloo_errors(self.what, "shm all-reduce set-up", group, peers=others):
+            options = BroadcastOptions()
+            options.rootRank = 0
+            group.broadcast([handle], options).wait()
         text = bytes(handle.tolist()).rstrip(b"\0").decode()
         if local_reason is None and self.rank_in_group != 0:
             local_reason = self._attach(text)
@@ -222,8 +239,8 @@ class ShmAllReduce(AllReduceBackend):
             self._lines.register_self()
         ok = torch.tensor([0 if local_reason is None else 1], dtype=torch.int32)
         everyone = [torch.empty_like(ok) for _ in self.ranks]
-        with gloo_errors(self.what, "shm all-reduce set-up", self.group):
-            dist.all_gather(everyone, ok, group=self.group)
+        with gloo_errors(self.what, "shm all-reduce set-up", group, peers=others):
+            group.allgather([everyone], [ok]).wait()
         if self.rank_in_group == 0 and self._segment is not None:
             # Every rank has mapped it (or given up): drop the name now, so no
             # crash of anyone can leave it behind; the pages live until unmapped.
@@ -292,11 +309,24 @@ class ShmAllReduce(AllReduceBackend):
             return f"reduce op {op} is not one of {sorted(_OP_NAMES.values())}"
         return None
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """The deadline of the calls that follow (a caller with a per-call timeout)."""
+        self.timeout_s = timeout_s
+        if self._lines is not None:
+            self._lines.timeout_s = timeout_s
+
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The reduction as a new tensor, or written into contiguous ``out`` of the same
+        shape and dtype (``tensor`` itself is fine: each piece is read before written)."""
         lines = self._start("all_reduce", self.refusal(tensor, op), tensor, op)
-        out = empty_output(tensor.shape, tensor.dtype)
+        if out is None:
+            out = empty_output(tensor.shape, tensor.dtype)
         numel = tensor.numel()
         if numel == 0:
             self._empty_barrier(lines)
@@ -314,13 +344,20 @@ class ShmAllReduce(AllReduceBackend):
         return out
 
     def reduce_range(
-        self, flat: torch.Tensor, lo: int, hi: int, op: ReduceOp.RedOpType = ReduceOp.SUM
+        self,
+        flat: torch.Tensor,
+        lo: int,
+        hi: int,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the all-reduce of 1-D ``flat`` (a reduce-scatter).
 
         Every rank passes an equally long ``flat`` and its own range. Each
         piece costs one barrier, and a rank reduces only its own range, so a
-        reduce-scatter moves and adds 1/world of what an all-reduce does.
+        reduce-scatter moves and adds 1/world of what an all-reduce does. ``out``:
+        a contiguous 1-D tensor of ``hi - lo`` elements to write into.
         """
         lines = self._start("reduce_scatter", self.refusal(flat, op), flat, op)
         if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
@@ -328,7 +365,8 @@ class ShmAllReduce(AllReduceBackend):
                 f"reduce_range needs a 1-D tensor and 0 <= lo <= hi <= numel, got "
                 f"shape {tuple(flat.shape)}, lo={lo}, hi={hi}"
             )
-        out = empty_output((hi - lo,), flat.dtype)
+        if out is None:
+            out = empty_output((hi - lo,), flat.dtype)
         n = flat.numel()
         if n == 0:
             self._empty_barrier(lines)
@@ -360,10 +398,12 @@ class ShmAllReduce(AllReduceBackend):
             return f"tensor is on {tensor.device}, not the CPU"
         return None
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``."""
+    def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``,
+        new or written into contiguous ``out`` of as many elements and ``tensor``'s dtype."""
         lines = self._start("all_gather", self.copy_refusal(tensor), tensor)
-        out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
+        if out is None:
+            out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
         if tensor.numel() == 0:
             self._empty_barrier(lines)
             return out
@@ -444,8 +484,17 @@ class ShmAllReduce(AllReduceBackend):
         return self.generation
 
     def close(self) -> None:
+        """Unmap (not collective). Call it only when no call is in progress: a wait in
+        another thread must end first (``abandon``)."""
         self.disabled_reason = self.disabled_reason or "closed"
         self._release()
+
+    def abandon(self, reason: str) -> None:
+        """From another thread: end the call in progress (it raises ``ClosedError`` naming
+        ``reason``) and refuse the ones after; then ``close`` once it returned."""
+        self._failure = reason
+        if self._lines is not None:
+            self._lines.abandon(reason)
 
     # ---- one piece --------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from shm_broadcast.liveness import pid_namespace
 from shm_broadcast.liveness import process_alive as pid_alive
 
 from . import futex
-from .errors import DesyncError, GroupcoordTimeoutError, PeerDiedError
+from .errors import ClosedError, DesyncError, GroupcoordTimeoutError, PeerDiedError
 
 LINE = 64
 _QWORDS = LINE // 8  # int64 index stride between lines
@@ -127,6 +127,8 @@ class PhaseLines:
         self.operation = ""
         self.generation = 0
         self.calls = 0  # calls stamped so far (the same on every rank while in step)
+        # Set from another thread (an abort): the wait in progress ends with ClosedError.
+        self.abandoned: str | None = None
         self._check_pending = False
         self._my_stamp = [rank_in_group * _QWORDS + slot for slot in _FP_SLOTS]
         self._peer_stamps = [[r * _QWORDS + slot for r in self._others] for slot in _FP_SLOTS]
@@ -149,6 +151,15 @@ class PhaseLines:
         # false "peer died".
         namespaces = {self._counters[r * _QWORDS + _PIDNS] for r in range(self.world_size)}
         self.pid_checks = len(namespaces) == 1 and 0 not in namespaces
+
+    def abandon(self, reason: str) -> None:
+        """End this rank's wait in progress, if any, from another thread: it raises
+        ``ClosedError`` naming ``reason`` within one sleep (the doorbell is rung)."""
+        self.abandoned = reason
+        if self.use_futex:
+            me = self.rank_in_group
+            self._words[me * _DWORDS + _BELL] = (self._words[me * _DWORDS + _BELL] + 1) & 0x7FFFFFFF
+            futex.wake(self._bell_address(me))
 
     def release(self) -> None:
         """Drop the views into the mapping (it cannot be unmapped while they live)."""
@@ -222,6 +233,8 @@ class PhaseLines:
         deadline = start + self.timeout_s
         next_check = start + self.peer_check_interval_s
         while not self.all_reached(phase):
+            if self.abandoned is not None:
+                raise ClosedError(f"{self.what}: {self.operation} {self.abandoned}")
             now = time.monotonic()
             if now < sleep_from:
                 # Yield every turn, never busy-poll: with more ranks than cores

@@ -7,8 +7,11 @@ check :func:`pid_namespace` (and the host) before judging a peer by its pid.
 from __future__ import annotations
 
 import os
+import socket
+import zlib
+from collections.abc import Iterable, Mapping
 
-__all__ = ["pid_namespace", "process_alive"]
+__all__ = ["dead_peers", "host_key", "pid_namespace", "process_alive"]
 
 
 def process_alive(pid: int) -> bool:
@@ -37,3 +40,21 @@ def pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+def host_key() -> int:
+    """Equal for two processes exactly when their pids compare (same host, boot and pid
+    namespace): the identity every layer exchanges before judging a peer by its pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return zlib.crc32(f"{socket.gethostname()}|{boot}|{pid_namespace()}".encode())
+
+
+def dead_peers(local_pids: Mapping[int, int], among: Iterable[int] | None = None) -> list[int]:
+    """The ranks (keys of ``local_pids``: rank -> pid of a peer with this host key) whose
+    process is gone, limited to ``among`` when given; sorted."""
+    ranks = local_pids.keys() if among is None else [r for r in among if r in local_pids]
+    return sorted(r for r in ranks if not process_alive(local_pids[r]))

@@ -278,3 +278,39 @@ def test_dropping_a_comm_right_after_async_waits_is_safe() -> None:
     # Regression: callbacks that held the comm let the process group's
     # destructor run on a Gloo thread and std::terminate the rank.
     assert run_ranks(_drop_right_after_wait, 2, timeout=60) == ["ok", "ok"]
+
+
+def _shared_memory_path(rank: int, world_size: int) -> str:
+    from shm_broadcast.errors import DesyncError
+
+    comm = new_comm("gloo", "cpu", "shm-path", timeout=20)
+    # Rank 0 issues asynchronously, the others synchronously: one path for both,
+    # in issue order, or the calls would pair up with the wrong transport.
+    values = [torch.full((1000,), float(rank + i)) for i in range(3)]
+    if rank == 0:
+        works = [comm.all_reduce(v, ReduceOp.AVG, async_op=True) for v in values]
+        gathered = torch.empty(world_size * 5, dtype=torch.int64)
+        comm.all_gather_single(gathered, torch.arange(5) + 10 * rank)  # behind the async ones
+        for work in works:
+            work.wait()
+    else:
+        for v in values:
+            comm.all_reduce(v, ReduceOp.AVG)
+        gathered = torch.empty(world_size * 5, dtype=torch.int64)
+        comm.all_gather_single(gathered, torch.arange(5) + 10 * rank)
+    mean_rank = (world_size - 1) / 2
+    assert [v[0].item() for v in values] == [mean_rank + i for i in range(3)]
+    assert gathered.view(world_size, 5)[:, 0].tolist() == [10 * r for r in range(world_size)]
+    # The path is the shared-memory back end: its desync check names both sides,
+    # which Gloo would not (it would return a wrong sum or hang).
+    mine = torch.ones(4096 if rank == 0 else 8192)
+    with pytest.raises(DesyncError) as caught:
+        comm.all_reduce(mine)
+    assert "float32[4096]" in str(caught.value) and "float32[8192]" in str(caught.value)
+    comm.finalize()
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_comm_collectives_share_the_coordinators_shared_memory_path(world_size: int) -> None:
+    assert run_ranks(_shared_memory_path, world_size, timeout=60) == ["ok"] * world_size

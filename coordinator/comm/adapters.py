@@ -67,7 +67,7 @@ def comm_from_process_group(
         checked_hints,
         owns_pg=False,
     )
-    comm._share_identity()
+    comm._connect_local()
     return comm
 
 

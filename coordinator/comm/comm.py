@@ -5,6 +5,15 @@ Every operation has one shape: tensors first, then ``async_op``, ``hints`` and
 are checked before anything is sent. Each communicator owns a Gloo process
 group built on its own store prefix, so it never touches torch's default
 group, and one completer thread that finishes its works in issue order.
+
+All-reduce, reduce-scatter, all-gather and broadcast take the same
+shared-memory back end as ``GroupCoordinator``
+(:class:`~device_communicators.shm_all_reduce.ShmAllReduce`, with its desync
+check) when every rank is on this node and the back end takes the tensor; the
+choice depends only on the group, the dtype and the operator, never on
+``async_op``, so every rank makes the same one. Those calls run in issue
+order through the communicator's :class:`~coordinator.comm.shm_lane.ShmLane`
+(asynchronous ones on its thread); everything else runs on Gloo.
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
+from device_communicators.shm_all_reduce import ShmAllReduce
 from shm_broadcast.config import resolve_timeout
+from shm_broadcast.liveness import dead_peers, host_key
 
 from ..errors import (
     BackendUnavailableError,
@@ -42,8 +53,8 @@ from ..errors import (
 )
 from . import checks
 from .bootstrap import default_store, rank_and_size, unique_prefix
-from .liveness import PeerLiveness, host_id
 from .reduce_ops import ReduceOp
+from .shm_lane import ShmLane
 from .work import Completer, Work, translate_error
 
 if TYPE_CHECKING:
@@ -52,6 +63,7 @@ if TYPE_CHECKING:
 
 _P2P_TAG = 0  # one tag for send/recv and batches, so Gloo keeps them in FIFO order per pair
 _Launch = Callable[[datetime.timedelta], Sequence[Any]]
+_Fast = Callable[[ShmAllReduce], None]
 
 
 class CommOptions(msgspec.Struct, frozen=True):
@@ -148,7 +160,8 @@ class Comm:
         self._split_count = 0
         self._barrier_count = 0
         self._windows: list[Window] = []
-        self._liveness = PeerLiveness({})
+        self._local_pids: dict[int, int] = {}  # comm rank -> pid, peers with our host key
+        self._lane: ShmLane | None = None  # None: no shared-memory path for this comm
         self._on_timeout = self._weak_timeout_marker(self)
 
     @classmethod
@@ -180,18 +193,30 @@ class Comm:
                 detail=f"could not connect all ranks: {exc}",
             ) from exc
         comm = cls(pg, base_store, prefix, rank, size, name, device, timeout_s, checked_hints)
-        comm._share_identity()
+        comm._connect_local()
         return comm
 
-    def _share_identity(self) -> None:
-        """One small all-gather of (host id, pid), so errors can name dead peers."""
-        mine = torch.tensor([host_id(), os.getpid()], dtype=torch.int64)
+    def _connect_local(self) -> None:
+        """Collective, once at creation: share (host key, pid) so errors can name dead
+        peers, then build the shared-memory back end (disabled, with its reason, when
+        the ranks do not share this node)."""
+        mine = torch.tensor([host_key(), os.getpid()], dtype=torch.int64)
         table = torch.empty((self._size, 2), dtype=torch.int64)
         self.all_gather_single(table, mine)
-        here = host_id()
-        self._liveness = PeerLiveness(
-            {r: int(pid) for r, (host, pid) in enumerate(table.tolist()) if host == here}
+        here = host_key()
+        self._local_pids = {
+            r: int(pid)
+            for r, (host, pid) in enumerate(table.tolist())
+            if host == here and r != self._rank
+        }
+        shm = ShmAllReduce(
+            self._pg,
+            timeout_s=self._timeout_s,
+            unique_name=f"communicator {self._name!r}",
+            ranks=list(range(self._size)),
         )
+        if shm.disabled_reason is None:  # the same verdict on every rank
+            self._lane = ShmLane(self._name, shm, self._weak_failure_marker(self))
 
     # -- identity ----------------------------------------------------------
     def get_rank(self) -> int:
@@ -238,6 +263,19 @@ class Comm:
             )
 
     @staticmethod
+    def _weak_failure_marker(comm: Comm) -> Callable[[str], None]:
+        """What the shared-memory lane calls when a peer was late or died (held weakly,
+        like the timeout marker below)."""
+        ref = weakref.ref(comm)
+
+        def mark(op: str) -> None:
+            alive = ref()
+            if alive is not None:
+                alive._broken = op
+
+        return mark
+
+    @staticmethod
     def _weak_timeout_marker(comm: Comm) -> Callable[[Work], None]:
         """What a work calls when its deadline passes: mark the comm broken.
 
@@ -279,14 +317,22 @@ class Comm:
         launch: _Launch,
         finish: Callable[[], None] | None = None,
         completes_in_wait: bool = False,
+        fast: _Fast | None = None,
     ) -> Work:
-        """Check, launch the c10d work(s), hand them to the completer, maybe wait."""
+        """Check, then run ``fast`` on the shared-memory back end (synchronous calls it
+        takes) or launch the c10d work(s), hand them to the completer, maybe wait."""
         checks.flag(async_op, "async_op")
         checks.hints(hints)
         timeout_s = _timeout_s(timeout, self._timeout_s)
         self._check_usable(op)
+        if fast is not None:
+            assert self._lane is not None  # fast is only offered with a lane
+            work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
+            self._lane.run(work, fast, async_op)
+            return work
         work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
-        work.find_dead = self._liveness.dead
+        local_pids = self._local_pids
+        work.find_dead = functools.partial(dead_peers, local_pids)
         try:
             c10d_works = launch(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
@@ -297,6 +343,19 @@ class Comm:
             Completer.run_inline(work, c10d_works, finish)
             work.wait()
         return work
+
+    def _shm_takes(self, tensor: torch.Tensor, op: ReduceOp | None = None) -> bool:
+        """Whether the shared-memory back end takes ``tensor`` (and ``op``).
+
+        Its refusals depend on the group, dtype and operator only, so ranks that
+        agree on the call agree on the path (and the back end checks they agree).
+        """
+        if self._lane is None:
+            return False
+        shm = self._lane.shm
+        if op is None:
+            return shm.copy_refusal(tensor) is None
+        return shm.refusal(tensor, op.c10d_op()) is None
 
     # -- collectives -------------------------------------------------------
     def all_reduce(
@@ -318,6 +377,12 @@ class Comm:
             opts.timeout = td
             return [self._pg.allreduce([tensor], opts)]
 
+        finish = functools.partial(op.finish, tensor, self._size)
+
+        def fast(shm: ShmAllReduce) -> None:
+            shm.all_reduce(op.premultiply(tensor), op.c10d_op(), out=tensor)
+            finish()
+
         return self._run(
             "all_reduce",
             self._others(),
@@ -325,7 +390,8 @@ class Comm:
             async_op,
             hints,
             launch,
-            functools.partial(op.finish, tensor, self._size),
+            finish,
+            fast=fast if self._shm_takes(tensor, op) else None,
         )
 
     def reduce(
@@ -378,7 +444,18 @@ class Comm:
             opts.timeout = td
             return [self._pg.broadcast([tensor], opts)]
 
-        return self._run("broadcast", self._others(), timeout, async_op, hints, launch)
+        def fast(shm: ShmAllReduce) -> None:
+            shm.broadcast_(tensor, root)
+
+        return self._run(
+            "broadcast",
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            fast=fast if self._shm_takes(tensor) else None,
+        )
 
     def _allgather(
         self,
@@ -388,13 +465,32 @@ class Comm:
         async_op: bool,
         hints: Mapping[str, str] | None,
         timeout: float | None,
+        stacked: torch.Tensor | None = None,
     ) -> Work:
+        """``outputs[i]`` gets rank ``i``'s ``tensor``; ``stacked`` (when given) is one
+        contiguous tensor holding every output in rank order, for the shm path."""
+
         def launch(td: datetime.timedelta) -> list[Any]:
             opts = AllgatherOptions()
             opts.timeout = td
             return [self._pg.allgather([outputs], [tensor], opts)]
 
-        return self._run(op, self._others(), timeout, async_op, hints, launch)
+        def fast(shm: ShmAllReduce) -> None:
+            if stacked is not None:
+                shm.all_gather(tensor, out=stacked)
+                return
+            for output, part in zip(outputs, shm.all_gather(tensor).unbind(0)):
+                output.copy_(part)
+
+        return self._run(
+            op,
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            fast=fast if self._shm_takes(tensor) else None,
+        )
 
     def all_gather(
         self,
@@ -423,8 +519,16 @@ class Comm:
         output = self._tensor(output, "output")
         checks.dtype_match(output, input, "output", "input")
         checks.numel(output, self._size * input.numel(), "output", "size * input.numel()")
-        rows = list(output.view(self._size, input.numel()).unbind(0))
-        return self._allgather("all_gather_single", rows, input.view(-1), async_op, hints, timeout)
+        stacked = output.view(self._size, input.numel())
+        return self._allgather(
+            "all_gather_single",
+            list(stacked.unbind(0)),
+            input.view(-1),
+            async_op,
+            hints,
+            timeout,
+            stacked=stacked,
+        )
 
     def all_gather_v(
         self,
@@ -468,13 +572,27 @@ class Comm:
         async_op: bool,
         hints: Mapping[str, str] | None,
         timeout: float | None,
+        joined: torch.Tensor | None = None,
     ) -> Work:
+        """``joined`` (when given) is ``inputs`` as one flat tensor, for the shm path."""
+
         def launch(td: datetime.timedelta) -> list[Any]:
             sent = [op.premultiply(t) for t in inputs]  # copies for PREMUL_SUM only
             opts = ReduceScatterOptions()
             opts.reduceOp = op.c10d_op()
             opts.timeout = td
             return [self._pg.reduce_scatter([output], [sent], opts)]
+
+        finish = functools.partial(op.finish, output, self._size)
+        rank = self._rank
+
+        def fast(shm: ShmAllReduce) -> None:
+            # Every rank's parts, flat and in rank order; this rank reduces only its own.
+            flat = torch.cat([t.reshape(-1) for t in inputs]) if joined is None else joined
+            flat = op.premultiply(flat)
+            lo = sum(t.numel() for t in inputs[:rank])
+            shm.reduce_range(flat, lo, lo + output.numel(), op.c10d_op(), out=output.view(-1))
+            finish()
 
         return self._run(
             name,
@@ -483,8 +601,9 @@ class Comm:
             async_op,
             hints,
             launch,
-            functools.partial(op.finish, output, self._size),
+            finish,
             completes_in_wait=True,  # Gloo's reduce_scatter work has no future
+            fast=fast if self._shm_takes(output, op) else None,
         )
 
     def reduce_scatter(
@@ -519,7 +638,14 @@ class Comm:
         op = self._op(op, output.dtype, "output")
         inputs = list(input.view(self._size, output.numel()).unbind(0))
         return self._reduce_scatter(
-            "reduce_scatter_single", output.view(-1), inputs, op, async_op, hints, timeout
+            "reduce_scatter_single",
+            output.view(-1),
+            inputs,
+            op,
+            async_op,
+            hints,
+            timeout,
+            joined=input.view(-1),
         )
 
     def reduce_scatter_v(
@@ -806,7 +932,7 @@ class Comm:
         self._closed = "aborted"
         self._pg.abort()
         self._completer.abort_outstanding()
-        self._close_windows()
+        self._close_local(abandon="aborted")
 
     def finalize(self) -> None:
         """Orderly close (not collective): let queued works finish, unmap windows,
@@ -815,14 +941,18 @@ class Comm:
             return
         self._closed = "finalized"
         self._completer.drain()
-        self._close_windows()
+        self._close_local()
         if self._owns_pg:
             self._pg.shutdown()
 
-    def _close_windows(self) -> None:
+    def _close_local(self, abandon: str | None = None) -> None:
+        """Unmap the windows and the shared-memory back end (``abandon``: its call in
+        progress gives up first)."""
         windows, self._windows = self._windows, []
         for window in windows:
             window.close()
+        if self._lane is not None:
+            self._lane.close(abandon)
 
     def is_closed(self) -> bool:
         return self._closed is not None

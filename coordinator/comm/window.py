@@ -33,6 +33,7 @@ import msgspec
 import torch
 
 from shm_broadcast.config import get_config
+from shm_broadcast.liveness import dead_peers
 from shm_broadcast.ring import memory_fence, needs_fence
 from shm_broadcast.segments import ShmSegment
 
@@ -45,7 +46,6 @@ from ..errors import (
     PeerDiedError,
 )
 from . import bytes_io, checks
-from .liveness import pid_alive
 from .spin import spin_until
 from .work import Work
 
@@ -437,7 +437,7 @@ class Window:
             now = time.monotonic()
             if now >= state["next"]:
                 state["next"] = now + interval
-                dead = [rank for rank, pid in pids.items() if not pid_alive(pid)]
+                dead = dead_peers(pids)
                 if dead:
                     raise PeerDiedError(
                         f"window of communicator {self._comm.get_name()!r}", "wait_signal", dead
