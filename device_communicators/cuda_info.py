@@ -1,4 +1,4 @@
-"""What the CUDA path finds on this machine, as (what, value) rows for ``coordinator info``.
+"""What the CUDA path finds on this machine, as (what, value) rows for ``groupcoord info``.
 
 Read-only and safe without a GPU: every probe that fails becomes the row's
 value (the library's or runtime's own words), nothing raises. It does not

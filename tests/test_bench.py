@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from coordinator import bench
+from coordinator.cli import bench
 
 GOOD_SCRIPT = """
 import json, sys

@@ -11,7 +11,7 @@ import pytest
 import torch
 from multiproc import init_gloo, run_ranks
 
-from coordinator.demo_model import (
+from coordinator.cli.demo.model import (
     LocalOps,
     ModelConfig,
     Stage,
@@ -169,15 +169,15 @@ def test_demo_rank_failure_names_rank_and_ends_every_process():
 
 
 def test_demo_refuses_bad_sizes_before_starting_ranks(capsys):
-    from coordinator.demo import main
+    from coordinator.cli.demo import main
 
     assert main(["--tp", "3"]) == 2
     assert "num_heads=4 must be divisible by tp=3" in capsys.readouterr().err
 
 
 def test_check_logits_detects_a_mismatch():
-    from coordinator.demo_rank import check_logits
-    from coordinator.demo_report import RankReport, logits_record
+    from coordinator.cli.demo.rank import check_logits
+    from coordinator.cli.demo.report import RankReport, logits_record
 
     ids = step_input_ids(CFG, 0, 0, 5)
     good = reference_logits(CFG, ids, False)

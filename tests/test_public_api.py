@@ -64,3 +64,25 @@ def test_coordinator_offers_the_vllm_names() -> None:
     ).split()
     for method in methods:
         assert hasattr(coordinator.GroupCoordinator, method), method
+
+
+def test_the_wheel_lists_every_package_folder_and_the_benchmarks() -> None:
+    """pyproject lists packages by hand (the benchmarks folder installs as
+    groupcoord_benchmarks): a new sub-package must be added there or a wheel lacks it."""
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        ".".join(init.parent.relative_to(root).parts)
+        for top in ("shm_broadcast", "device_communicators", "coordinator")
+        for init in (root / top).rglob("__init__.py")
+    }
+    listed = set(config["packages"])
+    assert listed - {"groupcoord_benchmarks"} == folders
+    assert config["package-dir"]["groupcoord_benchmarks"] == "benchmarks"
+    from coordinator.cli import bench
+
+    for benchmark in bench.BENCHMARKS:
+        assert (pathlib.Path(bench.BENCH_DIR) / benchmark.script).is_file(), benchmark

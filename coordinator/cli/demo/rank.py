@@ -17,10 +17,18 @@ from collections.abc import Callable
 import msgspec
 import torch
 
-from . import parallel_state as ps
-from .demo import ATOL, RTOL, model_config
-from .demo_model import ModelConfig, Stage, reference_logits, step_input_ids, step_num_tokens
-from .demo_report import (
+from ... import parallel_state as ps
+from .model import (
+    ATOL,
+    RTOL,
+    ModelConfig,
+    Stage,
+    model_config,
+    reference_logits,
+    step_input_ids,
+    step_num_tokens,
+)
+from .report import (
     TABLE_COLUMNS,
     TABLE_NOTE,
     CommMeter,

@@ -1,6 +1,8 @@
-"""``python -m coordinator bench``: run the benchmarks in quick mode, print one summary.
+"""``groupcoord bench``: run the benchmarks in quick mode, print one summary.
 
-Each benchmark in ``benchmarks/`` is its own script (its own table, JSON and
+Each benchmark in ``benchmarks/`` is its own script (installed with the
+package as ``groupcoord_benchmarks``, so the command works from a wheel in
+any directory) (its own table, JSON and
 plot). This command runs the registered ones one after another with
 ``--quick``, each writing its JSON to a temporary folder, then reads every
 JSON back and prints one table of the rows that compare groupcoord with
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,8 +27,18 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_DIR = os.path.join(REPO, "benchmarks")
+
+def _find_benchmarks() -> str:
+    """The benchmark scripts: the installed ``groupcoord_benchmarks`` package (a wheel
+    or an editable install), else the ``benchmarks/`` folder of this checkout."""
+    spec = importlib.util.find_spec("groupcoord_benchmarks")
+    if spec is not None and spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)[0]
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.join(checkout, "benchmarks")
+
+
+BENCH_DIR = _find_benchmarks()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +72,7 @@ class Outcome:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m coordinator bench",
+        prog="groupcoord bench",
         description="Run groupcoord's benchmarks in quick mode and print one summary table "
         "with ratios vs torch.distributed.",
     )
@@ -69,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[b.name for b in BENCHMARKS],
         help="run only these benchmarks",
     )
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick", action="store_true", help="each benchmark's quick mode (the default)"
+    )
+    mode.add_argument(
         "--full", action="store_true", help="run the full (not --quick) benchmarks: slow"
     )
     p.add_argument("--out", metavar="DIR", help="keep each benchmark's JSON in DIR")
@@ -83,16 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
 def run_benchmark(bench: Benchmark, out_dir: str, full: bool, timeout: float) -> Outcome:
     script = os.path.join(BENCH_DIR, bench.script)
     if not os.path.exists(script):
-        return Outcome(bench, "missing", detail=f"{os.path.relpath(script, REPO)} not found")
+        return Outcome(bench, "missing", detail=f"{script} not found")
     json_path = os.path.join(out_dir, f"{bench.name}.json")
     args = [a for a in bench.args if not (full and a == "--quick")]
     cmd = [sys.executable, script, *args, bench.json_flag, json_path]
-    print(f"$ {' '.join(os.path.relpath(c, REPO) if c == script else c for c in cmd)}", flush=True)
+    print(f"$ {' '.join(cmd)}", flush=True)
     start = time.monotonic()
     try:
-        proc = subprocess.run(
-            cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return Outcome(bench, "timeout", timeout, f"did not finish within {timeout:g} s")
     seconds = time.monotonic() - start

@@ -19,6 +19,7 @@ The first stage embeds token ids, the last applies a vocab-parallel LM head.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from typing import Protocol
@@ -27,6 +28,11 @@ import torch
 
 from device_communicators.all2all import MoEBufferSpec
 from device_communicators.errors import GroupcoordValueError
+
+# Relative and absolute tolerance of the float32 check: sharded matmuls and
+# all-reduces sum in a different order than one process does.
+RTOL = 1e-4
+ATOL = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,3 +322,17 @@ def reference_logits(cfg: ModelConfig, input_ids: torch.Tensor, use_ep: bool) ->
     """The whole model in this one process (no communication)."""
     ops = LocalOps(use_ep)
     return Stage(cfg, ops)(input_ids, ops)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        ffn_size=args.ffn,
+        num_layers=args.layers,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        max_tokens=args.tokens,
+        seed=args.seed,
+    )

@@ -1,4 +1,4 @@
-"""``python -m coordinator info``: settings and what groupcoord finds on this machine."""
+"""``groupcoord info``: settings and what groupcoord finds on this machine."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _print_section(title: str, rows: list[tuple[str, str]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m coordinator info",
+        prog="groupcoord info",
         description="Print groupcoord's effective settings and what this machine offers.",
     )
     parser.parse_args(argv)

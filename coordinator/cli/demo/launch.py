@@ -1,9 +1,9 @@
-"""``python -m coordinator demo``: a TP x PP (x DP, x EP) model runner on CPU ranks, checked.
+"""``groupcoord demo`` (or ``python -m coordinator demo``): a TP x PP (x DP, x EP) model runner on CPU ranks, checked.
 
 The command starts ``tp * pp * dp`` ranks itself (forked, Gloo on 127.0.0.1)
 or, when ``RANK``/``WORLD_SIZE`` are set, runs as one rank under ``torchrun``.
 Each rank initialises groupcoord's groups and runs its shard of the demo model
-(:mod:`coordinator.demo_model`) for a few steps, the way an engine worker does:
+(:mod:`coordinator.cli.demo.model`) for a few steps, the way an engine worker does:
 
 * the driver (TP rank 0 of the first stage, per DP replica) broadcasts each
   step's input dict through the TP group's message queue;
@@ -33,12 +33,7 @@ from typing import Any
 
 import msgspec
 
-from .demo_model import ModelConfig
-
-# Relative and absolute tolerance of the float32 check: sharded matmuls and
-# all-reduces sum in a different order than one process does.
-RTOL = 1e-4
-ATOL = 1e-4
+from .model import model_config
 
 
 class RankFailure(msgspec.Struct):
@@ -53,7 +48,7 @@ class RankFailure(msgspec.Struct):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m coordinator demo",
+        prog="groupcoord demo",
         description="Run a small TP x PP (x EP) decoder across CPU ranks and check it "
         "against the same model in one process.",
     )
@@ -94,20 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_heads=args.heads,
-        ffn_size=args.ffn,
-        num_layers=args.layers,
-        num_experts=args.experts,
-        top_k=args.top_k,
-        max_tokens=args.tokens,
-        seed=args.seed,
-    )
-
-
 def check_args(args: argparse.Namespace) -> str | None:
     """The first problem with the arguments, or None."""
     for name in ("tp", "pp", "dp", "steps", "tokens"):
@@ -137,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        from .demo_rank import run_rank
+        from .rank import run_rank
 
         # torchrun ends the other ranks with SIGTERM when one fails; turn it into
         # SystemExit so teardown runs and this rank's shared memory is unlinked.
@@ -200,7 +181,7 @@ def _child(args: argparse.Namespace, rank: int, world: int, port: int, conn: Con
         conn.send_bytes(msgspec.msgpack.encode(failure))
 
     try:
-        from .demo_rank import run_rank
+        from .rank import run_rank
 
         code = run_rank(args, rank, world, on_failure=report)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
