@@ -29,16 +29,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from coordinator.launch import free_port, run_ranks
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (  # noqa: E402
+from _common import (  # noqa: E402 - after the path set-up above
     environment,
-    free_port,
     init_gloo_rank,
     median,
     print_table,
     reproduce_command,
-    run_ranks,
     write_json,
 )
 

@@ -21,18 +21,18 @@ import os
 import sys
 from typing import Any
 
+from coordinator.launch import RankError, free_port, run_ranks
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402 - after the path set-up above
     environment,
-    free_port,
     human_bytes,
     init_gloo_rank,
     median,
     plot_lines,
     print_table,
     reproduce_command,
-    run_ranks,
     write_json,
 )
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             per_rank = run_ranks(
                 _measure, world, free_port(), args, timeout=1800, start_method="spawn"
             )
-        except (RuntimeError, TimeoutError) as exc:
+        except RankError as exc:
             print(exc, file=sys.stderr)
             return 1
         per_world[world] = per_rank[0]

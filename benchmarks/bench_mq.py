@@ -22,11 +22,12 @@ import sys
 import time
 from typing import Any
 
+from coordinator.launch import free_port, run_ranks
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (  # noqa: E402
+from _common import (  # noqa: E402 - after the path set-up above
     environment,
-    free_port,
     human_bytes,
     init_gloo_rank,
     median,
@@ -34,7 +35,6 @@ from _common import (  # noqa: E402
     plot_lines,
     print_table,
     reproduce_command,
-    run_ranks,
     write_json,
 )
 

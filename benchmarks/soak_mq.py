@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 from _common import print_table, reproduce_command, write_json  # noqa: E402
-from multiproc import run_ranks  # noqa: E402
 from reliability._mq import WORLD  # noqa: E402
 from reliability._soak import soak  # noqa: E402
+
+from coordinator.launch import run_ranks  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -309,11 +309,14 @@ class ShmAllReduce(AllReduceBackend):
             return f"reduce op {op} is not one of {sorted(_OP_NAMES.values())}"
         return None
 
-    def set_timeout(self, timeout_s: float) -> None:
-        """The deadline of the calls that follow (a caller with a per-call timeout)."""
+    def set_timeout(self, timeout_s: float, deadline: float | None = None) -> None:
+        """The timeout of the calls that follow (a caller with a per-call timeout), or
+        an absolute ``deadline`` (``time.monotonic()``) every wait ends by; errors
+        report ``timeout_s``."""
         self.timeout_s = timeout_s
         if self._lines is not None:
             self._lines.timeout_s = timeout_s
+            self._lines.deadline = deadline
 
     def all_reduce(
         self,

@@ -108,6 +108,9 @@ class PhaseLines:
         self.rank_in_group = rank_in_group
         self.what = what
         self.timeout_s = timeout_s
+        # An absolute deadline (time.monotonic()) for every wait, instead of
+        # timeout_s from each wait's start: a caller whose operation has its own.
+        self.deadline: float | None = None
         self.peer_check_interval_s = peer_check_interval_s
         # memoryview indexing is the cheapest load Python has (about 50 ns)
         # and reads memory on every access.
@@ -230,7 +233,7 @@ class PhaseLines:
             return
         start = time.monotonic()
         sleep_from = start + self.spin_s
-        deadline = start + self.timeout_s
+        deadline = start + self.timeout_s if self.deadline is None else self.deadline
         next_check = start + self.peer_check_interval_s
         while not self.all_reached(phase):
             if self.abandoned is not None:

@@ -43,8 +43,7 @@ def _no_leaked_segments():
     Only segments created by this process or the ranks it started count: other
     test runs may share the machine's /dev/shm.
     """
-    from multiproc import started_pids
-
+    from coordinator.launch import started_pids
     from shm_broadcast.segments import list_segments
 
     def ours() -> set[str]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
+
+from coordinator.launch import init_gloo, run_ranks
 
 HIDDEN = 8
 EXPERTS = 4

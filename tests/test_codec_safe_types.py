@@ -115,9 +115,8 @@ def test_sets_need_no_declaration_and_bad_declarations_are_refused():
 def _engine_objects(rank: int, world: int, port: int) -> dict:
     import os
 
-    from multiproc import init_gloo
-
     from coordinator.group_coordinator import GroupCoordinator
+    from coordinator.launch import init_gloo
     from coordinator.stateless_group import StatelessProcessGroup
 
     add_safe_types(SAFE)  # each receiving process declares what it accepts
@@ -150,7 +149,7 @@ def _engine_objects(rank: int, world: int, port: int) -> dict:
 
 
 def test_broadcast_send_tensor_dict_and_store_carry_engine_objects():
-    from multiproc import free_port, run_ranks
+    from coordinator.launch import free_port, run_ranks
 
     results = run_ranks(_engine_objects, 2, free_port(), timeout=60)
     assert results[1] == {"checks": [True] * 4, "phase": True}

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import init_gloo, run_ranks
 
 from coordinator.comm import comm_from_group, comm_from_process_group
 from coordinator.errors import GroupcoordTypeError
 from coordinator.group_coordinator import GroupCoordinator
+from coordinator.launch import init_gloo, run_ranks
 
 
 def _borrowed(rank: int, world_size: int) -> str:

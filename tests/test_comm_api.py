@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
-from multiproc import free_port, init_gloo, run_ranks
 
 import coordinator.comm as comm_api
 from coordinator.comm import ReduceOp, new_comm
 from coordinator.errors import BackendUnavailableError, GroupcoordTypeError, GroupcoordValueError
+from coordinator.launch import free_port, init_gloo, run_ranks
 
 
 def test_public_names_import() -> None:

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from multiproc import run_ranks
 
 from coordinator.comm import Comm, ReduceOp, Work, WorkStatus, new_comm
 from coordinator.errors import (
@@ -17,6 +16,7 @@ from coordinator.errors import (
     GroupcoordTypeError,
     GroupcoordValueError,
 )
+from coordinator.launch import run_ranks
 
 
 def _done(work: Work, async_op: bool) -> None:

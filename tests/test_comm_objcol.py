@@ -9,7 +9,6 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from multiproc import run_ranks
 
 from coordinator.comm import (
     all_gather_object,
@@ -21,6 +20,7 @@ from coordinator.comm import (
     send_object_list,
 )
 from coordinator.errors import GroupcoordTypeError, GroupcoordValueError, ProtocolError
+from coordinator.launch import run_ranks
 
 
 def _payload(rank: int) -> dict:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_ranks
 
 from coordinator.comm import Comm, new_comm
 from coordinator.errors import ClosedError, GroupcoordValueError
+from coordinator.launch import run_ranks
 
 
 def _parent_ranks(child: Comm, parent_rank: int) -> list[int]:

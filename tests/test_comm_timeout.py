@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
-from multiproc import run_ranks, start_ranks
 
 from coordinator.comm import WorkStatus, new_comm, recv_object_list
 from coordinator.errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
+from coordinator.launch import run_ranks, start_ranks
 
 
 def _last_rank_missing(rank: int, world_size: int) -> float:
@@ -23,7 +23,6 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
     if rank == absent:
         time.sleep(6)  # alive but never joins: a timeout, not a dead peer
         return 0.0
-    others = [r for r in range(world_size) if r != rank]
 
     with pytest.raises(GroupcoordTimeoutError) as caught:
         watched.monitored_barrier(timeout=1.0)
@@ -40,7 +39,9 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
     assert work.status is WorkStatus.TIMED_OUT
     message = str(caught.value)
     assert "communicator 'to-async': all_reduce timed out after 1 s" in message
-    assert f"waiting for ranks {others}" in message
+    # The shared-memory path sees which rank never arrived: exactly that one is named.
+    assert caught.value.missing == [absent], message
+    assert f"waiting for ranks [{absent}]" in message
     with pytest.raises(ClosedError, match="all_reduce timed out earlier"):
         async_comm.barrier()
     async_comm.abort()

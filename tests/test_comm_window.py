@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from multiproc import run_ranks, start_ranks
 
 from coordinator.comm import WorkStatus, new_comm
 from coordinator.errors import (
@@ -16,6 +15,7 @@ from coordinator.errors import (
     GroupcoordValueError,
     PeerDiedError,
 )
+from coordinator.launch import run_ranks, start_ranks
 from shm_broadcast.segments import list_segments
 
 _ITERS = 50

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
+
+from coordinator.launch import init_gloo, run_ranks
 
 
 def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
 
+from coordinator.launch import init_gloo, run_ranks
 from shm_broadcast.config import override
 
 pytestmark = pytest.mark.skipif(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from coordinator import custom_ops  # noqa: F401  (registers torch.ops.groupcoord)
 from coordinator.errors import NotInitializedError
 from coordinator.group_coordinator import GroupCoordinator
+from coordinator.launch import init_gloo, run_ranks
 
 
 def test_fake_implementations_give_output_shapes_without_a_group() -> None:

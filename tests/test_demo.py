@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
 
 from coordinator.cli.demo.model import (
     LocalOps,
@@ -19,6 +18,7 @@ from coordinator.cli.demo.model import (
     stage_layers,
     step_input_ids,
 )
+from coordinator.launch import init_gloo, run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, ffn_size=32, num_layers=4)

@@ -8,8 +8,9 @@ import time
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
 from torch.distributed import ReduceOp
+
+from coordinator.launch import init_gloo, run_ranks
 
 # (name, what rank 0 does, what the other ranks do, both sides as the error names them)
 CASES = {

@@ -9,9 +9,9 @@ import os
 import time
 
 import torch
-from multiproc import run_ranks, start_ranks
 
 from coordinator import parallel_state as ps
+from coordinator.launch import run_ranks, start_ranks
 from shm_broadcast.config import get_config
 from shm_broadcast.segments import cleanup_stale_segments, list_segments
 

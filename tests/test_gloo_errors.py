@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import init_gloo, start_ranks
 
+from coordinator.launch import init_gloo, start_ranks
 from shm_broadcast.errors import GroupcoordTimeoutError, PeerDiedError
 from shm_broadcast.gloo_errors import failure_kind, gloo_errors, translate_gloo_error
 

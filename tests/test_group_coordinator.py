@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks, start_ranks
 
 from coordinator import custom_ops
 from coordinator.errors import (
@@ -23,6 +22,7 @@ from coordinator.errors import (
     PeerDiedError,
 )
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
+from coordinator.launch import init_gloo, run_ranks, start_ranks
 from shm_broadcast.segments import list_segments
 
 

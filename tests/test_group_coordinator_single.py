@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from multiproc import init_gloo, run_ranks
 
 from coordinator.group_coordinator import GroupCoordinator
+from coordinator.launch import init_gloo, run_ranks
 
 
 def _single_rank_group(rank: int, world_size: int) -> list[str]:

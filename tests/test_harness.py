@@ -6,7 +6,8 @@ import os
 import time
 
 import pytest
-from multiproc import run_ranks, start_ranks
+
+from coordinator.launch import run_ranks, start_ranks
 
 
 def _rank_pid(rank: int, world_size: int) -> tuple[int, int, int]:

@@ -9,9 +9,9 @@ import time
 import pytest
 import zmq
 from fake_writer import fake_remote_writer
-from multiproc import start_ranks
 from test_mq_queue import make_queue
 
+from coordinator.launch import start_ranks
 from shm_broadcast.codec import Codec, frames_as_buffers
 from shm_broadcast.errors import GroupcoordTimeoutError, PeerDiedError
 from shm_broadcast.message_queue import Handle, MessageQueue

@@ -7,8 +7,8 @@ import os
 import tempfile
 
 import pytest
-from multiproc import init_gloo, run_ranks
 
+from coordinator.launch import init_gloo, run_ranks
 from shm_broadcast.errors import GroupcoordTypeError, GroupcoordValueError
 from shm_broadcast.group_io import ObjectGroup, all_gather_bytes, broadcast_bytes
 from shm_broadcast.topology import in_the_same_node_as
@@ -114,7 +114,7 @@ def _store_rank(rank, world_size, port):
 
 
 def test_bytes_over_an_object_group():
-    from multiproc import free_port
+    from coordinator.launch import free_port
 
     for res in run_ranks(_store_rank, 3, free_port(), timeout=90):
         _check_exchange(res, 3)

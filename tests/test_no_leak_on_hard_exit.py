@@ -8,8 +8,7 @@ import os
 import signal
 import time
 
-from multiproc import start_ranks
-
+from coordinator.launch import start_ranks
 from shm_broadcast.segments import list_segments
 
 

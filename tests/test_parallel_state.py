@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
 
 from coordinator import parallel_state as ps
 from coordinator.errors import AlreadyInitializedError, NotInitializedError
+from coordinator.launch import run_ranks
 from shm_broadcast.segments import list_segments
 
 

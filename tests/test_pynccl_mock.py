@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 from mock_nccl import NCCL_H_DATA_TYPES, NCCL_H_RED_OPS, MockNccl
-from multiproc import init_gloo, run_ranks
 from torch.distributed import ReduceOp
+
+from coordinator.launch import init_gloo, run_ranks
 
 STREAM = 0xC0FFEE
 LIB = "mock-libnccl.so"

@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks
 
+from coordinator.launch import init_gloo, run_ranks
 from device_communicators.errors import BackendUnavailableError, GroupcoordValueError
 from device_communicators.pynccl_wrapper import (
     NCCL_FUNCTIONS,

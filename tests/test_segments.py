@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from multiproc import run_ranks, start_ranks
 
+from coordinator.launch import run_ranks, start_ranks
 from shm_broadcast import ShmSpaceError, override
 from shm_broadcast.segments import (
     ShmSegment,

@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks, start_ranks
+
+from coordinator.launch import init_gloo, run_ranks, start_ranks
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64]
 OPS = ["SUM", "PRODUCT", "MIN", "MAX"]

@@ -6,9 +6,9 @@ import os
 import time
 
 import pytest
-from multiproc import run_ranks, start_ranks
 
 from coordinator.errors import GroupcoordTimeoutError, GroupcoordValueError
+from coordinator.launch import run_ranks, start_ranks
 from coordinator.stateless_group import StatelessProcessGroup
 
 

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from multiproc import free_port
+from coordinator.launch import free_port
 
 WORKER = textwrap.dedent(
     """

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-from multiproc import init_gloo, run_ranks, start_ranks
 
 from coordinator import communication_op as comm_op
 from coordinator import parallel_state as ps
+from coordinator.launch import init_gloo, run_ranks, start_ranks
 from coordinator.utils import divide, ensure_divisibility, get_pp_indices
 
 

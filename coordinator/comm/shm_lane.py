@@ -25,6 +25,7 @@ from ..errors import GroupcoordTimeoutError, PeerDiedError
 from .work import Work
 
 Run = Callable[[ShmAllReduce], None]
+_SETTLE_GRACE_S = 0.5
 
 
 class ShmLane:
@@ -52,6 +53,9 @@ class ShmLane:
         if not (async_op or behind_others):
             self._settle(work, run, inline=True)
             return
+        # The lane ends the call by the op's deadline with the precise error (the
+        # ranks that did not arrive); wait() gives it that moment to arrive.
+        work.settle_grace_s = _SETTLE_GRACE_S
         self._start_thread()
         self._jobs.put((work, run))
         if not async_op:
@@ -59,8 +63,8 @@ class ShmLane:
 
     def _settle(self, work: Work, run: Run, inline: bool) -> None:
         try:
-            if self.shm.timeout_s != work.timeout_s:
-                self.shm.set_timeout(work.timeout_s)
+            # The op's deadline counts from its issue, however long it queued.
+            self.shm.set_timeout(work.timeout_s, deadline=work.deadline)
             run(self.shm)
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
             if isinstance(exc, GroupcoordTimeoutError):

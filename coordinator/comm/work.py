@@ -61,6 +61,9 @@ class Work:
         self._error: BaseException | None = None
         self._status = WorkStatus.INPROGRESS
         self._poll: Callable[[], bool] | None = None
+        # How long past the deadline wait() still waits for the work's own error
+        # (set by a runner that ends the op by the deadline itself).
+        self.settle_grace_s = 0.0
         # Set by the communicator: which of the given ranks are known dead.
         self.find_dead: Callable[[Sequence[int]], list[int]] | None = None
 
@@ -135,6 +138,8 @@ class Work:
         deadline = self.deadline
         if timeout is not None:
             deadline = min(deadline, time.monotonic() + timeout)
+        else:
+            deadline += self.settle_grace_s
         if self._poll is not None:
             self._spin(deadline)
         else:

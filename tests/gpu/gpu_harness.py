@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
-from multiproc import free_port
+
+from coordinator.launch import free_port
 
 _SPAWN = mp.get_context("spawn")
 

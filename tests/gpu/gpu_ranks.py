@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gpu_harness import device_for
-from multiproc import init_gloo
+
+from coordinator.launch import init_gloo
 
 MiB = 1024 * 1024
 

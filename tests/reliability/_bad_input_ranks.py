@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multiproc import init_gloo
+
+from coordinator.launch import init_gloo
 
 Outcome = tuple[str, str, bool, bool]
 BadCall = tuple[str, Callable[[Any], Any]]

@@ -16,8 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from multiproc import start_ranks
-
+from coordinator.launch import start_ranks
 from shm_broadcast.segments import list_segments
 
 from ._common import DETECT_LIMIT_S, FORK, ipc_sockets, leftovers, report

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from multiproc import init_gloo
+
+from coordinator.launch import init_gloo
 
 from . import _mq
 

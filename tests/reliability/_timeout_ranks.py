@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multiproc import init_gloo
 
+from coordinator.launch import init_gloo
 from shm_broadcast.config import override
 
 TIMEOUT_S = 0.5

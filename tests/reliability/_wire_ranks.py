@@ -13,7 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 from fake_writer import fake_remote_writer
-from multiproc import init_gloo
+
+from coordinator.launch import init_gloo
 
 from ._wire import CreatesFile
 

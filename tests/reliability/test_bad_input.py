@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
-from multiproc import free_port, run_ranks
+
+from coordinator.launch import free_port, run_ranks
 
 from . import _bad_input_ranks as ranks
 from ._common import report

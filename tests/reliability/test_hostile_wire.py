@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import random
 
-from multiproc import free_port, run_ranks
+from coordinator.launch import free_port, run_ranks
 
 from . import _wire_ranks as ranks
 from ._common import LONG, report

@@ -14,7 +14,8 @@ import random
 from typing import Any
 
 import torch
-from multiproc import init_gloo
+
+from coordinator.launch import init_gloo
 
 from ._common import trials
 from ._kill import run_kill_case, survive

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import init_gloo, run_ranks
+
+from coordinator.launch import init_gloo, run_ranks
 
 from ._common import report
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from multiproc import run_ranks
+
+from coordinator.launch import run_ranks
 
 from . import _mq
 from ._common import LONG, report
