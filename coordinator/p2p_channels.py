@@ -9,8 +9,8 @@ set up (the ring holds ``P2P_MAX_CHUNKS`` messages before anyone reads), so
 no order of first calls can deadlock; every wait is bounded by the group's
 deadline and a dead peer is named by pid.
 
-Every message fits in one ring chunk: a tensor or metadata larger than a
-chunk goes as consecutive pieces, so nothing ever takes the queue's ZeroMQ
+Every message fits in one ring chunk: a tensor or a dict's head larger than
+a chunk goes as consecutive pieces, so nothing ever takes the queue's ZeroMQ
 overflow path (which would need a subscription handshake and costs a copy
 through a socket). Decoded tensors own their memory, so the ring is reused
 while the receiver still holds what it got.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shm_broadcast.codec import dumps, loads
+from shm_broadcast.codec import EncodedMessage, dumps, loads, message_bytes
 from shm_broadcast.config import get_config
 from shm_broadcast.errors import ShmSpaceError
 from shm_broadcast.liveness import process_alive
@@ -167,12 +167,14 @@ class P2PChannels:
             except PeerDiedError as exc:
                 raise PeerDiedError(self.name, operation, [dst], str(exc)) from exc
 
-    def send_meta(self, dst: int, payload: bytes, operation: str) -> None:
+    def send_message(self, dst: int, msg: EncodedMessage, operation: str) -> None:
+        """Send an encoded object (a tensor dict's head); it must not be an int."""
         mq = self._writers[dst]
-        if len(payload) <= piece_bytes(mq.max_chunk_bytes):
-            self._put(mq, payload, dst, operation)
+        if msg.nbytes <= piece_bytes(mq.max_chunk_bytes):
+            self._put(mq, msg, dst, operation)
             return
         # Too big for one chunk: its length, then its bytes in pieces.
+        payload = message_bytes(msg)
         self._put(mq, len(payload), dst, operation)
         self.send_tensor(dst, torch.frombuffer(bytearray(payload), dtype=torch.uint8), operation)
 
@@ -250,15 +252,15 @@ class P2PChannels:
         except PeerDiedError as exc:
             raise PeerDiedError(self.name, operation, [src], str(exc)) from exc
 
-    def recv_meta(self, src: int, operation: str) -> bytes:
+    def recv_message(self, src: int, operation: str) -> Any:
+        """The object :meth:`send_message` sent."""
         mq = self._readers[src]
         got = self._get(mq, src, operation)
-        if isinstance(got, bytes):
+        if type(got) is not int:
             return got
-        if isinstance(got, bool) or not isinstance(got, int) or got < 0:
-            raise ProtocolError(f"{self.name}: expected tensor-dict metadata from rank {src}")
-        data = self.recv_tensor(src, torch.uint8, (got,), operation)
-        return data.numpy().tobytes()
+        if got < 0:
+            raise ProtocolError(f"{self.name}: rank {src} announced a message of {got} bytes")
+        return loads(self.recv_tensor(src, torch.uint8, (got,), operation).numpy().data)
 
     def recv_tensor(
         self, src: int, dtype: torch.dtype, shape: tuple[int, ...], operation: str

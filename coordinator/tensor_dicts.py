@@ -1,11 +1,12 @@
 """Moving dicts of tensors and plain values over a ``GroupCoordinator``.
 
 The bodies of ``broadcast_tensor_dict``, ``send_tensor_dict`` and
-``recv_tensor_dict``. Metadata is one msgspec Struct (``metadata``); small
-CPU tensors ride inside it, so a dict of small tensors costs one message.
+``recv_tensor_dict``. A dict is encoded once by the codec (``metadata``):
+small CPU tensors (every CPU tensor on the message-queue path) ride inside it,
+so a dict of small tensors costs one message; the others travel after it.
 With an ``all_gather_group`` each sending peer moves only its 1/N slice of a
 tensor and the receiving group rebuilds it with an all-gather; the sender's
-choice is recorded per tensor in the metadata, so the two ends cannot disagree.
+choice is recorded per tensor in the message, so the two ends cannot disagree.
 Point-to-point dicts between ranks on one node go through the group's
 shared-memory channels (``p2p_channels``) unless ``disable_shm_p2p`` is set;
 other peers use Gloo sends. The coordinator has checked ``src``/``dst`` and
@@ -21,15 +22,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shm_broadcast.codec import message_bytes
 from shm_broadcast.group_io import broadcast_bytes
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
-from .metadata import TensorMeta, decode_meta, describe, dtype_from_name, encode_meta, rebuild
+from .metadata import SeparateTensor, checked, decode, describe, encode, rebuild
 
 if TYPE_CHECKING:
     from .group_coordinator import GroupCoordinator
 
-# CPU tensors up to this size ride inside the metadata: one message instead
+# CPU tensors up to this size ride inside the dict's message: one message instead
 # of one per tensor, which is what makes small dicts fast.
 INLINE_TENSOR_MAX_BYTES = 64 * 1024
 
@@ -51,14 +53,12 @@ def broadcast(
             raise GroupcoordTypeError("tensor_dict is required on the source rank")
         if via_mq:
             # The queue's codec writes CPU tensors straight into shared
-            # memory, so none need to ride inline or travel over Gloo.
-            meta, tensors = describe(tensor_dict, -1)
-            on_cpu = [t for t in tensors if t.is_cpu]
-            tensors = [t for t in tensors if not t.is_cpu]
-            group._mq_broadcast((encode_meta(meta), on_cpu))
+            # memory, so all of them ride inside; only device tensors follow.
+            described, tensors = describe(tensor_dict, None)
+            group._mq_broadcast(encode(described))
         else:
-            meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
-            payload = encode_meta(meta)
+            described, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
+            payload = message_bytes(encode(described))
             group._collective("broadcast_tensor_dict", broadcast_bytes, meta_pg, payload, src)
         works = [
             dist.broadcast(
@@ -71,23 +71,20 @@ def broadcast(
         ]
         group._wait_all("broadcast_tensor_dict", works)
         return dict(tensor_dict)
-    arrived: list[torch.Tensor] = []
     if via_mq:
-        data, arrived = group._mq_broadcast(None)
+        described = checked(group._mq_broadcast(None))
     else:
         data = group._collective("broadcast_tensor_dict", broadcast_bytes, meta_pg, None, src)
-    from_queue = iter(arrived)
+        described = decode(data)
     works = []
 
-    def receive(item: TensorMeta) -> torch.Tensor:
-        if item.device == "cpu" and via_mq:
-            return next(from_queue)
+    def receive(item: SeparateTensor) -> torch.Tensor:
         out = _empty(group, item)
         pg = meta_pg if out.is_cpu else tensors_pg
         works.append(dist.broadcast(out, src=src_rank, group=pg, async_op=True))
         return out
 
-    result = rebuild(decode_meta(data), receive)
+    result = rebuild(described, receive)
     group._wait_all("broadcast_tensor_dict", works)
     return result
 
@@ -115,21 +112,21 @@ def send(
         use = tensor.numel() % slices == 0 if wanted is None else bool(wanted)
         return slices if use else 0
 
-    # describe() raises on a bad dict before anything is sent.
-    meta, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES, slices_of)
+    # describe() and encode() raise on a bad dict before anything is sent.
+    described, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES, slices_of)
+    msg = encode(described)
     peer = group.ranks[dst]
-    # Peers on this node: metadata and CPU tensors through a shared-memory
+    # Peers on this node: the dict and CPU tensors through a shared-memory
     # channel, in the same order as over Gloo; device tensors still use the
     # device group.
     channels = group._p2p_channels
     shm = channels if channels.open_to(peer, "send_tensor_dict") else None
     if shm is not None:
-        shm.send_meta(peer, encode_meta(meta), "send_tensor_dict")
+        shm.send_message(peer, msg, "send_tensor_dict")
     else:
-        group._send_bytes(encode_meta(meta), dst, "send_tensor_dict")
+        group._send_bytes(message_bytes(msg), dst, "send_tensor_dict")
     part = all_gather_group.rank_in_group if all_gather_group is not None else 0
-    items = [i for i in meta.items if isinstance(i, TensorMeta) and i.inline is None]
-    for item, tensor in zip(items, tensors):
+    for item, tensor in zip(described.separate.values(), tensors):
         if item.slices:
             tensor = tensor.reshape(slices, -1)[part]
         if shm is not None and tensor.is_cpu:
@@ -147,26 +144,26 @@ def recv(
     channels = group._p2p_channels
     shm = channels if channels.open_from(peer, "recv_tensor_dict") else None
     if shm is not None:
-        meta = decode_meta(shm.recv_meta(peer, "recv_tensor_dict"))
+        described = checked(shm.recv_message(peer, "recv_tensor_dict"))
     else:
-        meta = decode_meta(group._recv_bytes(src, "recv_tensor_dict"))
+        described = decode(group._recv_bytes(src, "recv_tensor_dict"))
     slices = all_gather_group.world_size if all_gather_group is not None else 1
-    for n in {i.slices for i in meta.items if isinstance(i, TensorMeta) and i.slices}:
+    for n in {i.slices for i in described.separate.values() if i.slices}:
         if all_gather_group is None or slices != n:
             raise GroupcoordValueError(
                 f"all_gather_group: the sender sliced tensors {n} ways, so the receiver "
                 f"needs an all_gather_group of that size (got {slices})"
             )
 
-    def fetch(item: TensorMeta, shape: tuple[int, ...]) -> torch.Tensor:
+    def fetch(item: SeparateTensor, shape: tuple[int, ...]) -> torch.Tensor:
         if shm is not None and item.device == "cpu":
-            return shm.recv_tensor(peer, dtype_from_name(item.dtype), shape, "recv_tensor_dict")
+            return shm.recv_tensor(peer, item.dtype, shape, "recv_tensor_dict")
         out = _empty(group, item, shape)
         pg = group.cpu_group if out.is_cpu else group.device_group
         group._p2p("recv_tensor_dict", src, dist.recv, out, peer, pg)
         return out
 
-    def receive(item: TensorMeta) -> torch.Tensor:
+    def receive(item: SeparateTensor) -> torch.Tensor:
         if not item.slices:
             return fetch(item, item.shape)
         assert all_gather_group is not None
@@ -177,13 +174,11 @@ def recv(
         # Peer r sent the r-th contiguous 1/N of the flattened tensor.
         return all_gather_group.all_gather(part, dim=0).reshape(item.shape)
 
-    return rebuild(meta, receive)
+    return rebuild(described, receive)
 
 
 def _empty(
-    group: GroupCoordinator, item: TensorMeta, shape: tuple[int, ...] | None = None
+    group: GroupCoordinator, item: SeparateTensor, shape: tuple[int, ...] | None = None
 ) -> torch.Tensor:
     device = torch.device("cpu") if item.device == "cpu" else group.device
-    return torch.empty(
-        item.shape if shape is None else shape, dtype=dtype_from_name(item.dtype), device=device
-    )
+    return torch.empty(item.shape if shape is None else shape, dtype=item.dtype, device=device)

@@ -50,10 +50,14 @@ __all__ = [
     "Codec",
     "EncodedMessage",
     "add_safe_types",
+    "dtype_name",
     "dumps",
+    "encode_message",
     "frames_as_buffers",
     "loads",
+    "message_bytes",
     "read_message",
+    "torch_dtype",
     "write_message",
 ]
 
@@ -153,6 +157,7 @@ _MALFORMED = (
     struct.error,
 )
 _DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> name on the wire, filled on first use
+_DTYPES_BY_NAME: dict[str, Any] = {}  # the reverse, filled on first use
 _SIMPLE = frozenset({type(None), bool, int, float, str})
 _SIMPLE_KEYS = frozenset({type(None), bool, int, float, str, bytes})
 
@@ -320,7 +325,7 @@ class Codec:
 
     def _walk_struct(self, obj: msgspec.Struct) -> Any:
         cls = type(obj)
-        values = [self._walk(getattr(obj, name)) for name in cls.__struct_fields__]
+        values = self._walk_list([getattr(obj, name) for name in cls.__struct_fields__])
         return _Ext(_EXT_STRUCT, self._enc.encode([cls.__module__, cls.__qualname__, values]))
 
     def _add_frame(self, frame: Any, nbytes: int) -> int:
@@ -357,10 +362,7 @@ class Codec:
         else:
             frame = b""
         idx = self._add_frame(frame, nbytes)
-        name = _DTYPE_NAMES.get(t.dtype)
-        if name is None:
-            name = _DTYPE_NAMES[t.dtype] = str(t.dtype)[6:]
-        return _Ext(_EXT_TENSOR, self._enc.encode([name, list(t.shape), idx]))
+        return _Ext(_EXT_TENSOR, self._enc.encode([dtype_name(t.dtype), list(t.shape), idx]))
 
     def _walk_ndarray(self, a: Any) -> Any:
         import numpy as np
@@ -414,8 +416,8 @@ class Codec:
         if code == _EXT_TUPLE:
             return tuple(self._dec.decode(data))
         if code == _EXT_TENSOR:
-            dtype_name, shape, idx = self._dec.decode(data)
-            return _decode_tensor(dtype_name, shape, self._frame(idx))
+            name, shape, idx = self._dec.decode(data)
+            return _decode_tensor(name, shape, self._frame(idx))
         if code == _EXT_STRUCT:
             module, qualname, values = self._dec.decode(data)
             return _decode_struct(module, qualname, values)
@@ -435,7 +437,7 @@ class Codec:
         if code == _EXT_BIGINT:
             return int(bytes(data))
         if code == _EXT_TORCH_DTYPE:
-            return _torch_dtype(bytes(data).decode()[6:])
+            return torch_dtype(bytes(data).decode()[6:])
         if code == _EXT_TORCH_DEVICE:
             import torch
 
@@ -466,12 +468,24 @@ class Codec:
         raise ProtocolError(f"unknown msgpack extension type {code}")
 
 
-def _torch_dtype(name: str) -> Any:
-    import torch
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype's name on the wire ("float32"); :func:`torch_dtype` reverses it."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)[6:]
+    return name
 
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ProtocolError(f"unknown torch dtype {name!r}")
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype a wire name stands for; ``ProtocolError`` for an unknown one."""
+    dtype = _DTYPES_BY_NAME.get(name)
+    if dtype is None:
+        import torch
+
+        dtype = getattr(torch, name, None) if type(name) is str else None
+        if not isinstance(dtype, torch.dtype):
+            raise ProtocolError(f"unknown torch dtype {name!r}")
+        _DTYPES_BY_NAME[name] = dtype
     return dtype
 
 
@@ -479,19 +493,17 @@ def _torch_dtype(name: str) -> Any:
 _LARGE_DECODE_BYTES = 64 * 1024
 
 
-def _decode_tensor(dtype_name: str, shape: list[int], frame: memoryview) -> Any:
+def _decode_tensor(name: str, shape: list[int], frame: memoryview) -> Any:
     import torch
 
-    dtype = _torch_dtype(dtype_name)
+    dtype = torch_dtype(name)
     nbytes = len(frame)
     itemsize = dtype.itemsize
     numel = 1
     for dim in shape:
         numel *= dim
     if numel * itemsize != nbytes:
-        raise ProtocolError(
-            f"tensor {dtype_name}{shape} needs {numel * itemsize} bytes, got {nbytes}"
-        )
+        raise ProtocolError(f"tensor {name}{shape} needs {numel * itemsize} bytes, got {nbytes}")
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     # One copy out of the (reusable) source buffer into memory the tensor owns.
@@ -657,9 +669,19 @@ def _codec(allow_pickle: bool) -> Codec:
     return codec
 
 
+def encode_message(obj: Any, *, allow_pickle: bool = False) -> EncodedMessage:
+    """Encode ``obj`` once into header and frames (this thread's codec): what
+    ``MessageQueue.enqueue`` accepts as is, and :func:`message_bytes` joins."""
+    return _codec(allow_pickle).encode(obj)
+
+
 def dumps(obj: Any, *, allow_pickle: bool = False) -> bytes:
     """Encode ``obj`` into one ``bytes`` (header and frames, see module doc)."""
-    msg = _codec(allow_pickle).encode(obj)
+    return message_bytes(_codec(allow_pickle).encode(obj))
+
+
+def message_bytes(msg: EncodedMessage) -> bytes:
+    """An encoded message as one ``bytes``, the form :func:`loads` reads."""
     if not msg.frames:
         return _PREFIX.pack(len(msg.header), 0) + msg.header
     parts: list[Any] = [_PREFIX.pack(len(msg.header), len(msg.frames))]

@@ -30,6 +30,7 @@ import zmq
 from .codec import (
     MESSAGE_PREFIX,
     Codec,
+    EncodedMessage,
     dumps,
     frames_as_buffers,
     loads,
@@ -433,12 +434,16 @@ class MessageQueue:
 
     def enqueue(self, obj: Any, timeout: float | datetime.timedelta | None = None) -> None:
         """Send ``obj`` to every reader; waits while readers are behind: at most
-        ``timeout``, or (None, vLLM's semantics) as long as they live, with a notice."""
+        ``timeout``, or (None, vLLM's semantics) as long as they live, with a notice.
+
+        ``obj`` may be a message ``codec.encode_message`` already encoded; it is
+        sent as is (readers get the object it encodes)."""
         if self.role != "writer":
             raise GroupcoordValueError(f"{self.what}: enqueue on a {self.role} (rank {self.rank})")
         if self._closed:
             self._check_open()
-        msg = self._codec.encode(obj)  # refuses bad objects before anything is sent
+        # Encoding refuses bad objects before anything is sent.
+        msg = obj if isinstance(obj, EncodedMessage) else self._codec.encode(obj)
         timeout_s, deadline = _deadline(timeout)
         self._notice = None if timeout is not None else "enqueue"
         self._busy = True

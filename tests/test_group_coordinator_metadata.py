@@ -1,4 +1,4 @@
-"""Tensor-dict metadata Structs: round trips, inline tensors, refusals, bad bytes."""
+"""Tensor dicts on the wire: one codec encoding, inline tensors, stand-ins, refusals, bad bytes."""
 
 from __future__ import annotations
 
@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from coordinator.errors import GroupcoordTypeError, ProtocolError
-from coordinator.metadata import (
-    TensorDictMeta,
-    TensorMeta,
-    ValueMeta,
-    decode_meta,
-    describe,
-    encode_meta,
-    rebuild,
-)
+from coordinator.metadata import SeparateTensor, decode, describe, encode, rebuild
+from shm_broadcast.codec import dumps, encode_message, message_bytes
 
 
 def _dict() -> dict:
@@ -32,12 +25,18 @@ def _dict() -> dict:
 
 def test_round_trip_with_small_tensors_inline_and_large_ones_separate() -> None:
     original = _dict()
-    meta, separate = describe(original, inline_max_bytes=1024)
+    described, separate = describe(original, inline_max_bytes=1024)
     assert [t.shape for t in separate] == [torch.Size([100, 100])]
-    wire = encode_meta(meta)
+    assert described.separate == {"big": SeparateTensor(torch.float32, (100, 100), "cpu")}
+    wire = message_bytes(encode(described))
     assert b"\x80\x04" not in wire[:2]  # msgpack, not a pickle header
-    again = decode_meta(wire)
-    assert again == meta
+    # One encoding: the message is the codec's encoding of the dict plus the
+    # separate tensor's description, with no nested per-value encodings inside it.
+    plain_part = len(encode_message({k: v for k, v in original.items() if k != "big"}).header)
+    assert plain_part < len(encode(described).header) < plain_part + 40
+    again = decode(wire)
+    assert list(again.values) == list(original)
+    assert again.separate == described.separate
     pending = iter(separate)
     out = rebuild(again, lambda item: next(pending).clone())
     assert list(out) == list(original)
@@ -51,33 +50,50 @@ def test_round_trip_with_small_tensors_inline_and_large_ones_separate() -> None:
     assert original["ints"][0, 0] == 0
 
 
+def test_every_cpu_tensor_rides_inside_without_a_limit() -> None:
+    described, separate = describe(_dict(), inline_max_bytes=None)
+    assert separate == [] and described.separate == {}
+
+
 def test_slicing_choice_is_recorded_and_keeps_tensors_out_of_line() -> None:
-    meta, separate = describe(
+    described, separate = describe(
         {"x": torch.ones(4), "y": torch.ones(3)},
         inline_max_bytes=1 << 20,
         slices=lambda key, t: 2 if key == "x" else 0,
     )
-    x, y = meta.items
-    assert isinstance(x, TensorMeta) and x.slices == 2 and x.inline is None
-    assert isinstance(y, TensorMeta) and y.slices == 0 and y.inline is not None
+    assert described.separate == {"x": SeparateTensor(torch.float32, (4,), "cpu", 2)}
+    assert described.values["x"] is None and isinstance(described.values["y"], torch.Tensor)
     assert len(separate) == 1
+    assert decode(message_bytes(encode(described))).separate == described.separate
 
 
 def test_refusals_name_the_key() -> None:
     with pytest.raises(GroupcoordTypeError, match="keys must be str"):
         describe({1: torch.ones(1)}, 0)  # type: ignore[dict-item]
     with pytest.raises(GroupcoordTypeError, match=r"tensor_dict\['fn'\]"):
-        describe({"fn": object()}, 0)
+        encode(describe({"ok": 1, "fn": object()}, 0)[0])
     with pytest.raises(GroupcoordTypeError, match="must be a dict"):
         describe([("a", 1)], 0)  # type: ignore[arg-type]
 
 
 def test_bad_bytes_raise_protocol_error() -> None:
     with pytest.raises(ProtocolError):
-        decode_meta(b"\x93garbage")
-    lopsided = encode_meta(TensorDictMeta(["a", "b"], [ValueMeta(b"\xc0")]))
-    with pytest.raises(ProtocolError, match="2 keys but 1 items"):
-        decode_meta(lopsided)
-    unknown = encode_meta(TensorDictMeta(["a"], [TensorMeta("float99", (1,), "cpu", b"")]))
-    with pytest.raises(ProtocolError, match="unknown dtype 'float99'"):
-        rebuild(decode_meta(unknown), lambda item: torch.empty(0))
+        decode(b"\x93garbage")
+    with pytest.raises(ProtocolError, match="expected a tensor dict"):
+        decode(dumps({"a": 1}))
+    with pytest.raises(ProtocolError, match="not a str"):
+        decode(dumps([{1: "a"}, []]))
+    with pytest.raises(ProtocolError, match="unknown torch dtype 'float99'"):
+        decode(dumps([{"a": None}, ["a", "float99", "cpu", 0, 1, 1]]))
+    for bad in (
+        ["a", "float32", "cpu", 0, 1, -1],  # negative size
+        ["a", "float32", "cpu", -2, 1, 1],  # negative slices
+        ["b", "float32", "cpu", 0, 1, 1],  # no such key
+        ["a", "float32"],  # too short
+        ["a", "float32", "cpu", 0, 2, 1],  # fewer sizes than ndim
+        ["a", 7, "cpu", 0, 1, 1],  # dtype name not a str
+    ):
+        with pytest.raises(ProtocolError, match="malformed tensor description"):
+            decode(dumps([{"a": None}, bad]))
+    with pytest.raises(ProtocolError, match="malformed"):  # a value where a tensor goes
+        decode(dumps([{"a": 5}, ["a", "float32", "cpu", 0, 1, 1]]))

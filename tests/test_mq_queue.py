@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coordinator.launch import init_gloo, run_ranks
-from shm_broadcast.codec import dumps, loads
+from shm_broadcast.codec import dumps, encode_message, loads
 from shm_broadcast.errors import ClosedError, GroupcoordValueError
 from shm_broadcast.group_io import broadcast_bytes
 from shm_broadcast.message_queue import Handle, MessageQueue
@@ -75,7 +75,10 @@ def _ordering_rank(rank, world_size, n_local, count):
     mq = make_queue(rank, world_size, n_local)
     if rank == 0:
         for i in range(count):
-            mq.enqueue(mixed_message(i), timeout=60)
+            msg = mixed_message(i)
+            # Every third message goes already encoded (as tensor dicts do):
+            # readers must get the same object whichever path it takes.
+            mq.enqueue(encode_message(msg) if i % 3 == 0 else msg, timeout=60)
         result = count
     else:
         kept = []
