@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from device_communicators.base_device_communicator import DeviceCommunicatorBase, write_into
+from device_communicators import checks
+from device_communicators.base_device_communicator import DeviceCommunicatorBase
 from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import get_config, override, resolve_timeout
 from shm_broadcast.group_io import broadcast_bytes
@@ -302,7 +303,7 @@ class GroupCoordinator:
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """Sum over the group; out of place (``input_`` is unchanged)."""
         if self.world_size == 1:
-            _check_tensor(input_, "input_")
+            checks.tensor(input_, "input_")
             return input_
         if torch.compiler.is_compiling():
             return torch.ops.groupcoord.all_reduce(input_, self.unique_name)
@@ -310,7 +311,7 @@ class GroupCoordinator:
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's equally shaped ``input_`` concatenated along ``dim``."""
-        dim = _check_dim(input_, dim, "dim")
+        dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
         if torch.compiler.is_compiling():
@@ -342,7 +343,7 @@ class GroupCoordinator:
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal slice along ``dim``."""
-        dim = _check_dim(input_, dim, "dim")
+        dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
         if torch.compiler.is_compiling():
@@ -355,7 +356,7 @@ class GroupCoordinator:
         self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
     ) -> torch.Tensor:
         """Sum over the group, then keep ``sizes[rank]`` rows along ``dim`` (equal when None)."""
-        dim = _check_dim(input_, dim, "dim")
+        dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
         if torch.compiler.is_compiling() and sizes is not None:
@@ -369,7 +370,7 @@ class GroupCoordinator:
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every rank's ``input_`` concatenated along ``dim`` on in-group rank ``dst``; None elsewhere."""
         self._check_index(dst, "dst")
-        dim = _check_dim(input_, dim, "dim")
+        dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
         return self._collective("gather", self._tensor_comm().gather, input_, dst, dim)
@@ -377,7 +378,7 @@ class GroupCoordinator:
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s ``input_`` on every rank, in place (out of place under torch.compile)."""
         self._check_index(src, "src")
-        _check_tensor(input_, "input_")
+        checks.tensor(input_, "input_")
         if self.world_size == 1:
             return input_
         if torch.compiler.is_compiling():
@@ -410,7 +411,7 @@ class GroupCoordinator:
         return self._collective("broadcast", self._tensor_comm().broadcast, input_, src)
 
     def _traced_all_gatherv(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Any:
-        dim = _check_dim(tensor, dim, "dim")
+        dim = checks.dim(checks.tensor(tensor, "input_"), dim)
         return torch.ops.groupcoord.all_gatherv(tensor, dim, list(sizes), self.unique_name)
 
     # ---- objects ------------------------------------------------------------------
@@ -574,7 +575,7 @@ class GroupCoordinator:
 
     def cpu_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum of a CPU tensor over the CPU (Gloo) group."""
-        _check_tensor(tensor, "tensor")
+        checks.tensor(tensor, "tensor")
         if self.world_size == 1:
             return tensor
         self._collective("cpu_all_reduce_", dist.all_reduce, tensor, ReduceOp.SUM, self.cpu_group)
@@ -588,7 +589,7 @@ class GroupCoordinator:
         sizes: list[int] | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce_scatterv` written into ``output``; returns ``output``."""
-        return write_into(output, self.reduce_scatterv(input_, dim, sizes))
+        return checks.write_into(output, self.reduce_scatterv(input_, dim, sizes))
 
     def make_sibling_device_group(self, group_desc: str | None = None) -> ProcessGroup:
         """A second device process group over the same ranks (made by these ranks only)."""
@@ -747,18 +748,10 @@ class GroupCoordinator:
         return self._plain_comm
 
     def _check_index(self, index: int, name: str) -> None:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise GroupcoordTypeError(f"{name} must be an int in-group rank, got {index!r}")
-        if not 0 <= index < self.world_size:
-            raise GroupcoordValueError(
-                f"{name}={index} is not a rank of group {self.unique_name} "
-                f"(world size {self.world_size})"
-            )
+        checks.rank(index, name, self.world_size, what=f"group {self.unique_name}")
 
     def _check_peer(self, index: int, name: str) -> None:
-        self._check_index(index, name)
-        if index == self.rank_in_group:
-            raise GroupcoordValueError(f"{name}={index} is this rank itself")
+        checks.rank(index, name, self.world_size, self.rank_in_group, f"group {self.unique_name}")
 
     def _collective(self, operation: str, fn: Any, *args: Any) -> Any:
         """Run one collective; a transport failure says which ranks did not arrive."""
@@ -805,22 +798,6 @@ class GroupCoordinator:
             self.unique_name, seq, self.rank_in_group, self.ranks, self.timeout_s, self._local_pids
         )
         return classify(self.unique_name, operation, self.timeout_s, missing, exc, known_dead=dead)
-
-
-def _check_tensor(tensor: object, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise GroupcoordTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-
-
-def _check_dim(tensor: torch.Tensor, dim: int, name: str) -> int:
-    _check_tensor(tensor, "input_")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise GroupcoordTypeError(f"{name} must be an int, got {dim!r}")
-    if not -tensor.dim() <= dim < max(tensor.dim(), 1):
-        raise GroupcoordValueError(
-            f"{name}={dim} is out of range for a tensor with {tensor.dim()} dims"
-        )
-    return dim % tensor.dim() if tensor.dim() else 0
 
 
 def _check_group_ranks(group_ranks: Any, rank: int, world_size: int) -> list[int]:

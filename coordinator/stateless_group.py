@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from device_communicators import checks
 from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import resolve_timeout
 
@@ -321,17 +322,10 @@ class StatelessProcessGroup:
         return f"StatelessProcessGroup(rank {self.rank} of {self.world_size})"
 
     def _check_rank(self, value: int, name: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise GroupcoordValueError(f"{name} must be an int rank, got {value!r}")
-        if not 0 <= value < self.world_size:
-            raise GroupcoordValueError(
-                f"{name}={value} is not a rank of this group (world size {self.world_size})"
-            )
+        checks.rank(value, name, self.world_size)
 
     def _check_peer(self, value: int, name: str) -> None:
-        self._check_rank(value, name)
-        if value == self.rank:
-            raise GroupcoordValueError(f"{name}={value} is this rank itself")
+        checks.rank(value, name, self.world_size, self.rank)
 
 
 def _set(store: dist.Store, key: str, value: bytes) -> None:

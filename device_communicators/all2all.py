@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .base_device_communicator import write_into
+from .checks import write_into
 from .errors import ClosedError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 
 __all__ = [

@@ -24,21 +24,9 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.gloo_errors import gloo_errors
 
+from . import checks
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError, unsupported
-
-
-def write_into(output: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """``result`` copied into the caller's ``output`` (the ``*_into_output`` methods),
-    which must match it; returns ``output``."""
-    if not isinstance(output, torch.Tensor):
-        raise GroupcoordTypeError(f"output must be a torch.Tensor, got {type(output).__name__}")
-    if output.shape != result.shape or output.dtype != result.dtype:
-        raise GroupcoordValueError(
-            f"output must be {result.dtype}{list(result.shape)}, got "
-            f"{output.dtype}{list(output.shape)}"
-        )
-    return output.copy_(result)
 
 
 class DeviceCommunicatorBase:
@@ -120,13 +108,13 @@ class DeviceCommunicatorBase:
         self, input_: torch.Tensor, *, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
         """Reduce over the group; returns a new tensor, ``input_`` is unchanged."""
-        self._check_tensor(input_, "input_")
+        checks.tensor(input_, "input_", self.device)
         return self.all_reduce_chain.all_reduce(input_, op)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's equally shaped ``input_`` along ``dim``."""
-        self._check_tensor(input_, "input_")
-        dim = self._check_dim(input_, dim, "dim")
+        checks.tensor(input_, "input_", self.device)
+        dim = checks.dim(input_, dim)
         stacked = self._all_gather_stacked(input_)
         # (world, ..., n_dim, ...) -> (..., world * n_dim, ...), rank-major along dim.
         shape = list(input_.shape)
@@ -151,10 +139,10 @@ class DeviceCommunicatorBase:
         dims = []
         for i, t in enumerate(tensors):
             name = f"input_[{i}]" if isinstance(input_, list) else "input_"
-            self._check_tensor(t, name)
-            dims.append(self._check_dim(t, dim, "dim"))
+            checks.tensor(t, name, self.device)
+            dims.append(checks.dim(t, dim))
         if sizes is not None:
-            self._check_sizes(sizes, "sizes")
+            checks.sizes(sizes, "sizes", self.world_size)
             for t, d in zip(tensors, dims):
                 if t.shape[d] != sizes[self.rank_in_group]:
                     raise GroupcoordValueError(
@@ -173,8 +161,8 @@ class DeviceCommunicatorBase:
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal 1/world slice along ``dim``."""
-        self._check_tensor(input_, "input_")
-        dim = self._check_dim(input_, dim, "dim")
+        checks.tensor(input_, "input_", self.device)
+        dim = checks.dim(input_, dim)
         if input_.shape[dim] % self.world_size:
             raise GroupcoordValueError(
                 f"input_ has {input_.shape[dim]} along dim {dim}, not divisible by the "
@@ -189,9 +177,9 @@ class DeviceCommunicatorBase:
         """Like ``reduce_scatter`` with rank i keeping ``sizes[i]`` rows along ``dim``."""
         if sizes is None:
             return self.reduce_scatter(input_, dim)
-        self._check_tensor(input_, "input_")
-        dim = self._check_dim(input_, dim, "dim")
-        self._check_sizes(sizes, "sizes")
+        checks.tensor(input_, "input_", self.device)
+        dim = checks.dim(input_, dim)
+        checks.sizes(sizes, "sizes", self.world_size)
         if sum(sizes) != input_.shape[dim]:
             raise GroupcoordValueError(
                 f"sizes sum to {sum(sizes)} but input_ has {input_.shape[dim]} along dim {dim}"
@@ -204,16 +192,16 @@ class DeviceCommunicatorBase:
 
         Ranks may hold different lengths along ``dim`` (discovered, exact result).
         """
-        self._check_tensor(input_, "input_")
-        dim = self._check_dim(input_, dim, "dim")
-        self._check_peer(dst, "dst", allow_self=True)
+        checks.tensor(input_, "input_", self.device)
+        dim = checks.dim(input_, dim)
+        checks.rank(dst, "dst", self.world_size)
         (sizes,) = self._discover_sizes([input_], [dim])
         return self._gather_padded(input_, dim, sizes, dst=dst)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with ``src``'s; returns ``tensor``."""
-        self._check_tensor(tensor, "tensor")
-        self._check_peer(src, "src", allow_self=True)
+        checks.tensor(tensor, "tensor", self.device)
+        checks.rank(src, "src", self.world_size)
         if self.world_size == 1:
             return tensor
         return self._broadcast_(tensor, src)
@@ -226,7 +214,7 @@ class DeviceCommunicatorBase:
         sizes: list[int] | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce_scatterv` written into ``output``; returns ``output``."""
-        return write_into(output, self.reduce_scatterv(input_, dim, sizes))
+        return checks.write_into(output, self.reduce_scatterv(input_, dim, sizes))
 
     def get_symmetric_memory_buffer(
         self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -277,10 +265,10 @@ class DeviceCommunicatorBase:
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to in-group rank ``dst`` (default: the next rank)."""
-        self._check_tensor(tensor, "tensor")
+        checks.tensor(tensor, "tensor", self.device)
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
-        self._check_peer(dst, "dst", allow_self=False)
+        checks.rank(dst, "dst", self.world_size, self.rank_in_group)
         with self._gloo("send", peer=dst):
             dist.send(tensor.contiguous(), dst=self.ranks[dst], group=self.device_group)
 
@@ -301,7 +289,7 @@ class DeviceCommunicatorBase:
             raise GroupcoordValueError(f"size must not be negative, got {tuple(shape)}")
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
-        self._check_peer(src, "src", allow_self=False)
+        checks.rank(src, "src", self.world_size, self.rank_in_group)
         out = torch.empty(shape, dtype=dtype, device=self.device)
         with self._gloo("recv", peer=src):
             dist.recv(out, src=self.ranks[src], group=self.device_group)
@@ -382,48 +370,6 @@ class DeviceCommunicatorBase:
             None if peer is None else [self.ranks[peer]],
             self.peer_pids,
         )
-
-    def _check_tensor(self, tensor: object, name: str) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise GroupcoordTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type != self.device.type or (
-            # cuda:1 vs cuda:0 matters; "cpu" vs "cpu:0" does not.
-            self.device.type != "cpu"
-            and self.device.index is not None
-            and tensor.device.index != self.device.index
-        ):
-            raise GroupcoordValueError(
-                f"{name} is on {tensor.device} but this communicator works on {self.device}"
-            )
-
-    @staticmethod
-    def _check_dim(tensor: torch.Tensor, dim: int, name: str) -> int:
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise GroupcoordTypeError(f"{name} must be an int, got {dim!r}")
-        if not -tensor.dim() <= dim < tensor.dim():
-            raise GroupcoordValueError(
-                f"{name}={dim} is out of range for a tensor with {tensor.dim()} dims"
-            )
-        return dim % tensor.dim()
-
-    def _check_peer(self, index: int, name: str, allow_self: bool) -> None:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise GroupcoordTypeError(f"{name} must be an int in-group rank, got {index!r}")
-        if not 0 <= index < self.world_size:
-            raise GroupcoordValueError(
-                f"{name}={index} is not a rank of this group (world size {self.world_size})"
-            )
-        if not allow_self and index == self.rank_in_group:
-            raise GroupcoordValueError(f"{name}={index} is this rank itself")
-
-    def _check_sizes(self, sizes: list[int], name: str) -> None:
-        if not isinstance(sizes, (list, tuple)) or len(sizes) != self.world_size:
-            raise GroupcoordValueError(
-                f"{name} must list one size per rank ({self.world_size}), got {sizes!r}"
-            )
-        for s in sizes:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-                raise GroupcoordValueError(f"{name} must hold non-negative ints, got {sizes!r}")
 
     def _discover_sizes(self, tensors: list[torch.Tensor], dims: list[int]) -> list[list[int]]:
         """Each tensor's length along its dim on every rank, in one small all-gather.

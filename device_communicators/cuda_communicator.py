@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
+from . import checks
 from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
 from .custom_all_reduce import CustomAllreduce
@@ -136,8 +137,8 @@ class CudaCommunicator(DeviceCommunicatorBase):
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if not self.pynccl.available:
             return super().all_gather(input_, dim)
-        self._check_tensor(input_, "input_")
-        dim = self._check_dim(input_, dim, "dim")
+        checks.tensor(input_, "input_", self.device)
+        dim = checks.dim(input_, dim)
         src = input_.contiguous()
         out = torch.empty((self.world_size, *src.shape), dtype=src.dtype, device=src.device)
         self.pynccl.all_gather(out, src)
@@ -156,10 +157,10 @@ class CudaCommunicator(DeviceCommunicatorBase):
             raise GroupcoordValueError("input_: all_gatherv needs at least one tensor")
         dims = []
         for i, t in enumerate(tensors):
-            self._check_tensor(t, f"input_[{i}]" if isinstance(input_, list) else "input_")
-            dims.append(self._check_dim(t, dim, "dim"))
+            checks.tensor(t, f"input_[{i}]" if isinstance(input_, list) else "input_", self.device)
+            dims.append(checks.dim(t, dim))
         if sizes is not None:
-            self._check_sizes(sizes, "sizes")
+            checks.sizes(sizes, "sizes", self.world_size)
             per_tensor = [list(sizes) for _ in tensors]
         else:
             per_tensor = self._discover_sizes(tensors, dims)
@@ -179,8 +180,8 @@ class CudaCommunicator(DeviceCommunicatorBase):
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if not self.pynccl.available:
             return super().reduce_scatter(input_, dim)
-        self._check_tensor(input_, "input_")
-        dim = self._check_dim(input_, dim, "dim")
+        checks.tensor(input_, "input_", self.device)
+        dim = checks.dim(input_, dim)
         if input_.shape[dim] % self.world_size:
             raise GroupcoordValueError(
                 f"input_ has {input_.shape[dim]} along dim {dim}, not divisible by the "
@@ -197,9 +198,9 @@ class CudaCommunicator(DeviceCommunicatorBase):
     ) -> torch.Tensor:
         if not self.pynccl.available or sizes is None:
             return super().reduce_scatterv(input_, dim, sizes)
-        self._check_tensor(input_, "input_")
-        dim = self._check_dim(input_, dim, "dim")
-        self._check_sizes(sizes, "sizes")
+        checks.tensor(input_, "input_", self.device)
+        dim = checks.dim(input_, dim)
+        checks.sizes(sizes, "sizes", self.world_size)
         if sum(sizes) != input_.shape[dim]:
             raise GroupcoordValueError(
                 f"sizes sum to {sum(sizes)} but input_ has {input_.shape[dim]} along dim {dim}"
@@ -213,8 +214,8 @@ class CudaCommunicator(DeviceCommunicatorBase):
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if not self.pynccl.available:
             return super().broadcast(tensor, src)
-        self._check_tensor(tensor, "tensor")
-        self._check_peer(src, "src", allow_self=True)
+        checks.tensor(tensor, "tensor", self.device)
+        checks.rank(src, "src", self.world_size)
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         self.pynccl.broadcast(work, src)
         if work is not tensor:
@@ -224,10 +225,10 @@ class CudaCommunicator(DeviceCommunicatorBase):
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         if not self.pynccl.available:
             return super().send(tensor, dst)
-        self._check_tensor(tensor, "tensor")
+        checks.tensor(tensor, "tensor", self.device)
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
-        self._check_peer(dst, "dst", allow_self=False)
+        checks.rank(dst, "dst", self.world_size, self.rank_in_group)
         self.pynccl.send(tensor.contiguous(), dst)
         return None
 
@@ -243,7 +244,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
             raise GroupcoordTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
-        self._check_peer(src, "src", allow_self=False)
+        checks.rank(src, "src", self.world_size, self.rank_in_group)
         out = torch.empty(torch.Size(size), dtype=dtype, device=self.device)
         self.pynccl.recv(out, src)
         return out

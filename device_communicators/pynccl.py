@@ -26,6 +26,7 @@ from torch.distributed import ReduceOp
 from shm_broadcast.config import get_config
 from shm_broadcast.group_io import all_gather_bytes, broadcast_bytes, group_rank_and_size
 
+from . import checks
 from .errors import (
     BackendUnavailableError,
     ClosedError,
@@ -210,28 +211,13 @@ class PyNcclCommunicator:
         return self.comm
 
     def _check(self, tensor: Any, name: str) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise GroupcoordTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device != self.device:
-            raise GroupcoordValueError(
-                f"{name} is on {tensor.device}, communicator on {self.device}"
-            )
-        if not tensor.is_contiguous():
-            raise GroupcoordValueError(f"{name} must be contiguous")
+        checks.tensor(tensor, name, self.device, contiguous=True)
 
     def _check_peer(self, peer: int, name: str) -> None:
-        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size:
-            raise GroupcoordValueError(
-                f"{name}={peer!r} is not a rank of a group of {self.world_size}"
-            )
+        checks.rank(peer, name, self.world_size)
 
     def _check_sizes(self, sizes: Sequence[int], total: int, name: str) -> None:
-        if len(sizes) != self.world_size or any(s < 0 for s in sizes):
-            raise GroupcoordValueError(
-                f"{name} must list {self.world_size} sizes >= 0, got {sizes}"
-            )
-        if sum(sizes) != total:
-            raise GroupcoordValueError(f"{name} sum to {sum(sizes)}, the tensor has {total} rows")
+        checks.split_sizes(sizes, name, self.world_size, total, "the tensor's dim 0")
 
     def _stream(self, stream: Any) -> int:
         if stream is None:

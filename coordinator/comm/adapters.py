@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from device_communicators import checks
 from shm_broadcast.config import resolve_timeout
 
 from ..errors import GroupcoordTypeError, GroupcoordValueError
-from . import checks
 from .bootstrap import unique_prefix
 from .comm import Comm, _timeout_s
 

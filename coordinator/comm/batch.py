@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import torch
 
+from device_communicators import checks
+
 from ..errors import ClosedError
-from . import checks
 from .work import Work
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class P2PBatch:
         if self._issued:
             raise ClosedError("this batch was already issued; create a new one")
         comm = self._comm
-        checked = checks.tensor(tensor, "tensor", comm.get_device())
+        checked = checks.tensor(tensor, "tensor", comm.get_device(), contiguous=True)
         rank = checks.rank(peer, arg, comm.get_size(), self_rank=comm.get_rank())
         self._ops.append(P2POp(kind, checked, rank))
 

@@ -40,6 +40,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
+from device_communicators import checks
 from device_communicators.shm_all_reduce import ShmAllReduce
 from shm_broadcast.config import resolve_timeout
 from shm_broadcast.liveness import dead_peers, host_key
@@ -51,7 +52,6 @@ from ..errors import (
     GroupcoordTypeError,
     GroupcoordValueError,
 )
-from . import checks
 from .bootstrap import default_store, rank_and_size, unique_prefix
 from .reduce_ops import ReduceOp
 from .shm_lane import ShmLane
@@ -295,10 +295,10 @@ class Comm:
         return mark
 
     def _tensor(self, value: Any, argument: str) -> torch.Tensor:
-        return checks.tensor(value, argument, self._device)
+        return checks.tensor(value, argument, self._device, contiguous=True)
 
     def _tensors(self, value: Any, argument: str, length: int | None) -> list[torch.Tensor]:
-        return checks.tensor_list(value, argument, self._device, length)
+        return checks.tensor_list(value, argument, self._device, length, contiguous=True)
 
     @staticmethod
     def _op(op: Any, dtype: torch.dtype, argument: str) -> ReduceOp:
@@ -775,10 +775,10 @@ class Comm:
                 f"{tuple(output.shape[1:])} must have the same shape"
             )
         out_splits = checks.split_sizes(
-            output_split_sizes, "output_split_sizes", self._size, output.shape[0], "output"
+            output_split_sizes, "output_split_sizes", self._size, output.shape[0], "output's dim 0"
         )
         in_splits = checks.split_sizes(
-            input_split_sizes, "input_split_sizes", self._size, input.shape[0], "input"
+            input_split_sizes, "input_split_sizes", self._size, input.shape[0], "input's dim 0"
         )
         return self._alltoall_base(
             "all_to_all_v_single", output, input, out_splits, in_splits, async_op, hints, timeout

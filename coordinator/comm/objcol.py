@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from device_communicators import checks
 from shm_broadcast import codec
 
 from ..errors import GroupcoordTypeError, GroupcoordValueError
-from . import bytes_io, checks
+from . import bytes_io
 
 if TYPE_CHECKING:
     from .comm import Comm

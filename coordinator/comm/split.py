@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from device_communicators import checks
+
 from ..errors import GroupcoordTypeError, GroupcoordValueError
-from . import checks
 
 if TYPE_CHECKING:
     from .comm import Comm

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from device_communicators import checks
 from shm_broadcast.config import get_config
 from shm_broadcast.liveness import dead_peers
 from shm_broadcast.ring import memory_fence, needs_fence
@@ -45,7 +46,7 @@ from ..errors import (
     GroupcoordValueError,
     PeerDiedError,
 )
-from . import bytes_io, checks
+from . import bytes_io
 from .spin import spin_until
 from .work import Work
 
@@ -123,7 +124,7 @@ class Window:
         Puts from peers land in the shared copy (``get_tensor()``);
         ``tensor_deregister()`` copies the final contents back into ``tensor``.
         """
-        tensor = checks.tensor(tensor, "tensor", self._comm.get_device())
+        tensor = checks.tensor(tensor, "tensor", self._comm.get_device(), contiguous=True)
         self._register(tensor.numel() * tensor.element_size(), tensor.dtype, signal_size)
         self._registered = tensor
         if tensor.numel():
@@ -276,7 +277,7 @@ class Window:
     ) -> Work:
         """Copy ``tensor`` into ``dst_rank``'s window, ``target_offset_nelems`` elements in."""
         self._require()
-        tensor = checks.tensor(tensor, "tensor", self._comm.get_device())
+        tensor = checks.tensor(tensor, "tensor", self._comm.get_device(), contiguous=True)
         dst_rank = checks.rank(dst_rank, "dst_rank", self._comm.get_size())
         checks.flag(async_op, "async_op")
         if self._registered is not None and tensor.dtype != self._dtype:

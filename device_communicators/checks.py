@@ -1,0 +1,187 @@
+"""The argument checks of every public entry point, in one place.
+
+``GroupCoordinator``, the device communicators, ``Comm``, ``StatelessProcessGroup``
+and PyNccl all check their arguments with these functions, before anything is
+sent, so a bad call leaves the group usable and the same mistake gets the same
+answer everywhere. Each check raises :class:`GroupcoordTypeError` (wrong type)
+or :class:`GroupcoordValueError` (wrong value) naming the argument and what
+was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import GroupcoordTypeError, GroupcoordValueError
+
+__all__ = [
+    "dim",
+    "dtype_match",
+    "flag",
+    "hints",
+    "numel",
+    "rank",
+    "same_dtype",
+    "same_shape",
+    "sizes",
+    "split_sizes",
+    "tensor",
+    "tensor_list",
+    "write_into",
+]
+
+
+def tensor(
+    value: Any, argument: str, device: torch.device | None = None, *, contiguous: bool = False
+) -> torch.Tensor:
+    """``value`` if it is a dense tensor (on ``device``: same type, and same index
+    unless CPU; contiguous when asked, as in-place transports need)."""
+    if not isinstance(value, torch.Tensor):
+        raise GroupcoordTypeError(f"{argument} must be a torch.Tensor, got {type(value).__name__}")
+    if value.is_sparse:
+        raise GroupcoordTypeError(f"{argument} must be a dense tensor")
+    if device is not None and (
+        value.device.type != device.type
+        # cuda:1 vs cuda:0 matters; "cpu" vs "cpu:0" does not.
+        or (
+            device.type != "cpu" and device.index is not None and value.device.index != device.index
+        )
+    ):
+        raise GroupcoordValueError(
+            f"{argument} is on {value.device} but this group works on {device}"
+        )
+    if contiguous and not value.is_contiguous():
+        raise GroupcoordValueError(f"{argument} must be contiguous (call .contiguous() first)")
+    return value
+
+
+def tensor_list(
+    value: Any,
+    argument: str,
+    device: torch.device | None,
+    length: int | None,
+    *,
+    contiguous: bool = False,
+) -> list[torch.Tensor]:
+    """``value`` as a list of checked tensors (``length`` of them when given)."""
+    if not isinstance(value, list | tuple):
+        raise GroupcoordTypeError(
+            f"{argument} must be a list of tensors, got {type(value).__name__}"
+        )
+    if length is not None and len(value) != length:
+        raise GroupcoordValueError(
+            f"{argument} must hold one tensor per rank ({length}), got {len(value)}"
+        )
+    return [
+        tensor(t, f"{argument}[{i}]", device, contiguous=contiguous) for i, t in enumerate(value)
+    ]
+
+
+def dim(value: torch.Tensor, d: Any, argument: str = "dim") -> int:
+    """``d`` as a non-negative dimension of ``value`` (a 0-d tensor has none)."""
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise GroupcoordTypeError(f"{argument} must be an int, got {d!r}")
+    if not -value.dim() <= d < value.dim():
+        raise GroupcoordValueError(
+            f"{argument}={d} is out of range for a tensor with {value.dim()} dims"
+        )
+    return d % value.dim()
+
+
+def rank(
+    value: Any, argument: str, size: int, self_rank: int | None = None, what: str = "this group"
+) -> int:
+    """``value`` if it is a rank of a group of ``size`` (and not ``self_rank`` when given)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GroupcoordTypeError(f"{argument} must be an int rank, got {value!r}")
+    if not 0 <= value < size:
+        raise GroupcoordValueError(
+            f"{argument}={value} is not a rank of {what} (out of range for size {size})"
+        )
+    if self_rank is not None and value == self_rank:
+        raise GroupcoordValueError(f"{argument}={value} is this rank itself")
+    return value
+
+
+def sizes(value: Any, argument: str, size: int) -> list[int]:
+    """``value`` as one non-negative int per rank."""
+    if not isinstance(value, list | tuple):
+        raise GroupcoordTypeError(f"{argument} must be a list of ints, got {type(value).__name__}")
+    if len(value) != size:
+        raise GroupcoordValueError(
+            f"{argument} must have one entry per rank ({size}), got {len(value)}"
+        )
+    for i, s in enumerate(value):
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise GroupcoordValueError(f"{argument}[{i}]={s!r} must be a non-negative int")
+    return list(value)
+
+
+def split_sizes(value: Any, argument: str, size: int, total: int, of: str) -> list[int]:
+    """:func:`sizes` that also add up to ``total``, the length of ``of`` being split."""
+    out = sizes(value, argument, size)
+    if sum(out) != total:
+        raise GroupcoordValueError(f"{argument} sums to {sum(out)} but {of} has {total}")
+    return out
+
+
+def same_dtype(reference: torch.Tensor, others: Sequence[torch.Tensor], argument: str) -> None:
+    for i, other in enumerate(others):
+        if other.dtype != reference.dtype:
+            raise GroupcoordTypeError(
+                f"{argument}[{i}] has dtype {other.dtype}, expected {reference.dtype}"
+            )
+
+
+def dtype_match(a: torch.Tensor, b: torch.Tensor, a_name: str, b_name: str) -> None:
+    if a.dtype != b.dtype:
+        raise GroupcoordTypeError(
+            f"{a_name} has dtype {a.dtype} but {b_name} has dtype {b.dtype}; they must match"
+        )
+
+
+def numel(value: torch.Tensor, expected: int, argument: str, why: str) -> None:
+    if value.numel() != expected:
+        raise GroupcoordValueError(
+            f"{argument} has {value.numel()} elements, expected {expected} ({why})"
+        )
+
+
+def same_shape(tensors: Sequence[torch.Tensor], reference: torch.Tensor, argument: str) -> None:
+    for i, t in enumerate(tensors):
+        if t.shape != reference.shape:
+            raise GroupcoordValueError(
+                f"{argument}[{i}] has shape {tuple(t.shape)}, expected {tuple(reference.shape)}"
+            )
+
+
+def hints(value: Any, argument: str = "hints") -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise GroupcoordTypeError(f"{argument} must be a mapping of str to str")
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, str):
+            raise GroupcoordTypeError(f"{argument} must map str to str, got {key!r}: {item!r}")
+    return dict(value)
+
+
+def flag(value: Any, argument: str) -> bool:
+    if not isinstance(value, bool):
+        raise GroupcoordTypeError(f"{argument} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def write_into(output: Any, result: torch.Tensor) -> torch.Tensor:
+    """``result`` copied into the caller's ``output`` (the ``*_into_output`` methods),
+    which must match it; returns ``output``."""
+    tensor(output, "output")
+    if output.shape != result.shape or output.dtype != result.dtype:
+        raise GroupcoordValueError(
+            f"output must be {result.dtype}{list(result.shape)}, got "
+            f"{output.dtype}{list(output.shape)}"
+        )
+    return output.copy_(result)
