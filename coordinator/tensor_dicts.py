@@ -16,7 +16,7 @@ the group arguments already.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,9 +27,30 @@ from shm_broadcast.group_io import broadcast_bytes
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
 from .metadata import SeparateTensor, checked, decode, describe, encode, rebuild
+from .p2p_channels import P2PChannels
 
-if TYPE_CHECKING:
-    from .group_coordinator import GroupCoordinator
+
+class Group(Protocol):
+    """What these functions use of a ``GroupCoordinator`` (structural, so this
+    module never imports the coordinator that calls it)."""
+
+    ranks: list[int]
+    rank_in_group: int
+    world_size: int
+    device: torch.device
+    cpu_group: ProcessGroup
+    device_group: ProcessGroup
+    mq_broadcaster: Any
+    _p2p_channels: P2PChannels
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+    def _mq_broadcast(self, obj: Any) -> Any: ...
+    def _collective(self, operation: str, fn: Any, *args: Any) -> Any: ...
+    def _p2p(self, operation: str, peer: int, fn: Any, *args: Any) -> Any: ...
+    def _wait_all(self, operation: str, works: list[Any]) -> None: ...
+    def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None: ...
+    def _recv_bytes(self, src: int, operation: str) -> bytes: ...
+
 
 # CPU tensors up to this size ride inside the dict's message: one message instead
 # of one per tensor, which is what makes small dicts fast.
@@ -37,7 +58,7 @@ INLINE_TENSOR_MAX_BYTES = 64 * 1024
 
 
 def broadcast(
-    group: GroupCoordinator,
+    group: Group,
     tensor_dict: Mapping[str, Any] | None,
     src: int,
     tensor_group: ProcessGroup | None,
@@ -90,10 +111,10 @@ def broadcast(
 
 
 def send(
-    group: GroupCoordinator,
+    group: Group,
     tensor_dict: Mapping[str, Any],
     dst: int,
-    all_gather_group: GroupCoordinator | None,
+    all_gather_group: Group | None,
     all_gather_tensors: Mapping[str, bool] | None,
 ) -> None:
     """Send ``tensor_dict`` to in-group rank ``dst`` (sliced over ``all_gather_group``)."""
@@ -136,9 +157,7 @@ def send(
         group._p2p("send_tensor_dict", dst, dist.send, tensor.contiguous(), peer, pg)
 
 
-def recv(
-    group: GroupCoordinator, src: int, all_gather_group: GroupCoordinator | None
-) -> dict[str, Any]:
+def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, Any]:
     """The next dict in-group rank ``src`` sent with :func:`send`."""
     peer = group.ranks[src]
     channels = group._p2p_channels
@@ -178,7 +197,7 @@ def recv(
 
 
 def _empty(
-    group: GroupCoordinator, item: SeparateTensor, shape: tuple[int, ...] | None = None
+    group: Group, item: SeparateTensor, shape: tuple[int, ...] | None = None
 ) -> torch.Tensor:
     device = torch.device("cpu") if item.device == "cpu" else group.device
     return torch.empty(item.shape if shape is None else shape, dtype=item.dtype, device=device)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import importlib
 import os
+import pathlib
 
 import pytest
 
@@ -69,7 +72,6 @@ def test_coordinator_offers_the_vllm_names() -> None:
 def test_the_wheel_lists_every_package_folder_and_the_benchmarks() -> None:
     """pyproject lists packages by hand (the benchmarks folder installs as
     groupcoord_benchmarks): a new sub-package must be added there or a wheel lacks it."""
-    import pathlib
 
     tomllib = pytest.importorskip("tomllib")
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -86,3 +88,43 @@ def test_the_wheel_lists_every_package_folder_and_the_benchmarks() -> None:
 
     for benchmark in bench.BENCHMARKS:
         assert (pathlib.Path(bench.BENCH_DIR) / benchmark.script).is_file(), benchmark
+
+
+def _imports_of(path: pathlib.Path, module: str, modules: set[str]) -> set[str]:
+    """Every project module ``module`` imports anywhere in its file: at the top,
+    inside functions and under ``TYPE_CHECKING`` (type-only imports count)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            subs = {f"{name}.{a.name}" for a in node.names} & modules
+            found |= subs or ({name} & modules)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names} & modules
+    return found - {module}
+
+
+def test_no_module_imports_itself_through_another() -> None:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    paths = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            paths[name] = path
+    # A package's __init__ re-exports its modules; what matters is module to module.
+    graph = {
+        m: {d for d in _imports_of(p, m, set(paths)) if paths[d].name != "__init__.py"}
+        for m, p in paths.items()
+        if p.name != "__init__.py"
+    }
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")

@@ -21,7 +21,8 @@ from shm_broadcast.config import resolve_timeout
 
 from ..errors import GroupcoordTypeError, GroupcoordValueError
 from .bootstrap import unique_prefix
-from .comm import Comm, _timeout_s
+from .comm import Comm
+from .core import timeout_seconds
 
 if TYPE_CHECKING:
     from ..group_coordinator import GroupCoordinator
@@ -54,7 +55,7 @@ def comm_from_process_group(
                 "store was not given and torch.distributed is not initialised"
             )
         store = dist.distributed_c10d._get_default_store()
-    timeout_s = _timeout_s(timeout, resolve_timeout(None))
+    timeout_s = timeout_seconds(timeout, resolve_timeout(None))
     comm = Comm(
         backend,
         store,

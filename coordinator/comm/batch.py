@@ -16,13 +16,13 @@ import torch
 from device_communicators import checks
 
 from ..errors import ClosedError
+from .core import P2P_TAG
+from .ops import CommOps
 from .work import Work
 
 if TYPE_CHECKING:
     import datetime
     from collections.abc import Mapping
-
-    from .comm import Comm
 
 
 class P2POp(msgspec.Struct, frozen=True):
@@ -36,7 +36,7 @@ class P2POp(msgspec.Struct, frozen=True):
 class P2PBatch:
     """Created by ``Comm.batch_op_create()``; issue once."""
 
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: CommOps) -> None:
         self._comm = comm
         self._ops: list[P2POp] = []
         self._issued = False
@@ -74,8 +74,6 @@ class P2PBatch:
         comm = self._comm
         if not ops:
             return Work.completed(comm.get_name(), "batch")
-        from .comm import _P2P_TAG
-
         checks.flag(async_op, "async_op")
         pg = comm._pg
 
@@ -83,9 +81,9 @@ class P2PBatch:
             works = []
             for op in ops:
                 if op.kind == "send":
-                    works.append(pg.send([op.tensor], op.peer, _P2P_TAG))
+                    works.append(pg.send([op.tensor], op.peer, P2P_TAG))
                 else:
-                    works.append(pg.recv([op.tensor], op.peer, _P2P_TAG))
+                    works.append(pg.recv([op.tensor], op.peer, P2P_TAG))
             return works
 
         self._issued = True  # even if the wait below times out: the ops were posted

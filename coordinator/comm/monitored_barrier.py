@@ -10,23 +10,18 @@ barrier ``n - 1``'s wait, so nobody can still be looking for them.
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING
 
 from ..errors import GroupcoordTimeoutError
-
-if TYPE_CHECKING:
-    from .comm import Comm
+from .core import CommCore, timeout_seconds
 
 
 def _key(seq: int, rank: int) -> str:
     return f"monitored_barrier/{seq}/{rank}"
 
 
-def monitored_barrier(comm: Comm, timeout: float | None = None) -> None:
+def monitored_barrier(comm: CommCore, timeout: float | None = None) -> None:
     """Block until every rank of ``comm`` arrives; on timeout name the absent ranks."""
-    from .comm import _timeout_s
-
-    timeout_s = _timeout_s(timeout, comm._timeout_s)
+    timeout_s = timeout_seconds(timeout, comm._timeout_s)
     comm._check_usable("monitored_barrier")
     store = comm._store
     seq = comm._barrier_count

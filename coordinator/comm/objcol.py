@@ -10,16 +10,14 @@ opt a receiver in. Signatures follow ``torch.distributed`` with the comm first.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from device_communicators import checks
 from shm_broadcast import codec
 
 from ..errors import GroupcoordTypeError, GroupcoordValueError
 from . import bytes_io
-
-if TYPE_CHECKING:
-    from .comm import Comm
+from .ops import CommOps
 
 __all__ = [
     "all_gather_object",
@@ -47,7 +45,7 @@ def _fill(target: list[Any], values: list[Any], argument: str) -> None:
 
 
 def all_gather_object(
-    comm: Comm,
+    comm: CommOps,
     object_list: list[Any],
     obj: Any,
     timeout: float | None = None,
@@ -61,7 +59,7 @@ def all_gather_object(
 
 
 def gather_object(
-    comm: Comm,
+    comm: CommOps,
     obj: Any,
     object_gather_list: list[Any] | None = None,
     dst: int = 0,
@@ -79,7 +77,7 @@ def gather_object(
 
 
 def broadcast_object_list(
-    comm: Comm,
+    comm: CommOps,
     object_list: list[Any],
     src: int = 0,
     timeout: float | None = None,
@@ -99,7 +97,7 @@ def broadcast_object_list(
 
 
 def send_object_list(
-    comm: Comm,
+    comm: CommOps,
     object_list: list[Any],
     dst: int,
     timeout: float | None = None,
@@ -113,7 +111,7 @@ def send_object_list(
 
 
 def recv_object_list(
-    comm: Comm,
+    comm: CommOps,
     object_list: list[Any],
     src: int,
     timeout: float | None = None,
@@ -127,7 +125,7 @@ def recv_object_list(
 
 
 def scatter_object_list(
-    comm: Comm,
+    comm: CommOps,
     scatter_object_output_list: list[Any],
     scatter_object_input_list: list[Any] | None = None,
     src: int = 0,

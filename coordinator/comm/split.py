@@ -11,16 +11,14 @@ the same error naming the disagreement, instead of some ranks hanging.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from device_communicators import checks
 
 from ..errors import GroupcoordTypeError, GroupcoordValueError
-
-if TYPE_CHECKING:
-    from .comm import Comm
+from .core import timeout_seconds
+from .ops import CommOps
 
 
 def _check_ranks(ranks: Sequence[int], me: int, size: int) -> list[int]:
@@ -36,7 +34,7 @@ def _check_ranks(ranks: Sequence[int], me: int, size: int) -> list[int]:
     return checked
 
 
-def _requests(parent: Comm, mine: list[int], timeout: float | None) -> list[list[int]]:
+def _requests(parent: CommOps, mine: list[int], timeout: float | None) -> list[list[int]]:
     size = parent.get_size()
     row = torch.full((size,), -1, dtype=torch.int64)
     row[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
@@ -56,19 +54,19 @@ def _disagreement(requests: list[list[int]]) -> str | None:
     return None
 
 
-def split(
-    parent: Comm,
+def split_members(
+    parent: CommOps,
     ranks: Sequence[int],
     name: str,
     hints: Mapping[str, str] | None,
     timeout: float | None,
-) -> Comm | None:
-    from .comm import Comm, _timeout_s
-
+) -> tuple[str, int, int, float, dict[str, str]] | None:
+    """The child this rank joins, as (store prefix, rank, size, timeout, hints);
+    None when it joins none. ``Comm.split`` builds the child from it."""
     if not isinstance(name, str) or not name:
         raise GroupcoordValueError(f"name must be a non-empty str, got {name!r}")
     checked_hints = checks.hints(hints)
-    timeout_s = _timeout_s(timeout, parent._timeout_s)
+    timeout_s = timeout_seconds(timeout, parent._timeout_s)
     me = parent.get_rank()
     mine = _check_ranks(ranks, me, parent.get_size())
     requests = _requests(parent, mine, timeout)
@@ -81,13 +79,4 @@ def split(
         return None
     members = "-".join(str(r) for r in mine)
     prefix = f"{parent._prefix}/split{seq}/{name}/{members}"
-    return Comm._create(
-        parent._base_store,
-        prefix,
-        mine.index(me),
-        len(mine),
-        name,
-        parent.get_device(),
-        timeout_s,
-        {**parent._hints, **checked_hints},
-    )
+    return prefix, mine.index(me), len(mine), timeout_s, {**parent._hints, **checked_hints}

@@ -27,7 +27,7 @@ import operator
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import torch
@@ -47,11 +47,10 @@ from ..errors import (
     PeerDiedError,
 )
 from . import bytes_io
+from .core import timeout_seconds
+from .ops import CommOps
 from .spin import spin_until
 from .work import Work
-
-if TYPE_CHECKING:
-    from .comm import Comm
 
 _ALIGN = 64
 _COMPARE: dict[str, Callable[[int, int], bool]] = {
@@ -109,7 +108,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Window:
     """Created by ``Comm.new_window()``; register a tensor (collective) to use it."""
 
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: CommOps) -> None:
         self._comm = comm
         self._maps: list[_Mapped] = []
         self._registered: torch.Tensor | None = None
@@ -362,9 +361,7 @@ class Window:
         """
         self._require()
         checks.flag(async_op, "async_op")
-        from .comm import _timeout_s
-
-        timeout_s = _timeout_s(timeout, self._comm._timeout_s)
+        timeout_s = timeout_seconds(timeout, self._comm._timeout_s)
         if signal_disp is not None or signal_val is not None:
             ready, peers = self._value_ready(signal_disp, signal_val, cmp_op)
         else:

@@ -1,0 +1,281 @@
+"""The state every :class:`~coordinator.comm.comm.Comm` is built on: identity,
+the usable/broken/closed states, how one operation runs (``_run``: check, then
+the shared-memory lane or c10d works handed to the completer) and teardown.
+
+The operations themselves live in ``reductions`` and ``ops``; ``comm`` puts
+the class together. Helpers (windows, batches, split, object collectives)
+depend on these parts, never on ``comm``, so nothing imports in a circle.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Self
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from device_communicators import checks
+from device_communicators.shm_all_reduce import ShmAllReduce
+from shm_broadcast.config import resolve_timeout
+from shm_broadcast.liveness import dead_peers
+
+from ..errors import (
+    ClosedError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+)
+from .reduce_ops import ReduceOp
+from .shm_lane import ShmLane
+from .work import Completer, Work, translate_error
+
+P2P_TAG = 0  # one tag for send/recv and batches, so Gloo keeps them in FIFO order per pair
+_Launch = Callable[[datetime.timedelta], Sequence[Any]]
+_Fast = Callable[[ShmAllReduce], None]
+
+
+class CommOptions(msgspec.Struct, frozen=True):
+    """What a communicator was built with (``Comm.get_options()``)."""
+
+    name: str
+    backend: str
+    device: str
+    rank: int
+    size: int
+    timeout_s: float
+    hints: dict[str, str]
+    store_prefix: str
+
+
+def timeout_seconds(timeout: float | None, default: float, argument: str = "timeout") -> float:
+    if timeout is None:
+        return default
+    try:
+        return resolve_timeout(timeout)
+    except ValueError as exc:
+        raise GroupcoordValueError(f"{argument}: {exc}") from exc
+
+
+class CommCore:
+    """Identity, state and the one way an operation runs; see :class:`Comm`."""
+
+    def __init__(
+        self,
+        pg: Any,
+        base_store: dist.Store,
+        prefix: str,
+        rank: int,
+        size: int,
+        name: str,
+        device: torch.device,
+        timeout_s: float,
+        hints: dict[str, str],
+        owns_pg: bool = True,
+    ) -> None:
+        # c10d's stubs lack the backend's collective methods, hence Any.
+        self._pg: Any = pg
+        self._owns_pg = owns_pg  # False when borrowed from an existing group (adapters.py)
+        self._base_store = base_store
+        self._prefix = prefix
+        self._store = dist.PrefixStore(prefix + "/kv", base_store)
+        self._rank = rank
+        self._size = size
+        self._name = name
+        self._device = device
+        self._timeout_s = timeout_s
+        self._hints = hints
+        self._completer = Completer(name)
+        self._closed: str | None = None
+        self._broken: str | None = None
+        self._split_count = 0
+        self._barrier_count = 0
+        self._windows: list[Any] = []  # Window objects (they only need close())
+        self._local_pids: dict[int, int] = {}  # comm rank -> pid, peers with our host key
+        self._lane: ShmLane | None = None  # None: no shared-memory path for this comm
+        self._on_timeout = self._weak_timeout_marker(self)
+
+    # -- identity ----------------------------------------------------------
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_size(self) -> int:
+        return self._size
+
+    def get_name(self) -> str:
+        return self._name
+
+    def get_device(self) -> torch.device:
+        return self._device
+
+    def get_backend(self) -> str:
+        return "gloo"
+
+    def get_options(self) -> CommOptions:
+        return CommOptions(
+            name=self._name,
+            backend="gloo",
+            device=str(self._device),
+            rank=self._rank,
+            size=self._size,
+            timeout_s=self._timeout_s,
+            hints=dict(self._hints),
+            store_prefix=self._prefix,
+        )
+
+    def __repr__(self) -> str:
+        return f"Comm({self._name!r}, rank {self._rank} of {self._size})"
+
+    # -- plumbing ----------------------------------------------------------
+    def _others(self) -> list[int]:
+        return [r for r in range(self._size) if r != self._rank]
+
+    def _check_usable(self, op: str) -> None:
+        if self._closed is not None:
+            raise ClosedError(f"communicator {self._name!r} was {self._closed}; {op} refused")
+        if self._broken is not None:
+            raise ClosedError(
+                f"communicator {self._name!r}: {self._broken} timed out earlier, so ranks may "
+                f"disagree on what comes next; abort() it and create a new one ({op} refused)"
+            )
+
+    @staticmethod
+    def _weak_failure_marker(comm: CommCore) -> Callable[[str], None]:
+        """What the shared-memory lane calls when a peer was late or died (held weakly,
+        like the timeout marker below)."""
+        ref = weakref.ref(comm)
+
+        def mark(op: str) -> None:
+            alive = ref()
+            if alive is not None:
+                alive._broken = op
+
+        return mark
+
+    @staticmethod
+    def _weak_timeout_marker(comm: CommCore) -> Callable[[Work], None]:
+        """What a work calls when its deadline passes: mark the comm broken.
+
+        It holds the comm weakly. A work's callbacks may be the last thing
+        released on one of Gloo's own threads; if they held the comm, the
+        process group's destructor would run there and try to join the very
+        thread it runs on (std::terminate, "Resource deadlock avoided").
+        Finishing steps likewise capture plain values, never the comm.
+        """
+        ref = weakref.ref(comm)
+
+        def mark(work: Work) -> None:
+            alive = ref()
+            if alive is not None:
+                alive._broken = work.op
+
+        return mark
+
+    def _tensor(self, value: Any, argument: str) -> torch.Tensor:
+        return checks.tensor(value, argument, self._device, contiguous=True)
+
+    def _tensors(self, value: Any, argument: str, length: int | None) -> list[torch.Tensor]:
+        return checks.tensor_list(value, argument, self._device, length, contiguous=True)
+
+    @staticmethod
+    def _op(op: Any, dtype: torch.dtype, argument: str) -> ReduceOp:
+        if not isinstance(op, ReduceOp):
+            raise GroupcoordTypeError(f"op must be a coordinator.comm.ReduceOp, got {op!r}")
+        op.check_dtype(dtype, argument)
+        return op
+
+    def _run(
+        self,
+        op: str,
+        peers: Sequence[int],
+        timeout: float | None,
+        async_op: bool,
+        hints: Mapping[str, str] | None,
+        launch: _Launch,
+        finish: Callable[[], None] | None = None,
+        completes_in_wait: bool = False,
+        fast: _Fast | None = None,
+    ) -> Work:
+        """Check, then run ``fast`` on the shared-memory back end (synchronous calls it
+        takes) or launch the c10d work(s), hand them to the completer, maybe wait."""
+        checks.flag(async_op, "async_op")
+        checks.hints(hints)
+        timeout_s = timeout_seconds(timeout, self._timeout_s)
+        self._check_usable(op)
+        if fast is not None:
+            assert self._lane is not None  # fast is only offered with a lane
+            work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
+            self._lane.run(work, fast, async_op)
+            return work
+        work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
+        local_pids = self._local_pids
+        work.find_dead = functools.partial(dead_peers, local_pids)
+        try:
+            c10d_works = launch(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise translate_error(work, exc) from exc
+        if async_op:
+            self._completer.track(work, c10d_works, finish, completes_in_wait)
+        else:
+            Completer.run_inline(work, c10d_works, finish)
+            work.wait()
+        return work
+
+    def _shm_takes(self, tensor: torch.Tensor, op: ReduceOp | None = None) -> bool:
+        """Whether the shared-memory back end takes ``tensor`` (and ``op``).
+
+        Its refusals depend on the group, dtype and operator only, so ranks that
+        agree on the call agree on the path (and the back end checks they agree).
+        """
+        if self._lane is None:
+            return False
+        shm = self._lane.shm
+        if op is None:
+            return shm.copy_refusal(tensor) is None
+        return shm.refusal(tensor, op.c10d_op()) is None
+
+    # -- teardown ----------------------------------------------------------
+    def abort(self) -> None:
+        """Stop at once (not collective): pending works become ABORTED, windows unmap."""
+        if self._closed is not None:
+            return
+        self._closed = "aborted"
+        self._pg.abort()
+        self._completer.abort_outstanding()
+        self._close_local(abandon="aborted")
+
+    def finalize(self) -> None:
+        """Orderly close (not collective): let queued works finish, unmap windows,
+        then shut the process group down. Works still running are waited for."""
+        if self._closed is not None:
+            return
+        self._closed = "finalized"
+        self._completer.drain()
+        self._close_local()
+        if self._owns_pg:
+            self._pg.shutdown()
+
+    def _close_local(self, abandon: str | None = None) -> None:
+        """Unmap the windows and the shared-memory back end (``abandon``: its call in
+        progress gives up first)."""
+        windows, self._windows = self._windows, []
+        for window in windows:
+            window.close()
+        if self._lane is not None:
+            self._lane.close(abandon)
+
+    def is_closed(self) -> bool:
+        return self._closed is not None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """``finalize()`` after a clean block, ``abort()`` after an exception."""
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()

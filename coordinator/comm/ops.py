@@ -1,0 +1,378 @@
+"""Moving operations of a communicator: broadcast, all_gather (single, v),
+all_to_all (single, v), gather, scatter, send and recv. On CPU, broadcast and
+all_gather take the shared-memory lane when the back end takes the tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllToAllOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ScatterOptions,
+)
+
+from device_communicators import checks
+from device_communicators.shm_all_reduce import ShmAllReduce
+
+from ..errors import (
+    GroupcoordValueError,
+)
+from .core import P2P_TAG
+from .reductions import Reductions
+from .work import Work
+
+
+class CommOps(Reductions):
+    """Every operation of :class:`~coordinator.comm.comm.Comm`: what helpers
+    (windows, batches, split, object collectives) are written against."""
+
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        root: int,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        tensor = self._tensor(tensor, "tensor")
+        root = checks.rank(root, "root", self._size)
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            opts = BroadcastOptions()
+            opts.rootRank = root
+            opts.rootTensor = 0
+            opts.timeout = td
+            return [self._pg.broadcast([tensor], opts)]
+
+        def fast(shm: ShmAllReduce) -> None:
+            shm.broadcast_(tensor, root)
+
+        return self._run(
+            "broadcast",
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            fast=fast if self._shm_takes(tensor) else None,
+        )
+
+    def _allgather(
+        self,
+        op: str,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool,
+        hints: Mapping[str, str] | None,
+        timeout: float | None,
+        stacked: torch.Tensor | None = None,
+    ) -> Work:
+        """``outputs[i]`` gets rank ``i``'s ``tensor``; ``stacked`` (when given) is one
+        contiguous tensor holding every output in rank order, for the shm path."""
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            opts = AllgatherOptions()
+            opts.timeout = td
+            return [self._pg.allgather([outputs], [tensor], opts)]
+
+        def fast(shm: ShmAllReduce) -> None:
+            if stacked is not None:
+                shm.all_gather(tensor, out=stacked)
+                return
+            for output, part in zip(outputs, shm.all_gather(tensor).unbind(0)):
+                output.copy_(part)
+
+        return self._run(
+            op,
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            fast=fast if self._shm_takes(tensor) else None,
+        )
+
+    def all_gather(
+        self,
+        tensor_list: list[torch.Tensor],
+        tensor: torch.Tensor,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        tensor = self._tensor(tensor, "tensor")
+        outputs = self._tensors(tensor_list, "tensor_list", self._size)
+        checks.same_dtype(tensor, outputs, "tensor_list")
+        checks.same_shape(outputs, tensor, "tensor_list")
+        return self._allgather("all_gather", outputs, tensor, async_op, hints, timeout)
+
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Gather every rank's ``input`` into ``output``, concatenated in rank order."""
+        input = self._tensor(input, "input")
+        output = self._tensor(output, "output")
+        checks.dtype_match(output, input, "output", "input")
+        checks.numel(output, self._size * input.numel(), "output", "size * input.numel()")
+        stacked = output.view(self._size, input.numel())
+        return self._allgather(
+            "all_gather_single",
+            list(stacked.unbind(0)),
+            input.view(-1),
+            async_op,
+            hints,
+            timeout,
+            stacked=stacked,
+        )
+
+    def all_gather_v(
+        self,
+        output_list: list[torch.Tensor],
+        input: torch.Tensor,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """All-gather where rank ``i`` contributes ``output_list[i].numel()`` elements."""
+        input = self._tensor(input, "input")
+        outputs = self._tensors(output_list, "output_list", self._size)
+        checks.same_dtype(input, outputs, "output_list")
+        checks.numel(
+            outputs[self._rank], input.numel(), f"output_list[{self._rank}]", "this rank's input"
+        )
+        # Gloo's allgather needs equal sizes: pad every part to the longest
+        # (all lengths are known from output_list), then copy the parts out.
+        longest = max(t.numel() for t in outputs)
+        padded = torch.zeros(longest, dtype=input.dtype)
+        padded[: input.numel()] = input.view(-1)
+        staged = [torch.empty(longest, dtype=input.dtype) for _ in outputs]
+
+        def finish() -> None:
+            for out, part in zip(outputs, staged):
+                out.view(-1).copy_(part[: out.numel()])
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            opts = AllgatherOptions()
+            opts.timeout = td
+            return [self._pg.allgather([staged], [padded], opts)]
+
+        return self._run("all_gather_v", self._others(), timeout, async_op, hints, launch, finish)
+
+    def _alltoall_base(
+        self,
+        name: str,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        async_op: bool,
+        hints: Mapping[str, str] | None,
+        timeout: float | None,
+        finish: Callable[[], None] | None = None,
+    ) -> Work:
+        def launch(td: datetime.timedelta) -> list[Any]:
+            opts = AllToAllOptions()
+            opts.timeout = td
+            return [self._pg.alltoall_base(output, input, output_splits, input_splits, opts)]
+
+        return self._run(name, self._others(), timeout, async_op, hints, launch, finish)
+
+    def all_to_all(
+        self,
+        output_list: list[torch.Tensor],
+        input_list: list[torch.Tensor],
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Send ``input_list[i]`` to rank ``i``; receive rank ``i``'s into ``output_list[i]``.
+
+        Sizes may differ per peer; each ``output_list[i]`` must match what rank
+        ``i`` sends. Runs as one alltoall over flat staging buffers.
+        """
+        inputs = self._tensors(input_list, "input_list", self._size)
+        outputs = self._tensors(output_list, "output_list", self._size)
+        checks.same_dtype(inputs[0], inputs[1:], "input_list")
+        checks.same_dtype(inputs[0], outputs, "output_list")
+        staged_in = torch.cat([t.view(-1) for t in inputs])
+        staged_out = torch.empty(sum(t.numel() for t in outputs), dtype=inputs[0].dtype)
+
+        def finish() -> None:
+            offset = 0
+            for t in outputs:
+                t.view(-1).copy_(staged_out[offset : offset + t.numel()])
+                offset += t.numel()
+
+        return self._alltoall_base(
+            "all_to_all",
+            staged_out,
+            staged_in,
+            [t.numel() for t in outputs],
+            [t.numel() for t in inputs],
+            async_op,
+            hints,
+            timeout,
+            finish,
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Equal split along dim 0: block ``i`` of ``input`` goes to rank ``i``."""
+        input = self._tensor(input, "input")
+        output = self._tensor(output, "output")
+        checks.dtype_match(output, input, "output", "input")
+        for tensor, argument in ((input, "input"), (output, "output")):
+            if tensor.dim() == 0 or tensor.shape[0] % self._size:
+                raise GroupcoordValueError(
+                    f"{argument} dim 0 ({tuple(tensor.shape)}) must divide evenly "
+                    f"among {self._size} ranks"
+                )
+        if output.shape != input.shape:
+            raise GroupcoordValueError(
+                f"output shape {tuple(output.shape)} must equal input shape {tuple(input.shape)}"
+            )
+        return self._alltoall_base(
+            "all_to_all_single", output, input, [], [], async_op, hints, timeout
+        )
+
+    def all_to_all_v_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Uneven all-to-all along dim 0: ``input_split_sizes[i]`` rows go to rank ``i``."""
+        input = self._tensor(input, "input")
+        output = self._tensor(output, "output")
+        checks.dtype_match(output, input, "output", "input")
+        if input.dim() == 0 or output.dim() == 0:
+            raise GroupcoordValueError("input and output need at least one dimension")
+        if input.shape[1:] != output.shape[1:]:
+            raise GroupcoordValueError(
+                f"input rows {tuple(input.shape[1:])} and output rows "
+                f"{tuple(output.shape[1:])} must have the same shape"
+            )
+        out_splits = checks.split_sizes(
+            output_split_sizes, "output_split_sizes", self._size, output.shape[0], "output's dim 0"
+        )
+        in_splits = checks.split_sizes(
+            input_split_sizes, "input_split_sizes", self._size, input.shape[0], "input's dim 0"
+        )
+        return self._alltoall_base(
+            "all_to_all_v_single", output, input, out_splits, in_splits, async_op, hints, timeout
+        )
+
+    def gather(
+        self,
+        output_list: list[torch.Tensor] | None,
+        input: torch.Tensor,
+        root: int,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Gather every rank's ``input`` into ``output_list`` on ``root`` (ignored elsewhere)."""
+        input = self._tensor(input, "input")
+        root = checks.rank(root, "root", self._size)
+        outputs: list[torch.Tensor] = []
+        if self._rank == root:
+            outputs = self._tensors(output_list, "output_list", self._size)
+            checks.same_dtype(input, outputs, "output_list")
+            checks.same_shape(outputs, input, "output_list")
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            opts = GatherOptions()
+            opts.rootRank = root
+            opts.timeout = td
+            return [self._pg.gather([outputs] if outputs else [], [input], opts)]
+
+        return self._run("gather", self._others(), timeout, async_op, hints, launch)
+
+    def scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor] | None,
+        root: int,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Send ``input_list[i]`` from ``root`` into rank ``i``'s ``output``."""
+        output = self._tensor(output, "output")
+        root = checks.rank(root, "root", self._size)
+        inputs: list[torch.Tensor] = []
+        if self._rank == root:
+            inputs = self._tensors(input_list, "input_list", self._size)
+            checks.same_dtype(output, inputs, "input_list")
+            checks.same_shape(inputs, output, "input_list")
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            opts = ScatterOptions()
+            opts.rootRank = root
+            opts.timeout = td
+            return [self._pg.scatter([output], [inputs] if inputs else [], opts)]
+
+        return self._run("scatter", self._others(), timeout, async_op, hints, launch)
+
+    # -- point to point ----------------------------------------------------
+    def send(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        tensor = self._tensor(tensor, "tensor")
+        dst = checks.rank(dst, "dst", self._size, self_rank=self._rank)
+        return self._run(
+            "send",
+            [dst],
+            timeout,
+            async_op,
+            hints,
+            lambda td: [self._pg.send([tensor], dst, P2P_TAG)],
+            completes_in_wait=True,
+        )
+
+    def recv(
+        self,
+        tensor: torch.Tensor,
+        src: int,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        tensor = self._tensor(tensor, "tensor")
+        src = checks.rank(src, "src", self._size, self_rank=self._rank)
+        return self._run(
+            "recv",
+            [src],
+            timeout,
+            async_op,
+            hints,
+            lambda td: [self._pg.recv([tensor], src, P2P_TAG)],
+            completes_in_wait=True,
+        )

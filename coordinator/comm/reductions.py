@@ -1,0 +1,219 @@
+"""Reducing operations of a communicator: all_reduce, reduce, reduce_scatter
+(single, v) and barrier. On CPU, all_reduce and reduce_scatter take the
+shared-memory lane when the back end takes the tensor (see ``CommCore._run``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    BarrierOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+)
+
+from device_communicators import checks
+from device_communicators.shm_all_reduce import ShmAllReduce
+
+from .core import CommCore
+from .reduce_ops import ReduceOp
+from .work import Work
+
+
+class Reductions(CommCore):
+    """The reducing operations of :class:`~coordinator.comm.comm.Comm`."""
+
+    # -- collectives -------------------------------------------------------
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        tensor = self._tensor(tensor, "tensor")
+        op = self._op(op, tensor.dtype, "tensor")
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            if op.factor is not None:
+                tensor.mul_(op.factor)
+            opts = AllreduceOptions()
+            opts.reduceOp = op.c10d_op()
+            opts.timeout = td
+            return [self._pg.allreduce([tensor], opts)]
+
+        finish = functools.partial(op.finish, tensor, self._size)
+
+        def fast(shm: ShmAllReduce) -> None:
+            shm.all_reduce(op.premultiply(tensor), op.c10d_op(), out=tensor)
+            finish()
+
+        return self._run(
+            "all_reduce",
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            finish,
+            fast=fast if self._shm_takes(tensor, op) else None,
+        )
+
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        root: int,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Reduce into ``tensor`` on ``root``; other ranks' tensors are scratch afterwards."""
+        tensor = self._tensor(tensor, "tensor")
+        root = checks.rank(root, "root", self._size)
+        op = self._op(op, tensor.dtype, "tensor")
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            if op.factor is not None:
+                tensor.mul_(op.factor)
+            opts = ReduceOptions()
+            opts.reduceOp = op.c10d_op()
+            opts.rootRank = root
+            opts.rootTensor = 0
+            opts.timeout = td
+            return [self._pg.reduce([tensor], opts)]
+
+        size, is_root = self._size, self._rank == root
+
+        def finish() -> None:
+            if is_root:
+                op.finish(tensor, size)
+
+        return self._run("reduce", self._others(), timeout, async_op, hints, launch, finish)
+
+    def _reduce_scatter(
+        self,
+        name: str,
+        output: torch.Tensor,
+        inputs: list[torch.Tensor],
+        op: ReduceOp,
+        async_op: bool,
+        hints: Mapping[str, str] | None,
+        timeout: float | None,
+        joined: torch.Tensor | None = None,
+    ) -> Work:
+        """``joined`` (when given) is ``inputs`` as one flat tensor, for the shm path."""
+
+        def launch(td: datetime.timedelta) -> list[Any]:
+            sent = [op.premultiply(t) for t in inputs]  # copies for PREMUL_SUM only
+            opts = ReduceScatterOptions()
+            opts.reduceOp = op.c10d_op()
+            opts.timeout = td
+            return [self._pg.reduce_scatter([output], [sent], opts)]
+
+        finish = functools.partial(op.finish, output, self._size)
+        rank = self._rank
+
+        def fast(shm: ShmAllReduce) -> None:
+            # Every rank's parts, flat and in rank order; this rank reduces only its own.
+            flat = torch.cat([t.reshape(-1) for t in inputs]) if joined is None else joined
+            flat = op.premultiply(flat)
+            lo = sum(t.numel() for t in inputs[:rank])
+            shm.reduce_range(flat, lo, lo + output.numel(), op.c10d_op(), out=output.view(-1))
+            finish()
+
+        return self._run(
+            name,
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            finish,
+            completes_in_wait=True,  # Gloo's reduce_scatter work has no future
+            fast=fast if self._shm_takes(output, op) else None,
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        output = self._tensor(output, "output")
+        inputs = self._tensors(input_list, "input_list", self._size)
+        checks.same_dtype(output, inputs, "input_list")
+        checks.same_shape(inputs, output, "input_list")
+        op = self._op(op, output.dtype, "output")
+        return self._reduce_scatter("reduce_scatter", output, inputs, op, async_op, hints, timeout)
+
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        output = self._tensor(output, "output")
+        input = self._tensor(input, "input")
+        checks.dtype_match(output, input, "output", "input")
+        checks.numel(input, self._size * output.numel(), "input", "size * output.numel()")
+        op = self._op(op, output.dtype, "output")
+        inputs = list(input.view(self._size, output.numel()).unbind(0))
+        return self._reduce_scatter(
+            "reduce_scatter_single",
+            output.view(-1),
+            inputs,
+            op,
+            async_op,
+            hints,
+            timeout,
+            joined=input.view(-1),
+        )
+
+    def reduce_scatter_v(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        """Reduce-scatter where rank ``i`` receives ``input_list[i]``-sized results."""
+        output = self._tensor(output, "output")
+        inputs = self._tensors(input_list, "input_list", self._size)
+        checks.same_dtype(output, inputs, "input_list")
+        checks.numel(
+            inputs[self._rank], output.numel(), f"input_list[{self._rank}]", "this rank's output"
+        )
+        op = self._op(op, output.dtype, "output")
+        flat = [t.view(-1) for t in inputs]
+        return self._reduce_scatter(
+            "reduce_scatter_v", output.view(-1), flat, op, async_op, hints, timeout
+        )
+
+    def barrier(
+        self,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Work:
+        def launch(td: datetime.timedelta) -> list[Any]:
+            opts = BarrierOptions()
+            opts.timeout = td
+            return [self._pg.barrier(opts)]
+
+        return self._run("barrier", self._others(), timeout, async_op, hints, launch)
