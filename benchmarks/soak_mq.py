@@ -5,7 +5,7 @@
 Every reader checks every message (number and content); the table shows each
 rank's time and resident memory after a 1,000-message warm-up and at the end.
 Exits non-zero if a message was lost, reordered or corrupted. The rank code
-is the reliability suite's (``tests/reliability/_soak.py``).
+(``_mq_soak.py``) is the one the reliability suite's soak test runs.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 from _common import print_table, reproduce_command, write_json  # noqa: E402
-from reliability._mq import WORLD  # noqa: E402
-from reliability._soak import soak  # noqa: E402
+from _mq_soak import WORLD, soak  # noqa: E402
 
 from coordinator.launch import run_ranks  # noqa: E402
 

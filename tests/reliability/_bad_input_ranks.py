@@ -206,9 +206,9 @@ def comm_case(rank: int, world: int) -> dict[str, Outcome]:
 
 
 def mq_case(rank: int, world: int) -> dict[str, Outcome]:
-    from shm_broadcast.message_queue import MessageQueue
+    from groupcoord_benchmarks import _mq_soak as _mq
 
-    from . import _mq
+    from shm_broadcast.message_queue import MessageQueue
 
     out: dict[str, Outcome] = {}
     if rank == 0:

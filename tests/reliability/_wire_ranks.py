@@ -204,9 +204,9 @@ def fake_writer_to_reader(rank: int, world: int, n_events: int, seed: int, path:
 
 def pickle_through_queue(rank: int, world: int, path: str) -> Any:
     """The writer pickles anyway (a hostile or misconfigured peer): ring, overflow and TCP."""
-    from shm_broadcast.codec import Codec
+    from groupcoord_benchmarks import _mq_soak as _mq
 
-    from . import _mq
+    from shm_broadcast.codec import Codec
 
     init_gloo(rank, world)
     mq = _mq.build_queue(rank)

@@ -112,7 +112,7 @@ def test_kill_pp_peer_during_send_tensor_dict() -> None:
 
 
 def _mq_stream(rank: int, world: int, victim: int, ready: Any, seed: int) -> Any:
-    from . import _mq
+    from groupcoord_benchmarks import _mq_soak as _mq
 
     init_gloo(rank, world)
     mq = _mq.build_queue(rank)
@@ -134,7 +134,7 @@ def _mq_stream(rank: int, world: int, victim: int, ready: Any, seed: int) -> Any
 
 
 def _mq_allowed(rank: int, victim: int, kind: str, named: list[int]) -> bool:
-    from . import _mq
+    from groupcoord_benchmarks import _mq_soak as _mq
 
     if victim == _mq.WRITER or rank == _mq.WRITER:
         # The side that waited on the dead process must name it.

@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from groupcoord_benchmarks import _mq_soak as _mq
+from groupcoord_benchmarks._mq_soak import soak
 
 from coordinator.launch import run_ranks
 
-from . import _mq
 from ._common import LONG, report
-from ._soak import soak
 
 MESSAGES = 1_000_000 if LONG else 20_000
 # Growth allowed between the warm-up and the end: allocator noise, not a leak
