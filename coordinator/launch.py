@@ -134,6 +134,9 @@ def _release_rank_resources() -> None:
 
     from shm_broadcast.segments import cleanup_owned_segments
 
+    from .p2p_channels import deliver_pending_sends
+
+    deliver_pending_sends()  # what the process's exit would do, before the store goes
     if dist.is_initialized():
         dist.destroy_process_group()
     cleanup_owned_segments()

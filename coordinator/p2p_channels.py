@@ -20,12 +20,24 @@ Memory: ``P2P_MAX_CHUNKS * max(mq_max_chunk_bytes, 16 MiB)`` of /dev/shm
 released by ``close()`` (``GroupCoordinator.destroy``). A ring that does not
 fit in /dev/shm is not an error: the sender marks the pair "gloo" in the
 store and both ends use Gloo sends for it.
+
+A sent dict is delivered even if the sender returns and exits at once (as
+vLLM's test workers do; Gloo delivers too): ``close()`` and the process's exit
+(``atexit``, and multiprocessing's exit for forked workers, which skip
+``atexit``) first wait until each receiver has read what it was sent, has shut
+its end, or died, for at most ``P2P_LINGER_S`` (and the group's timeout). The
+receiver unlinks the ring's name as soon as it has mapped it (it is the only
+party that ever attaches), so nothing stays in /dev/shm however either ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing.util
+import os
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -36,10 +48,18 @@ from shm_broadcast.config import get_config
 from shm_broadcast.errors import ShmSpaceError
 from shm_broadcast.liveness import process_alive
 from shm_broadcast.message_queue import Handle, MessageQueue
+from shm_broadcast.segments import unlink_segment
 
 from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError, ProtocolError
 
-__all__ = ["P2P_MAX_CHUNKS", "P2P_MIN_CHUNK_BYTES", "P2PChannels", "piece_bytes"]
+__all__ = [
+    "P2P_LINGER_S",
+    "P2P_MAX_CHUNKS",
+    "P2P_MIN_CHUNK_BYTES",
+    "P2PChannels",
+    "deliver_pending_sends",
+    "piece_bytes",
+]
 
 # Ring geometry per pair. Chunks are at least 16 MiB: a tensor that fits in
 # one travels with one copy in and one out, while a split one pays a third
@@ -56,6 +76,31 @@ _HEADROOM = 4096
 # Enqueue waits in slices this long, checking the receiver's pid in between
 # (the queue only watches readers that have attached).
 _SLICE_S = 0.5
+# At close or exit, how long a sender waits at most for a living receiver that
+# neither reads nor shuts its end (bounded, so an exit never hangs on a peer).
+P2P_LINGER_S = 30.0
+# The channels of this process that have sent something (see deliver_pending_sends).
+_senders: weakref.WeakSet[P2PChannels] = weakref.WeakSet()
+_exit_hook_pid: int | None = None
+
+
+def deliver_pending_sends() -> None:
+    """Close every channel this process sent on, after its receivers read what was
+    sent (bounded, see the module doc). Runs at exit; idempotent."""
+    for channels in list(_senders):
+        if channels.pid == os.getpid():
+            channels.close()
+
+
+def _hook_exit() -> None:
+    """Once per process: run deliver_pending_sends at interpreter exit and at
+    multiprocessing's exit of a forked worker (which skips atexit)."""
+    global _exit_hook_pid
+    if _exit_hook_pid == os.getpid():
+        return
+    _exit_hook_pid = os.getpid()
+    atexit.register(deliver_pending_sends)
+    multiprocessing.util.Finalize(None, deliver_pending_sends, exitpriority=100)
 
 
 def piece_bytes(max_chunk_bytes: int) -> int:
@@ -81,6 +126,7 @@ class P2PChannels:
         self._gloo_to: set[int] = set()
         self._gloo_from: set[int] = set()
         self._closed = False
+        self.pid = os.getpid()  # a forked child must not close its parent's channels
 
     def open_to(self, dst: int, operation: str) -> bool:
         """Whether dicts to ``dst`` go through shared memory (creates the channel on first use)."""
@@ -141,6 +187,8 @@ class P2PChannels:
             mq.shutdown()
             raise
         self._writers[dst] = mq
+        _senders.add(self)
+        _hook_exit()
         return mq
 
     def _put(self, mq: MessageQueue, obj: Any, dst: int, operation: str) -> None:
@@ -234,6 +282,9 @@ class P2PChannels:
                 f"{self.name}: {operation} from rank {src}: its channel is gone "
                 "(the sender destroyed the group before this rank received)"
             ) from exc
+        # This rank is the ring's only reader: once mapped, its name has done its job.
+        if handle.buffer_name is not None:
+            unlink_segment(handle.buffer_name)
         self._readers[src] = mq
         return mq
 
@@ -285,13 +336,31 @@ class P2PChannels:
     # ---- both ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Shut every channel down; the sender side unlinks its rings (idempotent)."""
+        """Shut every channel down once each receiver has read what this rank sent
+        it (or shut its end, or died; at most ``P2P_LINGER_S``); idempotent."""
         self._closed = True
+        self._linger()
         queues = list(self._writers.values()) + list(self._readers.values())
         self._writers.clear()
         self._readers.clear()
         for mq in queues:
             mq.shutdown()
+
+    def _linger(self) -> None:
+        deadline = time.monotonic() + min(P2P_LINGER_S, self.timeout_s)
+        for dst, mq in self._writers.items():
+            pause = 0.001
+            while not mq.all_read() and process_alive(self.peers[dst]):
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "%s: rank %d has not read what rank %d sent it; closing anyway",
+                        self.name,
+                        dst,
+                        self.rank,
+                    )
+                    break
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
 
 
 def _check_piece(name: str, src: int, got: Any, dtype: torch.dtype, numel: int) -> None:

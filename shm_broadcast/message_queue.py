@@ -485,6 +485,16 @@ class MessageQueue:
             if self._closed:
                 self._release()
 
+    def all_read(self) -> bool:
+        """Writer: whether every local reader has read everything sent so far (a
+        reader that shut down counts as done; remote readers are not tracked)."""
+        ring = self._ring
+        if ring is None or self.role != "writer":
+            return True
+        if any(ring.reader_pid(r) == READER_DETACHED for r in range(self.n_local_reader)):
+            return True
+        return all(ring.chunk_free(i) for i in range(ring.max_chunks))
+
     def _writer_wait_chunk(self, idx: int, deadline: float, timeout_s: float) -> None:
         ring = self._ring
         assert ring is not None
