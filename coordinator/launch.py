@@ -17,13 +17,27 @@ process group and unlinks the shared memory it created on the way out.
 Ranks are forked by default (about 50 ms each; spawn re-imports torch, about
 2 s). The forking parent must stay single-threaded: a rank forked after the
 parent started torch's OpenMP pool can hang in its first parallel op.
-``start_ranks`` returns the handle instead, to kill a rank mid-run.
+``start_ranks`` returns the handle instead, to kill a rank mid-run, or to read
+each rank's :class:`RankOutcome` (``Ranks.outcomes``) and report failures
+your own way, as ``groupcoord demo`` does.
+
+When a rank fails (raises, or dies without a word), the launcher waits
+``FAILURE_GRACE_S`` for the others' reports (a peer of the failed rank often
+fails a moment later: the cause must be told from its echoes), then ends the
+ranks still running. The report puts the likeliest cause first: a rank that
+died silently, else the earliest to raise; when every rank that spoke timed
+out waiting, the ranks that never spoke are named as the ones that stopped
+responding. A rank can call :func:`report_failure` to tell the launcher at
+once, before a teardown that may wait on dead peers. Ranks are also ended by
+the kernel (``PR_SET_PDEATHSIG``) if the launcher itself dies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -41,9 +55,12 @@ from .errors import GroupcoordError
 
 __all__ = [
     "RankError",
+    "RankOutcome",
     "Ranks",
+    "failure_report",
     "free_port",
     "init_gloo",
+    "report_failure",
     "run_ranks",
     "start_ranks",
     "started_pids",
@@ -52,6 +69,8 @@ __all__ = [
 # After a rank answered, how long it gets to tear down (destroy groups, unlink
 # shared memory) before it is killed.
 END_GRACE_S = 5.0
+# After the first failure, how long to wait for the other ranks' reports.
+FAILURE_GRACE_S = 1.0
 
 # Pids of every rank this process has started (a leak check can look only at
 # the segments these created).
@@ -63,6 +82,58 @@ class RankError(GroupcoordError, AssertionError):
 
     An ``AssertionError`` too, so a test that runs ranks fails like any assert.
     """
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    """How one rank ended, as its launcher saw it."""
+
+    rank: int
+    # "ok"; "raised"; "died" (ended without a word); "hung" (past the deadline);
+    # "stopped" (still running when the launcher ended it after another failed).
+    kind: str
+    value: Any = None  # what the rank's function returned ("ok")
+    error: str = ""  # "Type: message" ("raised"), how the process ended ("died")
+    traceback: str = ""
+    when: float = math.inf  # time.time() of the failure: the earliest is the cause
+    timed_out: bool = False  # it raised because a deadline of its own passed
+
+
+def failure_report(
+    outcomes: Sequence[RankOutcome], timeout: float, excused: Sequence[int] = ()
+) -> tuple[str, RankOutcome | None, list[str]]:
+    """What went wrong, the likeliest cause first: (headline, the rank it blames or
+    None, one line for each other failure). ``excused`` ranks were ended on purpose."""
+    bad = [o for o in outcomes if o.kind != "ok" and o.rank not in excused]
+    deaths = sorted((o for o in bad if o.kind == "died"), key=lambda o: o.when)
+    raised = sorted((o for o in bad if o.kind == "raised"), key=lambda o: o.when)
+    silent = [o.rank for o in bad if o.kind in ("hung", "stopped")]
+    lines: list[str] = []
+    cause: RankOutcome | None = None
+    if not deaths and silent and raised and all(o.timed_out for o in raised):
+        # Everyone who spoke timed out waiting: the ranks that never spoke are stuck.
+        headline = f"rank(s) {silent} stopped responding; their peers' deadlines passed"
+    elif not deaths and not raised and silent:
+        names = ", ".join(f"rank {r}" for r in silent)
+        headline = f"{names} did not finish within {timeout:g} s"
+    elif deaths or raised:
+        cause = (deaths + raised)[0]
+        headline = f"rank {cause.rank} {_what_happened(cause)}"
+    else:
+        headline = "every rank finished"
+    for o in deaths + raised:
+        if o is not cause:
+            lines.append(f"{'then ' if cause else ''}rank {o.rank} {_what_happened(o, 200)}")
+    stopped = [o.rank for o in bad if o.kind == "stopped"]
+    if stopped:
+        lines.append(f"ending the ranks still running: {stopped}")
+    return headline, cause, lines
+
+
+def _what_happened(o: RankOutcome, limit: int | None = None) -> str:
+    if o.kind == "raised":
+        return f"raised {o.error.splitlines()[0][:limit] if limit else o.error}"
+    return o.error
 
 
 def free_port() -> int:
@@ -93,6 +164,39 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGTERM this rank if its launcher dies (even by SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        print(f"prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}", file=sys.stderr)
+
+
+# In a rank: the pipe to its launcher, until the rank has answered.
+_to_launcher: Connection | None = None
+
+
+def report_failure(exc: BaseException) -> None:
+    """In a rank: tell the launcher of ``exc`` now, before a teardown that may wait
+    on dead peers; the rank's later answer is dropped. Outside a rank, or after
+    the rank answered, it does nothing."""
+    global _to_launcher
+    conn, _to_launcher = _to_launcher, None
+    if conn is None:
+        return
+    failure = {
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": "".join(traceback.format_exception(exc)),
+        "when": time.time(),
+        "timed_out": isinstance(exc, TimeoutError),
+    }
+    conn.send_bytes(dumps(("err", failure)))
+
+
 def _rank_main(
     conn: Connection,
     fn: Callable[..., Any],
@@ -114,15 +218,19 @@ def _rank_main(
             **env,
         }
     )
+    global _to_launcher
+    _to_launcher = conn
+    _die_with_parent()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # teardown still runs
     faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5), exit=False, file=sys.stderr)
     try:
         try:
-            reply: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
-            payload = dumps(reply)
-        except BaseException:  # noqa: BLE001 - report anything, even SystemExit, to the parent
-            payload = dumps(("err", traceback.format_exc()))
-        conn.send_bytes(payload)
+            payload = dumps(("ok", fn(rank, world_size, *args)))
+            if _to_launcher is not None:
+                _to_launcher.send_bytes(payload)
+                _to_launcher = None
+        except BaseException as exc:  # noqa: BLE001 - report anything, even SystemExit
+            report_failure(exc)
     finally:
         faulthandler.cancel_dump_traceback_later()
         _release_rank_resources()
@@ -188,45 +296,54 @@ class Ranks:
     def kill(self, rank: int) -> None:
         os.kill(self.pid(rank), signal.SIGKILL)
 
-    def collect(self, killed: Sequence[int] = ()) -> list[Any]:
-        """Wait for every rank; return results (None for ``killed`` ranks) or raise
-        :class:`RankError` naming every rank that failed, died, hung or exited
-        non-zero after answering."""
+    def outcomes(self, killed: Sequence[int] = ()) -> list[RankOutcome]:
+        """Wait for the ranks (see the module doc: a failure ends the wait early) and
+        end them all; how each ended, in rank order. ``killed`` ranks were ended on
+        purpose: their deaths start no early end."""
         deadline = time.monotonic() + self.timeout
-        outcome: dict[int, tuple[str, Any]] = {}
+        stop_at = deadline
+        got: dict[int, RankOutcome] = {}
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
         try:
             while pending:
-                left = deadline - time.monotonic()
+                left = stop_at - time.monotonic()
                 if left <= 0:
                     break
                 for ready in wait(list(pending), timeout=left):
                     conn = cast(Connection, ready)
                     rank = pending.pop(conn)
-                    try:
-                        kind, value = loads(conn.recv_bytes())
-                        outcome[rank] = (kind, value)
-                    except EOFError:
-                        outcome[rank] = ("died", None)
+                    got[rank] = _read_outcome(rank, conn)
+                    if got[rank].kind != "ok" and rank not in killed and stop_at == deadline:
+                        stop_at = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         finally:
-            self.terminate(grace_s=END_GRACE_S, finishing=set(outcome))
-        errors = []
-        for rank in range(self.world_size):
-            if rank in killed:
-                continue
-            kind, value = outcome.get(rank, ("hung", None))
-            code = self.procs[rank].exitcode
-            if kind == "err":
-                errors.append(f"rank {rank} raised:\n{value}")
-            elif kind == "died":
-                errors.append(f"rank {rank} died with exit code {code}")
-            elif kind == "hung":
-                errors.append(f"rank {rank} did not finish within {self.timeout:g} s")
-            elif code not in (0, None) and rank not in self._killed_by_us:
-                errors.append(f"rank {rank} answered, then exited with code {code}")
-        if errors:
-            raise RankError("\n".join(errors))
-        return [None if r in killed else outcome[r][1] for r in range(self.world_size)]
+            answered = {r for r, o in got.items() if o.kind != "died"}
+            self.terminate(grace_s=END_GRACE_S, finishing=answered)
+        left_over = "stopped" if stop_at != deadline else "hung"
+        for rank, proc in enumerate(self.procs):
+            outcome = got.setdefault(rank, RankOutcome(rank, left_over))
+            code = proc.exitcode
+            if outcome.kind == "died":
+                outcome.error = _describe_exit(code)
+            elif outcome.kind == "hung":
+                outcome.error = f"did not finish within {self.timeout:g} s"
+            elif outcome.kind == "ok" and code not in (0, None):
+                if rank not in self._killed_by_us:
+                    outcome.kind = "died"
+                    outcome.error = f"answered, then exited with code {code}"
+        return [got[rank] for rank in range(self.world_size)]
+
+    def collect(self, killed: Sequence[int] = ()) -> list[Any]:
+        """Every rank's result (None for ``killed`` ranks), or :class:`RankError`
+        naming every rank that failed, died or hung, the likeliest cause first."""
+        outcomes = self.outcomes(killed)
+        if any(o.kind != "ok" and o.rank not in killed for o in outcomes):
+            headline, cause, lines = failure_report(outcomes, self.timeout, killed)
+            text = [headline]
+            for o in outcomes:
+                if o.kind == "raised" and o.rank not in killed:
+                    text.append(f"--- rank {o.rank} traceback ---\n{o.traceback.rstrip()}")
+            raise RankError("\n".join(text + lines))
+        return [None if o.rank in killed else o.value for o in outcomes]
 
     def terminate(self, grace_s: float = 0.0, finishing: set[int] | None = None) -> None:
         """End every rank still running. Ranks in ``finishing`` (they answered) get
@@ -252,6 +369,33 @@ class Ranks:
             proc.join(5)
         for conn in self.conns:
             conn.close()
+
+
+def _read_outcome(rank: int, conn: Connection) -> RankOutcome:
+    try:
+        kind, value = loads(conn.recv_bytes())
+    except EOFError:  # it ended without answering
+        return RankOutcome(rank, "died", when=time.time())
+    if kind == "ok":
+        return RankOutcome(rank, "ok", value)
+    return RankOutcome(
+        rank,
+        "raised",
+        error=value["error"],
+        traceback=value["traceback"],
+        when=value["when"],
+        timed_out=value["timed_out"],
+    )
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} without reporting an error"
+    return f"exited with code {code} without reporting an error"
 
 
 def start_ranks(

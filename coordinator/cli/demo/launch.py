@@ -14,36 +14,20 @@ Each rank initialises groupcoord's groups and runs its shard of the demo model
 World rank 0 gathers every rank's timings and the last stage's logits, checks
 the logits against the same model run in one process (same seed) and prints
 a per-step table. Exit status: 0 when the check passes, 1 on a mismatch or
-when any rank fails (the launcher names the rank and its error and ends every
-rank it started).
+when any rank fails. The ranks are started by the project's one launcher
+(:mod:`coordinator.launch`), which names the failed rank and its error, tells
+the cause from its echoes and ends every rank it started.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
-import time
-import traceback
-from multiprocessing.connection import Connection, wait
-from typing import Any
 
-import msgspec
-
+from ...launch import failure_report, report_failure, start_ranks
 from .model import model_config
-
-
-class RankFailure(msgspec.Struct):
-    """What a failed rank tells the launcher (msgpack over a pipe, never pickle)."""
-
-    rank: int
-    error: str
-    traceback: str
-    when: float  # time.time() of the failure: the earliest one is the cause
-    timed_out: bool = False  # a deadline passed: the rank waited on someone else
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,212 +115,36 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rank(rank: int, world: int, args: argparse.Namespace) -> int:
+    from .rank import run_rank
 
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGTERM this rank if the launcher dies (even by SIGKILL)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
-        print(f"demo: prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}", file=sys.stderr)
-
-
-def _child(args: argparse.Namespace, rank: int, world: int, port: int, conn: Connection) -> None:
-    _die_with_parent()
-    # SIGTERM (launcher gone) becomes SystemExit so teardown unlinks shared memory.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-        }
-    )
-    code = 1
-    reported = False
-
-    def report(exc: BaseException) -> None:
-        nonlocal reported
-        if reported:
-            return
-        reported = True
-        failure = RankFailure(
-            rank,
-            f"{type(exc).__name__}: {exc}",
-            "".join(traceback.format_exception(exc)),
-            time.time(),
-            timed_out=isinstance(exc, TimeoutError),
-        )
-        conn.send_bytes(msgspec.msgpack.encode(failure))
-
-    try:
-        from .rank import run_rank
-
-        code = run_rank(args, rank, world, on_failure=report)
-    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
-        report(exc)
-    finally:
-        from shm_broadcast.segments import cleanup_owned_segments
-
-        conn.close()
-        cleanup_owned_segments()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    # os._exit: the forked child must not run the parent's atexit handlers.
-    os._exit(code)
+    # A failure reaches the launcher before this rank's teardown, which may wait on dead peers.
+    return run_rank(args, rank, world, on_failure=report_failure)
 
 
 def launch(args: argparse.Namespace, world: int) -> int:
-    """Fork ``world`` ranks, supervise them, end them all on the first failure."""
+    """Start ``world`` ranks, wait for them, name the cause if any fails."""
     import torch
+
+    from shm_broadcast.segments import cleanup_stale_segments
 
     # The parent forks; it must not own an OpenMP pool a child could inherit mid-use.
     torch.set_num_threads(1)
-    ctx = mp.get_context("fork")
-    port = _free_port()
-    procs: list[Any] = []
-    conns: dict[Connection, int] = {}
     print(
         f"demo: starting {world} CPU ranks (tp={args.tp} pp={args.pp} dp={args.dp} "
-        f"ep={'on' if args.ep else 'off'}) on 127.0.0.1:{port}",
+        f"ep={'on' if args.ep else 'off'}) on 127.0.0.1",
         flush=True,
     )
-    for rank in range(world):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(args, rank, world, port, child_end), daemon=True)
-        proc.start()
-        child_end.close()
-        procs.append(proc)
-        conns[parent_end] = rank
     try:
-        return _supervise(procs, conns, time.monotonic() + args.timeout, args.timeout)
+        outcomes = start_ranks(_rank, world, args, timeout=args.timeout).outcomes()
     finally:
-        _end_all(procs)
-
-
-# After the first failure, how long to wait for other ranks' reports: a peer of
-# the failed rank often fails a moment later ("connection closed"), and the
-# user needs to see the cause, not the echoes.
-FAILURE_GRACE_S = 1.0
-
-
-def _supervise(
-    procs: list[Any], conns: dict[Connection, int], deadline: float, timeout: float
-) -> int:
-    sentinels = {p.sentinel: rank for rank, p in enumerate(procs)}
-    failures: list[RankFailure] = []  # reported through the pipe
-    deaths: list[RankFailure] = []  # ended abnormally without a report (killed, crashed)
-    first_failure_at: float | None = None
-    while sentinels:
-        now = time.monotonic()
-        limit = deadline if first_failure_at is None else first_failure_at + FAILURE_GRACE_S
-        if now >= limit:
-            break
-        for obj in wait([*conns, *sentinels], timeout=limit - now):
-            if obj in conns:
-                conns.pop(obj)  # type: ignore[call-overload]
-                failure = _read_failure(obj)  # type: ignore[arg-type]
-                if failure is not None:
-                    failures.append(failure)
-            elif obj in sentinels:
-                rank = sentinels.pop(obj)  # type: ignore[call-overload]
-                procs[rank].join()
-                code = procs[rank].exitcode
-                # A rank that reported then exited left its report in the pipe.
-                for conn in [c for c, r in conns.items() if r == rank]:
-                    del conns[conn]
-                    failure = _read_failure(conn) if conn.poll(0) else None
-                    if failure is not None:
-                        failures.append(failure)
-                if code != 0 and not any(f.rank == rank for f in failures):
-                    deaths.append(RankFailure(rank, _describe_exit(code), "", time.time()))
-        if first_failure_at is None and (failures or deaths):
-            first_failure_at = time.monotonic()
-    if failures or deaths:
-        _report_failures(failures, deaths, procs)
-        return 1
-    if sentinels:
-        print(
-            f"demo FAILED: ranks {sorted(sentinels.values())} did not finish within "
-            f"{timeout:g} s (--timeout); ending every rank",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} without reporting an error"
-    return f"exited with code {code} (see its output above)"
-
-
-def _read_failure(conn: Connection) -> RankFailure | None:
-    try:
-        data = conn.recv_bytes()
-    except (EOFError, OSError):
-        return None  # the rank closed its end without a failure: it finished
-    return msgspec.msgpack.decode(data, type=RankFailure)
-
-
-def _report_failures(
-    failures: list[RankFailure], deaths: list[RankFailure], procs: list[Any]
-) -> None:
-    # A rank that died without a word is the likelier cause: its peers' errors
-    # ("connection closed", "peer died") are what its death looks like to them.
-    deaths.sort(key=lambda f: f.when)
-    failures.sort(key=lambda f: f.when)
-    events = deaths + failures
-    reported = {f.rank for f in events}
-    silent = [r for r, p in enumerate(procs) if p.is_alive() and r not in reported]
-    lines: list[str] = []
-    if not deaths and silent and all(f.timed_out for f in failures):
-        # Everyone who spoke timed out waiting: the ranks that never spoke are stuck.
-        lines.append(
-            f"\ndemo FAILED: rank(s) {silent} stopped responding; their peers' deadlines passed"
-        )
-        cause = None
-    else:
-        cause = events[0]
-        if cause.traceback:
-            lines += [
-                f"\ndemo FAILED: rank {cause.rank} raised {cause.error}",
-                f"--- rank {cause.rank} traceback ---",
-                cause.traceback.rstrip(),
-            ]
-        else:
-            lines.append(f"\ndemo FAILED: rank {cause.rank} {cause.error}")
-    for f in events:
-        if f is not cause:
-            what = f"raised {f.error.splitlines()[0][:200]}" if f.traceback else f.error
-            lines.append(f"--- {'then ' if cause else ''}rank {f.rank} {what}")
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    lines.append(f"--- ending the ranks still running: {alive} ---")
-    print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def _end_all(procs: list[Any]) -> None:
-    """Kill every rank still running, reap them, and remove what killed ranks left in /dev/shm."""
-    from shm_broadcast.segments import cleanup_stale_segments
-
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-    for proc in procs:
-        proc.join(10)
-    cleanup_stale_segments()
+        cleanup_stale_segments()  # what killed ranks left in /dev/shm
+    if all(o.kind == "ok" for o in outcomes):
+        return max(int(o.value) for o in outcomes)  # rank 0's verdict on the check
+    headline, cause, lines = failure_report(outcomes, args.timeout)
+    text = [f"\ndemo FAILED: {headline}"]
+    if cause is not None and cause.traceback:
+        text += [f"--- rank {cause.rank} traceback ---", cause.traceback.rstrip()]
+    text += [f"--- {line}" for line in lines]
+    print("\n".join(text), file=sys.stderr, flush=True)
+    return 1
