@@ -30,6 +30,7 @@ from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import get_config, override, resolve_timeout
 from shm_broadcast.group_io import broadcast_bytes
 from shm_broadcast.liveness import dead_peers, host_key
+from shm_broadcast.p2p_channels import P2PChannels
 
 from . import custom_ops, tensor_dicts
 from .errors import (
@@ -40,7 +41,6 @@ from .errors import (
     NotSupportedError,
 )
 from .failures import absent_ranks, classify
-from .p2p_channels import P2PChannels
 
 # Device kind -> (module, class) of its communicator, imported on first use
 # so CUDA code is only loaded where a CUDA group exists.

@@ -240,9 +240,8 @@ def _rank_main(
 def _release_rank_resources() -> None:
     import torch.distributed as dist
 
+    from shm_broadcast.p2p_channels import deliver_pending_sends
     from shm_broadcast.segments import cleanup_owned_segments
-
-    from .p2p_channels import deliver_pending_sends
 
     deliver_pending_sends()  # what the process's exit would do, before the store goes
     if dist.is_initialized():

@@ -24,10 +24,10 @@ from torch.distributed import ProcessGroup
 
 from shm_broadcast.codec import message_bytes
 from shm_broadcast.group_io import broadcast_bytes
+from shm_broadcast.p2p_channels import P2PChannels
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
 from .metadata import SeparateTensor, checked, decode, describe, encode, rebuild
-from .p2p_channels import P2PChannels
 
 
 class Group(Protocol):

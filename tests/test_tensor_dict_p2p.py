@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator import p2p_channels
 from coordinator.errors import GroupcoordTimeoutError, PeerDiedError
 from coordinator.group_coordinator import GroupCoordinator
 from coordinator.launch import init_gloo, run_ranks, start_ranks
+from shm_broadcast import p2p_channels
 from shm_broadcast.config import from_env, set_config
 from shm_broadcast.segments import list_segments
 

@@ -43,14 +43,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shm_broadcast.codec import EncodedMessage, dumps, loads, message_bytes
-from shm_broadcast.config import get_config
-from shm_broadcast.errors import ShmSpaceError
-from shm_broadcast.liveness import process_alive
-from shm_broadcast.message_queue import Handle, MessageQueue
-from shm_broadcast.segments import unlink_segment
-
-from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError, ProtocolError
+from .codec import EncodedMessage, dumps, loads, message_bytes
+from .config import get_config
+from .errors import (
+    ClosedError,
+    GroupcoordTimeoutError,
+    PeerDiedError,
+    ProtocolError,
+    ShmSpaceError,
+)
+from .liveness import process_alive
+from .message_queue import Handle, MessageQueue
+from .segments import unlink_segment
 
 __all__ = [
     "P2P_LINGER_S",
@@ -68,7 +72,7 @@ __all__ = [
 # 17 ms, 4 x 4 MiB (tensors split) 20 ms, Gloo 20 ms.
 P2P_MAX_CHUNKS = 4
 P2P_MIN_CHUNK_BYTES = 16 * 1024 * 1024
-logger = logging.getLogger("groupcoord.coordinator")
+logger = logging.getLogger("groupcoord.shm_broadcast")
 # Stored instead of a handle when the sender's ring did not fit in /dev/shm.
 _USE_GLOO = b"gloo"
 # Room in a chunk for the queue's and the codec's headers around one piece.
