@@ -3,6 +3,11 @@
 barrier), timed on real control lines in one process with every peer's stamp
 in agreement (the common case: the full comparison runs).
 
+Then what the debug check on the Gloo and NCCL paths (``GROUPCOORD_DEBUG_DESYNC=1``:
+a checksum all-gather before each collective) adds to a 4 KiB ``all_reduce`` of a
+``GroupCoordinator`` at world 2, with real ranks, on the shared-memory path and
+on Gloo (shared memory off), setting off vs on in the same run.
+
     python benchmarks/bench_desync.py
 """
 
@@ -15,6 +20,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import print_table, reproduce_command  # noqa: E402
+
+from coordinator.launch import init_gloo, run_ranks  # noqa: E402
 
 
 def _per_call_ns(world: int, calls: int) -> float:
@@ -47,10 +54,44 @@ def _per_call_ns(world: int, calls: int) -> float:
     return best
 
 
+def _all_reduce_us(rank: int, world: int, debug: bool, shm: bool) -> float:
+    import torch
+
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+
+    set_config(debug_desync=debug, disable_shm_all_reduce=not shm)
+    init_gloo(rank, world)  # torch's default threads, as a user runs it
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="bench")
+    tensor = torch.ones(1024)
+    for _ in range(100):
+        group.all_reduce(tensor)
+    best = float("inf")
+    for _ in range(5):
+        group.barrier()
+        start = time.perf_counter()
+        for _ in range(300):
+            group.all_reduce(tensor)
+        best = min(best, (time.perf_counter() - start) / 300 * 1e6)
+    group.destroy()
+    return best
+
+
 def main() -> int:
+    import torch
+
     print(f"# {reproduce_command()}")
     rows = [{"world": w, "added per call (ns)": _per_call_ns(w, 20_000)} for w in (2, 4, 8)]
     print_table(rows, ["world", "added per call (ns)"])
+    torch.set_num_threads(1)  # the forking parent stays single-threaded
+    debug_rows = []
+    for path, shm in (("shared memory", True), ("gloo", False)):
+        off, on = (max(run_ranks(_all_reduce_us, 2, d, shm, timeout=120)) for d in (False, True))
+        debug_rows.append(
+            {"path": path, "off (us)": off, "debug_desync on (us)": on, "added (us)": on - off}
+        )
+    print("\n# 4 KiB GroupCoordinator.all_reduce, world 2, GROUPCOORD_DEBUG_DESYNC off vs on")
+    print_table(debug_rows, ["path", "off (us)", "debug_desync on (us)", "added (us)"])
     return 0
 
 

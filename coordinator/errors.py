@@ -5,6 +5,7 @@ from __future__ import annotations
 from device_communicators.errors import (
     BackendUnavailableError,
     ClosedError,
+    DesyncError,
     GroupcoordError,
     GroupcoordTimeoutError,
     GroupcoordTypeError,
@@ -18,6 +19,7 @@ __all__ = [
     "AlreadyInitializedError",
     "BackendUnavailableError",
     "ClosedError",
+    "DesyncError",
     "GroupcoordError",
     "GroupcoordTimeoutError",
     "GroupcoordTypeError",

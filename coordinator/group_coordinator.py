@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import importlib
 import os
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
@@ -28,13 +29,14 @@ from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
 from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import get_config, override, resolve_timeout
-from shm_broadcast.group_io import broadcast_bytes
+from shm_broadcast.group_io import all_gather_bytes, broadcast_bytes
 from shm_broadcast.liveness import dead_peers, host_key
 from shm_broadcast.p2p_channels import P2PChannels
 
 from . import custom_ops, tensor_dicts
 from .errors import (
     ClosedError,
+    DesyncError,
     GroupcoordError,
     GroupcoordTypeError,
     GroupcoordValueError,
@@ -155,6 +157,7 @@ class GroupCoordinator:
         )
         self.use_device_communicator = use_device_communicator
         self._collective_seq = 0
+        self._desync_seq = 0  # calls checked by debug_desync
         self.node_count = 1  # hosts among the group's ranks (set by _exchange_pids)
         self._destroyed = False
         self._plain_comm: DeviceCommunicatorBase | None = None
@@ -373,6 +376,8 @@ class GroupCoordinator:
         dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
+        # Lengths along dim may differ by rank; the rest must not.
+        self._in_step("gather", lambda: f"{_shape_of(input_.narrow(dim, 0, 0))}, dst={dst}")
         return self._collective("gather", self._tensor_comm().gather, input_, dst, dim)
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -388,9 +393,11 @@ class GroupCoordinator:
     # The eager bodies; the custom ops in ``custom_ops`` call these too.
 
     def _all_reduce_eager(self, input_: torch.Tensor) -> torch.Tensor:
+        self._in_step("all_reduce", lambda: _shape_of(input_))
         return self._collective("all_reduce", self._tensor_comm().all_reduce, input_)
 
     def _all_gather_eager(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        self._in_step("all_gather", lambda: f"{_shape_of(input_)}, dim={dim}")
         return self._collective("all_gather", self._tensor_comm().all_gather, input_, dim)
 
     def _all_gatherv_eager(
@@ -399,16 +406,43 @@ class GroupCoordinator:
         return self._collective("all_gatherv", self._tensor_comm().all_gatherv, input_, dim, sizes)
 
     def _reduce_scatter_eager(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        self._in_step("reduce_scatter", lambda: f"{_shape_of(input_)}, dim={dim}")
         return self._collective("reduce_scatter", self._tensor_comm().reduce_scatter, input_, dim)
 
     def _reduce_scatterv_eager(
         self, input_: torch.Tensor, dim: int, sizes: list[int] | None
     ) -> torch.Tensor:
+        self._in_step("reduce_scatterv", lambda: f"{_shape_of(input_)}, dim={dim}, sizes={sizes}")
         comm = self._tensor_comm()
         return self._collective("reduce_scatterv", comm.reduce_scatterv, input_, dim, sizes)
 
     def _broadcast_eager(self, input_: torch.Tensor, src: int) -> torch.Tensor:
+        self._in_step("broadcast", lambda: f"{_shape_of(input_)}, src={src}")
         return self._collective("broadcast", self._tensor_comm().broadcast, input_, src)
+
+    def _in_step(self, operation: str, call: Callable[[], str]) -> None:
+        """With ``debug_desync`` on: every rank shows the others the call it is about
+        to make (a checksum; the calls themselves only when they differ); ranks that
+        disagree all raise DesyncError naming both sides."""
+        if not get_config().debug_desync:
+            return
+        seq = self._desync_seq
+        self._desync_seq += 1
+        mine = f"{operation}({call()})"
+        digest = torch.tensor([zlib.crc32(mine.encode())], dtype=torch.int64)
+        digests = torch.empty((self.world_size, 1), dtype=torch.int64)
+        parts = list(digests.unbind(0))
+        self._collective(operation, dist.all_gather, parts, digest, self.cpu_group)
+        if bool((digests == digest).all()):
+            return
+        # Every rank saw the same table, so every rank takes this path.
+        gathered = self._collective(operation, all_gather_bytes, self.cpu_group, mine.encode())
+        for rank, theirs in enumerate(c.decode() for c in gathered):
+            if theirs != mine:
+                raise DesyncError(
+                    f"{self.unique_name}: rank {self.rank_in_group} called {mine} as call "
+                    f"#{seq} of the group, rank {rank} called {theirs} (debug_desync check)"
+                )
 
     def _traced_all_gatherv(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Any:
         dim = checks.dim(checks.tensor(tensor, "input_"), dim)
@@ -798,6 +832,10 @@ class GroupCoordinator:
             self.unique_name, seq, self.rank_in_group, self.ranks, self.timeout_s, self._local_pids
         )
         return classify(self.unique_name, operation, self.timeout_s, missing, exc, known_dead=dead)
+
+
+def _shape_of(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
 
 
 def _check_group_ranks(group_ranks: Any, rank: int, world_size: int) -> list[int]:

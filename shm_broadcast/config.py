@@ -50,6 +50,12 @@ class GroupcoordConfig:
     disable_pynccl: bool = False
     nccl_so_path: str = ""
     kernel_cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "groupcoord")
+    # Debug: before every tensor collective of a GroupCoordinator, the ranks
+    # compare what they are about to call (one small Gloo all-gather), so a
+    # desync on the Gloo or NCCL path raises DesyncError instead of hanging or
+    # returning wrong data. The shared-memory path always checks. Off by default:
+    # it adds one small all-gather (~0.1 ms on CPU) to each collective.
+    debug_desync: bool = False
     # Expert-parallel all2all manager: naive | allgather_reducescatter.
     all2all_backend: str = "allgather_reducescatter"
     # Log level of the ``groupcoord`` loggers.

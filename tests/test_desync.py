@@ -42,10 +42,23 @@ CASES = {
 }
 
 
-def _mismatch(rank: int, world: int, case: str) -> dict:
+# The same mismatches on the Gloo path (shared memory off) with the debug check on,
+# as GroupCoordinator names them ("reduce op" calls the communicator directly).
+GLOO_DEBUG_SIDES = {
+    "size": ("all_reduce(float32[4096])", "all_reduce(float32[8192])"),
+    "operation": ("all_reduce(float32[64])", "all_gather(float32[64], dim=0)"),
+    "dtype": ("broadcast(float32[32], src=0)", "broadcast(int32[32], src=0)"),
+    "root": ("broadcast(float32[8], src=0)", "broadcast(float32[8], src=1)"),
+}
+
+
+def _mismatch(rank: int, world: int, case: str, gloo_debug: bool = False) -> dict:
     from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
     from shm_broadcast.errors import DesyncError
 
+    if gloo_debug:
+        set_config(disable_shm_all_reduce=True, debug_desync=True)
     init_gloo(rank, world)
     group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="dsy")
     try:
@@ -82,3 +95,15 @@ def test_desync_error_is_a_value_error():
     from shm_broadcast.errors import DesyncError
 
     assert issubclass(DesyncError, ValueError)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", sorted(GLOO_DEBUG_SIDES))
+def test_debug_desync_catches_the_same_on_the_gloo_path(case, world):
+    results = run_ranks(_mismatch, world, case, True, timeout=60)
+    rank0_side, other_side = GLOO_DEBUG_SIDES[case]
+    for rank, got in enumerate(results):
+        assert got["raised"], f"rank {rank} returned a result for a mismatched call"
+        assert rank0_side in got["raised"] and other_side in got["raised"], got["raised"]
+        assert "dsy" in got["raised"] and "call #" in got["raised"]
+        assert got["after"] == [float(sum(range(world)))] * 100
