@@ -52,12 +52,12 @@ def _objects(rank: int, world_size: int) -> str:
     assert all(_same(slots[i], _payload(i)) for i in range(w))
 
     gathered: list | None = [None] * w if rank == w - 1 else None
-    gather_object(comm, _payload(rank), gathered, dst=w - 1)
+    gather_object(comm, _payload(rank), w - 1, gathered)
     if gathered is not None:
         assert all(_same(gathered[i], _payload(i)) for i in range(w))
 
     objs: list = [_payload(1), "second", 3] if rank == 1 else [None, None, None]
-    broadcast_object_list(comm, objs, src=1)
+    broadcast_object_list(comm, objs, root=1)
     assert _same(objs[0], _payload(1)) and objs[1:] == ["second", 3]
 
     if rank == 0:
@@ -73,7 +73,7 @@ def _objects(rank: int, world_size: int) -> str:
 
     out: list = [None]
     inputs = [{"for": i} for i in range(w)] if rank == 0 else None
-    scatter_object_list(comm, out, inputs, src=0)
+    scatter_object_list(comm, 0, out, inputs)
     assert out == [{"for": rank}]
 
     with pytest.raises(GroupcoordValueError, match="object_list must have"):
@@ -103,20 +103,20 @@ def _pickle_refused(rank: int, world_size: int, marker: str) -> str:
     evil = _CreatesFile(marker)
     if rank == 0:  # the sender refuses by default, before anything is sent
         with pytest.raises(GroupcoordTypeError, match="_CreatesFile"):
-            broadcast_object_list(comm, [evil], src=0)
+            broadcast_object_list(comm, [evil], root=0)
     # A sender that opts in cannot opt the receivers in.
     objs: list = [evil] if rank == 0 else [None]
     if rank == 0:
-        broadcast_object_list(comm, objs, src=0, allow_pickle=True)
+        broadcast_object_list(comm, objs, root=0, weights_only=False)
     else:
         with pytest.raises(ProtocolError, match="allow_pickle=False"):
-            broadcast_object_list(comm, objs, src=0)
+            broadcast_object_list(comm, objs, root=0)
         assert objs == [None]
     comm.barrier()
     assert not os.path.exists(marker)
     # Explicit opt-in on both sides works, and the comm is still in step.
     slots: list = [None] * world_size
-    all_gather_object(comm, slots, fractions.Fraction(rank, 3), allow_pickle=True)
+    all_gather_object(comm, slots, fractions.Fraction(rank, 3), weights_only=False)
     assert slots == [fractions.Fraction(i, 3) for i in range(world_size)]
     return "ok"
 

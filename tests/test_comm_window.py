@@ -39,11 +39,11 @@ def _window_ring(rank: int, world_size: int) -> str:
     for i in range(_ITERS):
         if i:
             win.wait_signal(signal_disp=1, signal_val=i, cmp_op="ge")
-        win.put(torch.tensor([1000.0 * i + rank, -1.0 * i]), right, target_offset_nelems=2)
-        win.signal(right)
-        win.wait_signal(left)
+        win.put(torch.tensor([1000.0 * i + rank, -1.0 * i]), right, target_disp=2)
+        win.signal(dst_rank=right)
+        win.wait_signal(peer_rank=left)
         assert win.get_tensor()[2:4].tolist() == [1000.0 * i + left, -1.0 * i]
-        win.signal(left, signal_disp=1, signal_val=i + 1)
+        win.signal(1, i + 1, left)  # torchcomms' positional form
     # The older view form: rank, sizes, dtype, offset (elements).
     assert win.get_tensor(right, [2], torch.float32, 2).tolist() == [
         1000.0 * (_ITERS - 1) + rank,
@@ -52,7 +52,7 @@ def _window_ring(rank: int, world_size: int) -> str:
 
     # Asynchronous wait: not complete until the peer signals after a barrier.
     if rank == 0:
-        work = win.wait_signal(left_of_zero(world_size), async_op=True)
+        work = win.wait_signal(peer_rank=left_of_zero(world_size), async_op=True)
         assert not work.is_completed() and work.status is WorkStatus.INPROGRESS
         comm.barrier()
         work.wait()
@@ -61,11 +61,11 @@ def _window_ring(rank: int, world_size: int) -> str:
     else:
         comm.barrier()
         if rank == left_of_zero(world_size):
-            win.put(torch.tensor([42.0]), 0, target_offset_nelems=6, async_op=True).wait()
-            win.signal(0, async_op=True).wait()
+            win.put(torch.tensor([42.0]), 0, target_disp=6, async_op=True).wait()
+            win.signal(dst_rank=0, async_op=True).wait()
 
     with pytest.raises(GroupcoordValueError, match="runs past"):
-        win.put(torch.ones(3), right, target_offset_nelems=6)
+        win.put(torch.ones(3), right, target_disp=6)
     with pytest.raises(GroupcoordTypeError, match="dtype"):
         win.put(torch.ones(1, dtype=torch.int64), right)
     with pytest.raises(GroupcoordValueError, match="dst_rank"):
@@ -73,7 +73,7 @@ def _window_ring(rank: int, world_size: int) -> str:
     with pytest.raises(GroupcoordValueError, match="cmp_op"):
         win.wait_signal(signal_disp=0, signal_val=0, cmp_op="approx")
     with pytest.raises(GroupcoordTimeoutError, match=rf"wait_signal timed out .*\[{left}\]"):
-        win.wait_signal(left, timeout=0.3)
+        win.wait_signal(peer_rank=left, timeout=0.3)
 
     comm.barrier()
     held = win.get_tensor()
@@ -92,9 +92,9 @@ def _window_ring(rank: int, world_size: int) -> str:
     buf = win.window_allocate(64)
     assert buf.dtype == torch.uint8 and buf.numel() == 64 and int(buf.sum()) == 0
     comm.barrier()
-    win.put(torch.tensor([rank + 1], dtype=torch.int32), right, target_offset_nelems=rank)
-    win.signal(right)
-    win.wait_signal(left)
+    win.put(torch.tensor([rank + 1], dtype=torch.int32), right, target_disp=rank)
+    win.signal(dst_rank=right)
+    win.wait_signal(peer_rank=left)
     assert win.get_tensor(rank, [1], torch.int32, left).item() == left + 1
     comm.barrier()
     win.tensor_deregister()
@@ -120,7 +120,7 @@ def _peer_exits(rank: int, world_size: int) -> float:
         os._exit(0)  # leaves without signalling
     start = time.monotonic()
     with pytest.raises(PeerDiedError, match=r"wait_signal failed: peer rank\(s\) \[1\] died"):
-        win.wait_signal(1, timeout=20)
+        win.wait_signal(peer_rank=1, timeout=20)
     comm.abort()
     return time.monotonic() - start
 

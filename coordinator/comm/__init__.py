@@ -10,7 +10,7 @@ shared-memory windows and object collectives that never unpickle by default.
 from __future__ import annotations
 
 from .adapters import comm_from_group, comm_from_process_group
-from .batch import P2PBatch, P2POp
+from .batch import BatchP2POptions, P2PBatch, P2POp
 from .comm import Comm, CommOptions, new_comm
 from .monitored_barrier import monitored_barrier
 from .objcol import (
@@ -26,6 +26,7 @@ from .window import Window
 from .work import Work, WorkStatus
 
 __all__ = [
+    "BatchP2POptions",
     "Comm",
     "CommOptions",
     "P2PBatch",

@@ -10,6 +10,7 @@ Like any collective set-up, every rank of the group must make the call.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 def comm_from_process_group(
     pg: dist.ProcessGroup,
     name: str,
-    timeout: float | None = None,
+    timeout: float | datetime.timedelta | None = None,
     store: dist.Store | None = None,
     hints: Mapping[str, str] | None = None,
 ) -> Comm:
@@ -73,7 +74,9 @@ def comm_from_process_group(
 
 
 def comm_from_group(
-    group: GroupCoordinator, timeout: float | None = None, hints: Mapping[str, str] | None = None
+    group: GroupCoordinator,
+    timeout: float | datetime.timedelta | None = None,
+    hints: Mapping[str, str] | None = None,
 ) -> Comm:
     """A communicator on a GroupCoordinator's CPU group, named after the group.
 

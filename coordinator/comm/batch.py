@@ -15,7 +15,7 @@ import torch
 
 from device_communicators import checks
 
-from ..errors import ClosedError
+from ..errors import ClosedError, GroupcoordTypeError
 from .core import P2P_TAG
 from .ops import CommOps
 from .work import Work
@@ -31,6 +31,13 @@ class P2POp(msgspec.Struct, frozen=True):
     kind: Literal["send", "recv"]
     tensor: Any
     peer: int
+
+
+class BatchP2POptions(msgspec.Struct):
+    """Options of :meth:`P2PBatch.issue` (torchcomms' ``BatchP2POptions``)."""
+
+    hints: dict[str, str] = msgspec.field(default_factory=dict)
+    timeout: float | datetime.timedelta | None = None  # seconds; None: the communicator's
 
 
 class P2PBatch:
@@ -64,10 +71,20 @@ class P2PBatch:
     def issue(
         self,
         async_op: bool = False,
+        options: BatchP2POptions | None = None,
+        *,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
-        """Post every op at once; the work completes when all have."""
+        """Post every op at once; the work completes when all have (torchcomms'
+        signature; ``hints``/``timeout`` also come from ``options``)."""
+        if options is not None:
+            if not isinstance(options, BatchP2POptions):
+                raise GroupcoordTypeError(
+                    f"options must be a BatchP2POptions, got {type(options).__name__}"
+                )
+            hints = {**options.hints, **(hints or {})}
+            timeout = options.timeout if timeout is None else timeout
         if self._issued:
             raise ClosedError("this batch was already issued; create a new one")
         ops = list(self._ops)

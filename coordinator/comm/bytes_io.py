@@ -6,6 +6,8 @@ anywhere (the bytes are whatever the caller encoded, e.g. with the msgspec codec
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 
 from .ops import CommOps
@@ -17,20 +19,24 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _lengths(comm: CommOps, n: int, timeout: float | None) -> list[int]:
+def _lengths(comm: CommOps, n: int, timeout: float | datetime.timedelta | None) -> list[int]:
     out = torch.empty(comm.get_size(), dtype=torch.int64)
     comm.all_gather_single(out, torch.tensor([n], dtype=torch.int64), timeout=timeout)
     return [int(x) for x in out.tolist()]
 
 
-def all_gather_bytes(comm: CommOps, data: bytes, timeout: float | None = None) -> list[bytes]:
+def all_gather_bytes(
+    comm: CommOps, data: bytes, timeout: float | datetime.timedelta | None = None
+) -> list[bytes]:
     sizes = _lengths(comm, len(data), timeout)
     outs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
     comm.all_gather_v(outs, _as_tensor(data), timeout=timeout)
     return [t.numpy().tobytes() for t in outs]
 
 
-def broadcast_bytes(comm: CommOps, data: bytes | None, root: int, timeout: float | None) -> bytes:
+def broadcast_bytes(
+    comm: CommOps, data: bytes | None, root: int, timeout: float | datetime.timedelta | None
+) -> bytes:
     mine = comm.get_rank() == root
     length = torch.tensor([len(data) if mine and data is not None else 0], dtype=torch.int64)
     comm.broadcast(length, root, timeout=timeout)
@@ -45,13 +51,15 @@ def broadcast_bytes(comm: CommOps, data: bytes | None, root: int, timeout: float
     return data if mine and data is not None else payload.numpy().tobytes()
 
 
-def send_bytes(comm: CommOps, data: bytes, dst: int, timeout: float | None) -> None:
+def send_bytes(
+    comm: CommOps, data: bytes, dst: int, timeout: float | datetime.timedelta | None
+) -> None:
     comm.send(torch.tensor([len(data)], dtype=torch.int64), dst, timeout=timeout)
     if data:
         comm.send(_as_tensor(data), dst, timeout=timeout)
 
 
-def recv_bytes(comm: CommOps, src: int, timeout: float | None) -> bytes:
+def recv_bytes(comm: CommOps, src: int, timeout: float | datetime.timedelta | None) -> bytes:
     length = torch.empty(1, dtype=torch.int64)
     comm.recv(length, src, timeout=timeout)
     n = int(length.item())
@@ -63,7 +71,7 @@ def recv_bytes(comm: CommOps, src: int, timeout: float | None) -> bytes:
 
 
 def gather_bytes(
-    comm: CommOps, data: bytes, root: int, timeout: float | None
+    comm: CommOps, data: bytes, root: int, timeout: float | datetime.timedelta | None
 ) -> list[bytes] | None:
     """Rank ``root`` returns every rank's bytes in rank order; others return None.
 
@@ -86,7 +94,7 @@ def gather_bytes(
 
 
 def scatter_bytes(
-    comm: CommOps, items: list[bytes] | None, root: int, timeout: float | None
+    comm: CommOps, items: list[bytes] | None, root: int, timeout: float | datetime.timedelta | None
 ) -> bytes:
     """Rank ``i`` receives ``items[i]`` from ``root``."""
     size = comm.get_size()

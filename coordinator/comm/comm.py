@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from ..errors import (
     BackendUnavailableError,
     GroupcoordTimeoutError,
     GroupcoordValueError,
+    NotSupportedError,
 )
 from .batch import P2PBatch
 from .bootstrap import default_store, rank_and_size, unique_prefix
@@ -51,18 +53,36 @@ def new_comm(
     backend: str = "gloo",
     device: str | torch.device = "cpu",
     name: str = "comm",
-    timeout: float | None = None,
+    abort_process_on_timeout_or_error: bool | None = None,
+    timeout: float | datetime.timedelta | None = None,
+    high_priority_stream: bool | None = None,
     store: dist.Store | None = None,
     hints: Mapping[str, str] | None = None,
     *,
     rank: int | None = None,
     size: int | None = None,
 ) -> Comm:
-    """Create a communicator over every rank of the launch (collective).
+    """Create a communicator over every rank of the launch (collective); torchcomms'
+    signature.
 
     ``rank``/``size`` default to the launcher's RANK/WORLD_SIZE and ``store``
     to a TCPStore at MASTER_ADDR:MASTER_PORT (or torch's default store).
+    ``high_priority_stream`` has no meaning on CPU (no streams) and is ignored.
+    ``abort_process_on_timeout_or_error=True`` is refused: a timeout or a dead
+    peer raises ``GroupcoordTimeoutError``/``PeerDiedError`` naming the ranks
+    instead, and ``abort()`` ends the communicator without ending the process.
     """
+    for flag_name, flag in (
+        ("abort_process_on_timeout_or_error", abort_process_on_timeout_or_error),
+        ("high_priority_stream", high_priority_stream),
+    ):
+        if flag is not None:
+            checks.flag(flag, flag_name)
+    if abort_process_on_timeout_or_error:
+        raise NotSupportedError.by_groupcoord(
+            "abort_process_on_timeout_or_error=True",
+            "a timeout or dead peer raises an error naming the ranks; call abort() to stop",
+        )
     if backend != "gloo":
         raise BackendUnavailableError(
             backend, "coordinator.comm runs on Gloo here (CPU tensors); pass backend='gloo'"
@@ -142,6 +162,19 @@ class Comm(CommOps):
         if shm.disabled_reason is None:  # the same verdict on every rank
             self._lane = ShmLane(self._name, shm, self._weak_failure_marker(self))
 
+    def unsafe_get_backend(self) -> Any:
+        """The c10d Gloo process group underneath (an escape hatch, as in torchcomms:
+        calls on it bypass this communicator's checks, lane and timeouts)."""
+        return self._pg
+
+    def window_allocate(
+        self, window_size: int, cpu_buf: bool = False, signal_size: int = 256
+    ) -> Window:
+        """Collective: a new window with a zeroed buffer of ``window_size`` bytes."""
+        window = self.new_window()
+        window.window_allocate(window_size, cpu_buf, signal_size)
+        return window
+
     def batch_op_create(self) -> P2PBatch:
         """A batch of sends and receives that are all put in flight together."""
         return P2PBatch(self)
@@ -152,7 +185,7 @@ class Comm(CommOps):
         ranks: Sequence[int],
         name: str,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Comm | None:
         """Collective over this comm: join the child made of ``ranks`` (in that order)."""
         child = split_members(self, ranks, name, hints, timeout)
@@ -170,6 +203,6 @@ class Comm(CommOps):
         self._windows.append(window)
         return window
 
-    def monitored_barrier(self, timeout: float | None = None) -> None:
+    def monitored_barrier(self, timeout: float | datetime.timedelta | None = None) -> None:
         """A barrier whose timeout names the ranks that did not arrive."""
         monitored_barrier(self, timeout)

@@ -51,7 +51,9 @@ class CommOptions(msgspec.Struct, frozen=True):
     store_prefix: str
 
 
-def timeout_seconds(timeout: float | None, default: float, argument: str = "timeout") -> float:
+def timeout_seconds(
+    timeout: float | datetime.timedelta | None, default: float, argument: str = "timeout"
+) -> float:
     if timeout is None:
         return default
     try:
@@ -191,7 +193,7 @@ class CommCore:
         self,
         op: str,
         peers: Sequence[int],
-        timeout: float | None,
+        timeout: float | datetime.timedelta | None,
         async_op: bool,
         hints: Mapping[str, str] | None,
         launch: _Launch,

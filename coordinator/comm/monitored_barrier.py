@@ -19,7 +19,7 @@ def _key(seq: int, rank: int) -> str:
     return f"monitored_barrier/{seq}/{rank}"
 
 
-def monitored_barrier(comm: CommCore, timeout: float | None = None) -> None:
+def monitored_barrier(comm: CommCore, timeout: float | datetime.timedelta | None = None) -> None:
     """Block until every rank of ``comm`` arrives; on timeout name the absent ranks."""
     timeout_s = timeout_seconds(timeout, comm._timeout_s)
     comm._check_usable("monitored_barrier")

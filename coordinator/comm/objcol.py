@@ -3,17 +3,20 @@
 Objects are encoded with ``shm_broadcast.codec`` (msgspec msgpack: plain data,
 msgspec Structs, tensors and numpy arrays). Anything else is refused at the
 sender, and a received message that carries a pickle is refused at the
-receiver, unless that side passes ``allow_pickle=True``: the safe behaviour of
+receiver, unless that side passes ``weights_only=False``: the safe behaviour of
 ``torch.load(weights_only=True)`` is the default, with no way for a peer to
-opt a receiver in. Signatures follow ``torch.distributed`` with the comm first.
+opt a receiver in. Signatures are torchcomms' (``torchcomms.objcol``), the
+comm first; ``send_object_list`` takes ``weights_only`` as a keyword.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 from device_communicators import checks
 from shm_broadcast import codec
+from shm_broadcast.config import resolve_timeout
 
 from ..errors import GroupcoordTypeError, GroupcoordValueError
 from . import bytes_io
@@ -48,100 +51,115 @@ def all_gather_object(
     comm: CommOps,
     object_list: list[Any],
     obj: Any,
-    timeout: float | None = None,
-    allow_pickle: bool = False,
+    timeout: float | datetime.timedelta | None = None,
+    weights_only: bool = True,
 ) -> None:
     """Fill ``object_list`` (one slot per rank) with every rank's ``obj``."""
+    pickle = _pickle_allowed(weights_only)
     _check_list(object_list, "object_list", comm.get_size())
-    data = codec.dumps(obj, allow_pickle=allow_pickle)
-    gathered = bytes_io.all_gather_bytes(comm, data, timeout)
-    object_list[:] = [codec.loads(b, allow_pickle=allow_pickle) for b in gathered]
+    data = codec.dumps(obj, allow_pickle=pickle)
+    gathered = bytes_io.all_gather_bytes(comm, data, _seconds(timeout))
+    object_list[:] = [codec.loads(b, allow_pickle=pickle) for b in gathered]
 
 
 def gather_object(
     comm: CommOps,
     obj: Any,
+    root: int,
     object_gather_list: list[Any] | None = None,
-    dst: int = 0,
-    timeout: float | None = None,
-    allow_pickle: bool = False,
+    timeout: float | datetime.timedelta | None = None,
+    weights_only: bool = True,
 ) -> None:
-    """Rank ``dst`` fills ``object_gather_list`` with every rank's ``obj``."""
-    dst = checks.rank(dst, "dst", comm.get_size())
-    if comm.get_rank() == dst:
+    """Rank ``root`` fills ``object_gather_list`` with every rank's ``obj``."""
+    pickle = _pickle_allowed(weights_only)
+    root = checks.rank(root, "root", comm.get_size())
+    if comm.get_rank() == root:
         _check_list(object_gather_list, "object_gather_list", comm.get_size())
-    data = codec.dumps(obj, allow_pickle=allow_pickle)
-    gathered = bytes_io.gather_bytes(comm, data, dst, timeout)
+    data = codec.dumps(obj, allow_pickle=pickle)
+    gathered = bytes_io.gather_bytes(comm, data, root, _seconds(timeout))
     if gathered is not None and object_gather_list is not None:
-        object_gather_list[:] = [codec.loads(b, allow_pickle=allow_pickle) for b in gathered]
+        object_gather_list[:] = [codec.loads(b, allow_pickle=pickle) for b in gathered]
 
 
 def broadcast_object_list(
     comm: CommOps,
     object_list: list[Any],
-    src: int = 0,
-    timeout: float | None = None,
-    allow_pickle: bool = False,
+    root: int,
+    timeout: float | datetime.timedelta | None = None,
+    weights_only: bool = True,
 ) -> None:
-    """Copy ``src``'s ``object_list`` into every rank's list of the same length."""
-    src = checks.rank(src, "src", comm.get_size())
+    """Copy ``root``'s ``object_list`` into every rank's list of the same length."""
+    pickle = _pickle_allowed(weights_only)
+    root = checks.rank(root, "root", comm.get_size())
     _check_list(object_list, "object_list")
-    data = (
-        codec.dumps(list(object_list), allow_pickle=allow_pickle)
-        if comm.get_rank() == src
-        else None
-    )
-    received = bytes_io.broadcast_bytes(comm, data, src, timeout)
-    if comm.get_rank() != src:
-        _fill(object_list, codec.loads(received, allow_pickle=allow_pickle), "object_list")
+    data = codec.dumps(list(object_list), allow_pickle=pickle) if comm.get_rank() == root else None
+    received = bytes_io.broadcast_bytes(comm, data, root, _seconds(timeout))
+    if comm.get_rank() != root:
+        _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
 
 
 def send_object_list(
     comm: CommOps,
     object_list: list[Any],
     dst: int,
-    timeout: float | None = None,
-    allow_pickle: bool = False,
+    timeout: float | datetime.timedelta | None = None,
+    *,
+    weights_only: bool = True,
 ) -> None:
+    """Send ``object_list`` to ``dst`` (``weights_only=False``: unsupported types are
+    pickled, for a receiver that also passes ``weights_only=False``)."""
+    pickle = _pickle_allowed(weights_only)
     dst = checks.rank(dst, "dst", comm.get_size(), self_rank=comm.get_rank())
     _check_list(object_list, "object_list")
-    bytes_io.send_bytes(
-        comm, codec.dumps(list(object_list), allow_pickle=allow_pickle), dst, timeout
-    )
+    data = codec.dumps(list(object_list), allow_pickle=pickle)
+    bytes_io.send_bytes(comm, data, dst, _seconds(timeout))
 
 
 def recv_object_list(
     comm: CommOps,
     object_list: list[Any],
     src: int,
-    timeout: float | None = None,
-    allow_pickle: bool = False,
+    timeout: float | datetime.timedelta | None = None,
+    weights_only: bool = True,
 ) -> None:
     """Fill ``object_list`` with what ``src`` sent (same number of objects)."""
+    pickle = _pickle_allowed(weights_only)
     src = checks.rank(src, "src", comm.get_size(), self_rank=comm.get_rank())
     _check_list(object_list, "object_list")
-    received = bytes_io.recv_bytes(comm, src, timeout)
-    _fill(object_list, codec.loads(received, allow_pickle=allow_pickle), "object_list")
+    received = bytes_io.recv_bytes(comm, src, _seconds(timeout))
+    _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
 
 
 def scatter_object_list(
     comm: CommOps,
+    root: int,
     scatter_object_output_list: list[Any],
     scatter_object_input_list: list[Any] | None = None,
-    src: int = 0,
-    timeout: float | None = None,
-    allow_pickle: bool = False,
+    timeout: float | datetime.timedelta | None = None,
+    weights_only: bool = True,
 ) -> None:
-    """Rank ``i`` receives ``scatter_object_input_list[i]`` in output slot 0."""
-    src = checks.rank(src, "src", comm.get_size())
+    """Rank ``i`` receives ``scatter_object_input_list[i]`` (from ``root``) in output slot 0."""
+    pickle = _pickle_allowed(weights_only)
+    root = checks.rank(root, "root", comm.get_size())
     _check_list(scatter_object_output_list, "scatter_object_output_list")
     if not scatter_object_output_list:
         raise GroupcoordValueError("scatter_object_output_list needs at least one slot")
     items = None
-    if comm.get_rank() == src:
+    if comm.get_rank() == root:
         inputs = _check_list(
             scatter_object_input_list, "scatter_object_input_list", comm.get_size()
         )
-        items = [codec.dumps(obj, allow_pickle=allow_pickle) for obj in inputs]
-    received = bytes_io.scatter_bytes(comm, items, src, timeout)
-    scatter_object_output_list[0] = codec.loads(received, allow_pickle=allow_pickle)
+        items = [codec.dumps(obj, allow_pickle=pickle) for obj in inputs]
+    received = bytes_io.scatter_bytes(comm, items, root, _seconds(timeout))
+    scatter_object_output_list[0] = codec.loads(received, allow_pickle=pickle)
+
+
+def _pickle_allowed(weights_only: Any) -> bool:
+    """torchcomms' ``weights_only=True`` (the default) restricts what a receiver may
+    rebuild; here it means no pickle at all (the codec's types only). ``False``
+    lets unsupported types travel as pickle, a trust both sides must opt into."""
+    return not checks.flag(weights_only, "weights_only")
+
+
+def _seconds(timeout: float | datetime.timedelta | None) -> float | None:
+    return None if timeout is None else resolve_timeout(timeout)

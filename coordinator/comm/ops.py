@@ -39,7 +39,7 @@ class CommOps(Reductions):
         root: int,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         tensor = self._tensor(tensor, "tensor")
         root = checks.rank(root, "root", self._size)
@@ -71,7 +71,7 @@ class CommOps(Reductions):
         tensor: torch.Tensor,
         async_op: bool,
         hints: Mapping[str, str] | None,
-        timeout: float | None,
+        timeout: float | datetime.timedelta | None,
         stacked: torch.Tensor | None = None,
     ) -> Work:
         """``outputs[i]`` gets rank ``i``'s ``tensor``; ``stacked`` (when given) is one
@@ -105,7 +105,7 @@ class CommOps(Reductions):
         tensor: torch.Tensor,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         tensor = self._tensor(tensor, "tensor")
         outputs = self._tensors(tensor_list, "tensor_list", self._size)
@@ -119,7 +119,7 @@ class CommOps(Reductions):
         input: torch.Tensor,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """Gather every rank's ``input`` into ``output``, concatenated in rank order."""
         input = self._tensor(input, "input")
@@ -143,7 +143,7 @@ class CommOps(Reductions):
         input: torch.Tensor,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """All-gather where rank ``i`` contributes ``output_list[i].numel()`` elements."""
         input = self._tensor(input, "input")
@@ -179,7 +179,7 @@ class CommOps(Reductions):
         input_splits: list[int],
         async_op: bool,
         hints: Mapping[str, str] | None,
-        timeout: float | None,
+        timeout: float | datetime.timedelta | None,
         finish: Callable[[], None] | None = None,
     ) -> Work:
         def launch(td: datetime.timedelta) -> list[Any]:
@@ -191,21 +191,21 @@ class CommOps(Reductions):
 
     def all_to_all(
         self,
-        output_list: list[torch.Tensor],
-        input_list: list[torch.Tensor],
+        output_tensor_list: list[torch.Tensor],
+        input_tensor_list: list[torch.Tensor],
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
-        """Send ``input_list[i]`` to rank ``i``; receive rank ``i``'s into ``output_list[i]``.
+        """Send ``input_tensor_list[i]`` to rank ``i``; receive rank ``i``'s into ``output_tensor_list[i]``.
 
-        Sizes may differ per peer; each ``output_list[i]`` must match what rank
+        Sizes may differ per peer; each ``output_tensor_list[i]`` must match what rank
         ``i`` sends. Runs as one alltoall over flat staging buffers.
         """
-        inputs = self._tensors(input_list, "input_list", self._size)
-        outputs = self._tensors(output_list, "output_list", self._size)
-        checks.same_dtype(inputs[0], inputs[1:], "input_list")
-        checks.same_dtype(inputs[0], outputs, "output_list")
+        inputs = self._tensors(input_tensor_list, "input_tensor_list", self._size)
+        outputs = self._tensors(output_tensor_list, "output_tensor_list", self._size)
+        checks.same_dtype(inputs[0], inputs[1:], "input_tensor_list")
+        checks.same_dtype(inputs[0], outputs, "output_tensor_list")
         staged_in = torch.cat([t.view(-1) for t in inputs])
         staged_out = torch.empty(sum(t.numel() for t in outputs), dtype=inputs[0].dtype)
 
@@ -233,7 +233,7 @@ class CommOps(Reductions):
         input: torch.Tensor,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """Equal split along dim 0: block ``i`` of ``input`` goes to rank ``i``."""
         input = self._tensor(input, "input")
@@ -261,7 +261,7 @@ class CommOps(Reductions):
         input_split_sizes: list[int],
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """Uneven all-to-all along dim 0: ``input_split_sizes[i]`` rows go to rank ``i``."""
         input = self._tensor(input, "input")
@@ -286,53 +286,53 @@ class CommOps(Reductions):
 
     def gather(
         self,
-        output_list: list[torch.Tensor] | None,
-        input: torch.Tensor,
+        output_tensor_list: list[torch.Tensor] | None,
+        input_tensor: torch.Tensor,
         root: int,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
-        """Gather every rank's ``input`` into ``output_list`` on ``root`` (ignored elsewhere)."""
-        input = self._tensor(input, "input")
+        """Gather every rank's ``input_tensor`` into ``output_tensor_list`` on ``root`` (ignored elsewhere)."""
+        input_tensor = self._tensor(input_tensor, "input_tensor")
         root = checks.rank(root, "root", self._size)
         outputs: list[torch.Tensor] = []
         if self._rank == root:
-            outputs = self._tensors(output_list, "output_list", self._size)
-            checks.same_dtype(input, outputs, "output_list")
-            checks.same_shape(outputs, input, "output_list")
+            outputs = self._tensors(output_tensor_list, "output_tensor_list", self._size)
+            checks.same_dtype(input_tensor, outputs, "output_tensor_list")
+            checks.same_shape(outputs, input_tensor, "output_tensor_list")
 
         def launch(td: datetime.timedelta) -> list[Any]:
             opts = GatherOptions()
             opts.rootRank = root
             opts.timeout = td
-            return [self._pg.gather([outputs] if outputs else [], [input], opts)]
+            return [self._pg.gather([outputs] if outputs else [], [input_tensor], opts)]
 
         return self._run("gather", self._others(), timeout, async_op, hints, launch)
 
     def scatter(
         self,
-        output: torch.Tensor,
-        input_list: list[torch.Tensor] | None,
+        output_tensor: torch.Tensor,
+        input_tensor_list: list[torch.Tensor] | None,
         root: int,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
-        """Send ``input_list[i]`` from ``root`` into rank ``i``'s ``output``."""
-        output = self._tensor(output, "output")
+        """Send ``input_tensor_list[i]`` from ``root`` into rank ``i``'s ``output_tensor``."""
+        output_tensor = self._tensor(output_tensor, "output_tensor")
         root = checks.rank(root, "root", self._size)
         inputs: list[torch.Tensor] = []
         if self._rank == root:
-            inputs = self._tensors(input_list, "input_list", self._size)
-            checks.same_dtype(output, inputs, "input_list")
-            checks.same_shape(inputs, output, "input_list")
+            inputs = self._tensors(input_tensor_list, "input_tensor_list", self._size)
+            checks.same_dtype(output_tensor, inputs, "input_tensor_list")
+            checks.same_shape(inputs, output_tensor, "input_tensor_list")
 
         def launch(td: datetime.timedelta) -> list[Any]:
             opts = ScatterOptions()
             opts.rootRank = root
             opts.timeout = td
-            return [self._pg.scatter([output], [inputs] if inputs else [], opts)]
+            return [self._pg.scatter([output_tensor], [inputs] if inputs else [], opts)]
 
         return self._run("scatter", self._others(), timeout, async_op, hints, launch)
 
@@ -343,7 +343,7 @@ class CommOps(Reductions):
         dst: int,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         tensor = self._tensor(tensor, "tensor")
         dst = checks.rank(dst, "dst", self._size, self_rank=self._rank)
@@ -363,7 +363,7 @@ class CommOps(Reductions):
         src: int,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         tensor = self._tensor(tensor, "tensor")
         src = checks.rank(src, "src", self._size, self_rank=self._rank)

@@ -36,7 +36,7 @@ class Reductions(CommCore):
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         tensor = self._tensor(tensor, "tensor")
         op = self._op(op, tensor.dtype, "tensor")
@@ -73,7 +73,7 @@ class Reductions(CommCore):
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """Reduce into ``tensor`` on ``root``; other ranks' tensors are scratch afterwards."""
         tensor = self._tensor(tensor, "tensor")
@@ -106,7 +106,7 @@ class Reductions(CommCore):
         op: ReduceOp,
         async_op: bool,
         hints: Mapping[str, str] | None,
-        timeout: float | None,
+        timeout: float | datetime.timedelta | None,
         joined: torch.Tensor | None = None,
     ) -> Work:
         """``joined`` (when given) is ``inputs`` as one flat tensor, for the shm path."""
@@ -148,7 +148,7 @@ class Reductions(CommCore):
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         output = self._tensor(output, "output")
         inputs = self._tensors(input_list, "input_list", self._size)
@@ -164,7 +164,7 @@ class Reductions(CommCore):
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         output = self._tensor(output, "output")
         input = self._tensor(input, "input")
@@ -190,7 +190,7 @@ class Reductions(CommCore):
         op: ReduceOp = ReduceOp.SUM,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """Reduce-scatter where rank ``i`` receives ``input_list[i]``-sized results."""
         output = self._tensor(output, "output")
@@ -209,7 +209,7 @@ class Reductions(CommCore):
         self,
         async_op: bool = False,
         hints: Mapping[str, str] | None = None,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         def launch(td: datetime.timedelta) -> list[Any]:
             opts = BarrierOptions()

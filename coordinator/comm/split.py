@@ -10,6 +10,7 @@ the same error naming the disagreement, instead of some ranks hanging.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -34,7 +35,9 @@ def _check_ranks(ranks: Sequence[int], me: int, size: int) -> list[int]:
     return checked
 
 
-def _requests(parent: CommOps, mine: list[int], timeout: float | None) -> list[list[int]]:
+def _requests(
+    parent: CommOps, mine: list[int], timeout: float | datetime.timedelta | None
+) -> list[list[int]]:
     size = parent.get_size()
     row = torch.full((size,), -1, dtype=torch.int64)
     row[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
@@ -59,7 +62,7 @@ def split_members(
     ranks: Sequence[int],
     name: str,
     hints: Mapping[str, str] | None,
-    timeout: float | None,
+    timeout: float | datetime.timedelta | None,
 ) -> tuple[str, int, int, float, dict[str, str]] | None:
     """The child this rank joins, as (store prefix, rank, size, timeout, hints);
     None when it joins none. ``Comm.split`` builds the child from it."""

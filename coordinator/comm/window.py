@@ -23,6 +23,7 @@ atomic read-modify-write is needed; value slots are plain 8-byte stores
 
 from __future__ import annotations
 
+import datetime
 import operator
 import os
 import time
@@ -271,10 +272,10 @@ class Window:
         self,
         tensor: torch.Tensor,
         dst_rank: int,
-        target_offset_nelems: int = 0,
+        target_disp: int = 0,
         async_op: bool = False,
     ) -> Work:
-        """Copy ``tensor`` into ``dst_rank``'s window, ``target_offset_nelems`` elements in."""
+        """Copy ``tensor`` into ``dst_rank``'s window, ``target_disp`` elements in."""
         self._require()
         tensor = checks.tensor(tensor, "tensor", self._comm.get_device(), contiguous=True)
         dst_rank = checks.rank(dst_rank, "dst_rank", self._comm.get_size())
@@ -283,17 +284,15 @@ class Window:
             raise GroupcoordTypeError(
                 f"tensor has dtype {tensor.dtype} but the window holds {self._dtype}"
             )
-        offset = target_offset_nelems
+        offset = target_disp
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise GroupcoordValueError(
-                f"target_offset_nelems must be a non-negative int, got {offset!r}"
-            )
+            raise GroupcoordValueError(f"target_disp must be a non-negative int, got {offset!r}")
         start = offset * tensor.element_size()
         end = start + tensor.numel() * tensor.element_size()
         capacity = self._maps[dst_rank].info.data_nbytes
         if end > capacity:
             raise GroupcoordValueError(
-                f"put of {tensor.numel()} elements at target_offset_nelems={offset} runs past "
+                f"put of {tensor.numel()} elements at target_disp={offset} runs past "
                 f"rank {dst_rank}'s window ({capacity} bytes)"
             )
         if tensor.numel():
@@ -302,18 +301,21 @@ class Window:
 
     def signal(
         self,
-        dst_rank: int,
-        async_op: bool = False,
-        *,
         signal_disp: int | None = None,
         signal_val: int | None = None,
+        dst_rank: int | None = None,
+        async_op: bool = False,
     ) -> Work:
-        """Tell ``dst_rank`` that this rank's earlier puts to it are complete.
+        """Store ``signal_val`` in value slot ``signal_disp`` of ``dst_rank``
+        (torchcomms' signature).
 
-        With ``signal_disp``/``signal_val`` (the older form) store ``signal_val``
-        in value slot ``signal_disp`` of ``dst_rank`` instead.
+        Without ``signal_disp``/``signal_val`` (the counter form,
+        ``signal(dst_rank=r)``): tell ``dst_rank`` that this rank's earlier puts
+        to it are complete; ``wait_signal(peer_rank=...)`` on its side returns then.
         """
         self._require()
+        if dst_rank is None:
+            raise GroupcoordValueError("signal needs dst_rank")
         dst_rank = checks.rank(dst_rank, "dst_rank", self._comm.get_size())
         checks.flag(async_op, "async_op")
         if signal_disp is not None or signal_val is not None:
@@ -346,18 +348,19 @@ class Window:
 
     def wait_signal(
         self,
-        peer_rank: int | None = None,
-        async_op: bool = False,
-        timeout: float | None = None,
-        *,
         signal_disp: int | None = None,
         signal_val: int | None = None,
         cmp_op: str = "eq",
+        async_op: bool = False,
+        *,
+        peer_rank: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> Work:
-        """Wait for ``peer_rank``'s next signal; its puts before it are then visible.
+        """Wait until local value slot ``signal_disp`` compares ``cmp_op`` (eq, ne,
+        ge, gt, le, lt) against ``signal_val`` (torchcomms' signature).
 
-        The older form waits until local value slot ``signal_disp`` compares
-        ``cmp_op`` (eq, ne, ge, gt, le, lt) against ``signal_val``.
+        The counter form, ``wait_signal(peer_rank=r)``: wait for ``r``'s next
+        ``signal(dst_rank=...)``; its puts before it are then visible.
         """
         self._require()
         checks.flag(async_op, "async_op")

@@ -127,7 +127,7 @@ class Work:
         self._check_poll()
         return self._done.is_set()
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
         """Block until done; raise if it failed or passed its deadline.
 
         ``timeout`` shortens (never extends) the wait below the op's deadline;
@@ -136,6 +136,8 @@ class Work:
         makes it TIMED_OUT.
         """
         deadline = self.deadline
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
         if timeout is not None:
             deadline = min(deadline, time.monotonic() + timeout)
         else:

@@ -191,7 +191,7 @@ def comm_rows(rank: int, world: int, rows: list[tuple[str, int]]) -> dict:
             "barrier": lambda: comm.barrier(),
             "monitored_barrier": lambda: comm.monitored_barrier(),
             "async all_reduce + wait": lambda: comm.all_reduce(x, async_op=True).wait(),
-            "wait_signal": lambda: window.wait_signal(1).wait() if window else None,
+            "wait_signal": lambda: window.wait_signal(peer_rank=1).wait() if window else None,
             "all_gather_object": lambda: all_gather_object(comm, [None] * world, rank),
         }
         try:
