@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import coordinator.comm as comm_api
-from coordinator.comm import ReduceOp, new_comm
+from coordinator.comm import RedOpType, ReduceOp, new_comm
 from coordinator.errors import (
     BackendUnavailableError,
     GroupcoordTypeError,
@@ -27,8 +27,16 @@ def test_public_names_import() -> None:
 def test_reduce_op_names_and_dtype_rules() -> None:
     assert repr(ReduceOp.PREMUL_SUM(0.5)) == "ReduceOp.PREMUL_SUM(0.5)"
     assert ReduceOp.PREMUL_SUM(2).factor == 2.0
+    # torchcomms: a one-element tensor factor, RedOpType and ReduceOp.type.
+    assert ReduceOp.PREMUL_SUM(torch.tensor(2.0)).factor == 2.0
     with pytest.raises(GroupcoordTypeError, match="factor"):
-        ReduceOp.PREMUL_SUM(torch.tensor(2.0))  # type: ignore[arg-type]
+        ReduceOp.PREMUL_SUM(torch.tensor([2.0, 3.0]))
+    with pytest.raises(GroupcoordTypeError, match="factor"):
+        ReduceOp.PREMUL_SUM("2")  # type: ignore[arg-type]
+    assert ReduceOp(RedOpType.MAX) == ReduceOp.MAX and ReduceOp.MAX.type is RedOpType.MAX
+    assert ReduceOp.PREMUL_SUM(0.5).type is RedOpType.PREMUL_SUM
+    with pytest.raises(GroupcoordTypeError, match="PREMUL_SUM needs a factor"):
+        ReduceOp(RedOpType.PREMUL_SUM)
     with pytest.raises(GroupcoordTypeError, match="floating"):
         ReduceOp.AVG.check_dtype(torch.int32, "tensor")
     with pytest.raises(GroupcoordTypeError, match="integer or bool"):
@@ -74,18 +82,30 @@ def _torchcomms_positional(rank: int, world_size: int) -> dict:
     batch.send(torch.full((4,), float(rank)), peer)
     batch.recv(got, peer)
     batch.issue(False, BatchP2POptions(timeout=30.0)).wait()
+    gathered = torch.zeros(2 * 3)
+    comm.gather_single(gathered, torch.full((3,), float(rank)), 1, True).wait_blocking()
+    summed = torch.ones(2)
+    comm.all_reduce(summed, ReduceOp.PREMUL_SUM(torch.tensor(0.5)), False)
     win = comm.window_allocate(64)
     win.signal(0, 7 + rank, peer, False)  # value slot 0 of the peer
     win.wait_signal(0, 7 + peer, "eq", False).wait()
     comm.barrier(False)
     win.tensor_deregister()
     comm.finalize()
-    return {"backend": backend, "got": got.tolist()}
+    return {
+        "backend": backend,
+        "got": got.tolist(),
+        "gathered": gathered.tolist(),
+        "summed": summed.tolist(),
+    }
 
 
 def test_torchcomms_positional_calls_bind_as_documented() -> None:
     results = run_ranks(_torchcomms_positional, 2, timeout=60)
     assert [r["got"] for r in results] == [[1.0] * 4, [0.0] * 4]
+    assert results[1]["gathered"] == [0.0] * 3 + [1.0] * 3  # on the root
+    assert results[0]["gathered"] == [0.0] * 6  # elsewhere untouched
+    assert all(r["summed"] == [1.0, 1.0] for r in results)  # 0.5 * 1 from each of 2 ranks
     assert {r["backend"] for r in results} == {"ProcessGroupGloo"}
 
 

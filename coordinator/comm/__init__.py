@@ -21,7 +21,7 @@ from .objcol import (
     scatter_object_list,
     send_object_list,
 )
-from .reduce_ops import ReduceOp
+from .reduce_ops import RedOpType, ReduceOp
 from .window import Window
 from .work import Work, WorkStatus
 
@@ -31,6 +31,7 @@ __all__ = [
     "CommOptions",
     "P2PBatch",
     "P2POp",
+    "RedOpType",
     "ReduceOp",
     "Window",
     "Work",

@@ -310,6 +310,26 @@ class CommOps(Reductions):
 
         return self._run("gather", self._others(), timeout, async_op, hints, launch)
 
+    def gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        root: int,
+        async_op: bool = False,
+        hints: Mapping[str, str] | None = None,
+        timeout: float | datetime.timedelta | None = None,
+    ) -> Work:
+        """Gather every rank's ``input`` into ``output`` (``size * input.numel()``
+        elements, rank-major) on ``root``; ``output`` is ignored elsewhere."""
+        input = self._tensor(input, "input")
+        parts = None
+        if self._rank == checks.rank(root, "root", self._size):
+            output = self._tensor(output, "output")
+            checks.dtype_match(output, input, "output", "input")
+            checks.numel(output, self._size * input.numel(), "output", "size * input.numel()")
+            parts = list(output.view(self._size, *input.shape).unbind(0))
+        return self.gather(parts, input, root, async_op, hints, timeout)
+
     def scatter(
         self,
         output_tensor: torch.Tensor,

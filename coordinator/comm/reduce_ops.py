@@ -10,7 +10,7 @@ dtypes only: an integer average would silently truncate), and
 
 from __future__ import annotations
 
-import dataclasses
+import enum
 from typing import Any, ClassVar
 
 import torch
@@ -22,12 +22,24 @@ _BITWISE = frozenset({"BAND", "BOR", "BXOR"})
 _FLOAT_ONLY = frozenset({"AVG", "PREMUL_SUM"})
 
 
-@dataclasses.dataclass(frozen=True)
-class ReduceOp:
-    """One reduction; use the class constants or :meth:`PREMUL_SUM`."""
+class RedOpType(enum.Enum):
+    """The kinds of reduction (torchcomms' ``RedOpType``); ``ReduceOp.type``."""
 
-    name: str
-    factor: float | None = None
+    SUM = "SUM"
+    PRODUCT = "PRODUCT"
+    MIN = "MIN"
+    MAX = "MAX"
+    BAND = "BAND"
+    BOR = "BOR"
+    BXOR = "BXOR"
+    PREMUL_SUM = "PREMUL_SUM"
+    AVG = "AVG"
+
+
+class ReduceOp:
+    """One reduction: the class constants, :meth:`PREMUL_SUM`, or ``ReduceOp(RedOpType.X)``."""
+
+    __slots__ = ("name", "factor")
 
     SUM: ClassVar[ReduceOp]
     PRODUCT: ClassVar[ReduceOp]
@@ -38,14 +50,42 @@ class ReduceOp:
     BOR: ClassVar[ReduceOp]
     BXOR: ClassVar[ReduceOp]
 
+    def __init__(self, opType: RedOpType | str, factor: float | None = None) -> None:  # noqa: N803 - torchcomms' name
+        kind = RedOpType(opType.value if isinstance(opType, RedOpType) else opType)
+        if kind is RedOpType.PREMUL_SUM and factor is None:
+            raise GroupcoordTypeError("PREMUL_SUM needs a factor: use ReduceOp.PREMUL_SUM(factor)")
+        self.name = kind.value
+        self.factor = factor
+
+    @property
+    def type(self) -> RedOpType:
+        return RedOpType(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ReduceOp) and (self.name, self.factor) == (
+            other.name,
+            other.factor,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.factor))
+
     @staticmethod
-    def PREMUL_SUM(factor: float) -> ReduceOp:  # noqa: N802 - the name c10d users know
-        """Sum of ``factor * x`` over ranks."""
+    def PREMUL_SUM(factor: float | torch.Tensor) -> ReduceOp:  # noqa: N802 - the name c10d users know
+        """Sum of ``factor * x`` over ranks; ``factor`` a number or a one-element tensor."""
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1 or factor.is_complex():
+                raise GroupcoordTypeError(
+                    f"PREMUL_SUM factor tensor must hold one real number, got "
+                    f"{factor.dtype}{list(factor.shape)}"
+                )
+            factor = float(factor.item())
         if isinstance(factor, bool) or not isinstance(factor, int | float):
             raise GroupcoordTypeError(
-                f"PREMUL_SUM factor must be a Python int or float, got {type(factor).__name__}"
+                f"PREMUL_SUM factor must be a number or a one-element tensor, "
+                f"got {type(factor).__name__}"
             )
-        return ReduceOp("PREMUL_SUM", float(factor))
+        return ReduceOp(RedOpType.PREMUL_SUM, float(factor))
 
     def __repr__(self) -> str:
         if self.factor is not None:
@@ -79,11 +119,11 @@ class ReduceOp:
             result.div_(group_size)
 
 
-ReduceOp.SUM = ReduceOp("SUM")
-ReduceOp.PRODUCT = ReduceOp("PRODUCT")
-ReduceOp.MIN = ReduceOp("MIN")
-ReduceOp.MAX = ReduceOp("MAX")
-ReduceOp.AVG = ReduceOp("AVG")
-ReduceOp.BAND = ReduceOp("BAND")
-ReduceOp.BOR = ReduceOp("BOR")
-ReduceOp.BXOR = ReduceOp("BXOR")
+ReduceOp.SUM = ReduceOp(RedOpType.SUM)
+ReduceOp.PRODUCT = ReduceOp(RedOpType.PRODUCT)
+ReduceOp.MIN = ReduceOp(RedOpType.MIN)
+ReduceOp.MAX = ReduceOp(RedOpType.MAX)
+ReduceOp.AVG = ReduceOp(RedOpType.AVG)
+ReduceOp.BAND = ReduceOp(RedOpType.BAND)
+ReduceOp.BOR = ReduceOp(RedOpType.BOR)
+ReduceOp.BXOR = ReduceOp(RedOpType.BXOR)

@@ -127,6 +127,11 @@ class Work:
         self._check_poll()
         return self._done.is_set()
 
+    def wait_blocking(self, timeout: float | datetime.timedelta | None = None) -> bool:
+        """Block the calling thread until done (torchcomms' name; on CPU, where no
+        stream is involved, the same as :meth:`wait`)."""
+        return self.wait(timeout)
+
     def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
         """Block until done; raise if it failed or passed its deadline.
 
