@@ -17,8 +17,13 @@ from .errors import (
 )
 from .group_io import ObjectGroup, all_gather_bytes, broadcast_bytes
 from .message_queue import Handle, MessageQueue, cleanup_stale_ipc_files
-from .ring import ShmRingBuffer
-from .segments import ShmSegment, cleanup_owned_segments, cleanup_stale_segments
+from .ring import ShmRingBuffer, memory_fence, to_bytes_big
+from .segments import (
+    ShmSegment,
+    check_shm_free_space,
+    cleanup_owned_segments,
+    cleanup_stale_segments,
+)
 from .topology import in_the_same_node_as
 
 __all__ = [
@@ -40,6 +45,7 @@ __all__ = [
     "ShmSpaceError",
     "all_gather_bytes",
     "broadcast_bytes",
+    "check_shm_free_space",
     "cleanup_owned_segments",
     "cleanup_stale_ipc_files",
     "cleanup_stale_segments",
@@ -47,6 +53,8 @@ __all__ = [
     "get_config",
     "in_the_same_node_as",
     "loads",
+    "memory_fence",
     "override",
     "set_config",
+    "to_bytes_big",
 ]

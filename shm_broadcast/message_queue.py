@@ -696,6 +696,20 @@ class MessageQueue:
 
     # -- both --------------------------------------------------------------
 
+    @staticmethod
+    def recv(socket: zmq.Socket, timeout: float | datetime.timedelta | None) -> Any:
+        """One object from a ZeroMQ socket carrying this codec's multipart messages
+        (header, then frames: what a writer sends past its ring). vLLM's helper,
+        without pickle; waits at most ``timeout`` (None: until one arrives)."""
+        if timeout is not None:
+            timeout_s = resolve_timeout(timeout)
+            if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+                raise GroupcoordTimeoutError(
+                    "MessageQueue", "recv", timeout_s, detail="nothing arrived on the socket"
+                )
+        header, *frames = socket.recv_multipart(copy=False)
+        return Codec().decode(header.buffer, [f.buffer for f in frames])
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Writer: enqueue ``obj`` and return it; reader: return the next object."""
         if self.role == "writer":

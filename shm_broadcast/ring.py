@@ -40,7 +40,14 @@ from .errors import GroupcoordValueError, ProtocolError
 from .liveness import pid_namespace, process_alive
 from .segments import ShmSegment
 
-__all__ = ["ShmRingBuffer", "memory_fence", "needs_fence", "pid_namespace", "process_alive"]
+__all__ = [
+    "ShmRingBuffer",
+    "memory_fence",
+    "needs_fence",
+    "pid_namespace",
+    "process_alive",
+    "to_bytes_big",
+]
 
 logger = logging.getLogger("groupcoord.shm_broadcast")
 
@@ -74,6 +81,11 @@ def _make_fence() -> tuple[bool, Callable[[], None]]:
 
 
 needs_fence, memory_fence = _make_fence()
+
+
+def to_bytes_big(value: int, size: int) -> bytes:
+    """``value`` as ``size`` big-endian bytes (vLLM's helper)."""
+    return value.to_bytes(size, byteorder="big")
 
 
 def _round_up(n: int, to: int) -> int:

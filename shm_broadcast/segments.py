@@ -38,10 +38,27 @@ def shm_path(name: str) -> str:
     return os.path.join(get_config().shm_dir, name)
 
 
-def shm_free_bytes() -> int:
-    """Bytes free in the shm directory right now."""
-    st = os.statvfs(get_config().shm_dir)
+def shm_free_bytes(shm_dir: str | None = None) -> int:
+    """Bytes free in the shm directory (``shm_dir``, default the configured one) right now."""
+    st = os.statvfs(get_config().shm_dir if shm_dir is None else shm_dir)
     return st.f_bavail * st.f_frsize
+
+
+def check_shm_free_space(
+    required_bytes: int,
+    shm_path: str | None = None,
+    *,
+    allocation_name: str = "shared-memory allocation",
+) -> None:
+    """Raise :class:`ShmSpaceError` (an ``OSError``) when ``shm_path`` (default the
+    configured shm directory) has fewer than ``required_bytes`` free (vLLM's name)."""
+    where = get_config().shm_dir if shm_path is None else shm_path
+    free = shm_free_bytes(where)
+    if required_bytes > free:
+        raise ShmSpaceError(
+            f"cannot create a {required_bytes} byte {allocation_name}: {where} has only "
+            f"{free} bytes free (enlarge it, e.g. docker --shm-size, or ask for a smaller buffer)"
+        )
 
 
 class ShmSegment:
@@ -62,13 +79,7 @@ class ShmSegment:
             raise GroupcoordValueError(f"segment size must be positive, got {nbytes}")
         if not tag.isalnum():
             raise GroupcoordValueError(f"segment tag must be alphanumeric, got {tag!r}")
-        free = shm_free_bytes()
-        if nbytes > free:
-            raise ShmSpaceError(
-                f"cannot create a {nbytes} byte shared-memory segment: "
-                f"{get_config().shm_dir} has only {free} bytes free "
-                "(enlarge it, e.g. docker --shm-size, or ask for a smaller buffer)"
-            )
+        check_shm_free_space(nbytes, allocation_name="shared-memory segment")
         name = f"{SEGMENT_PREFIX}{os.getpid()}_{tag}_{secrets.token_hex(6)}n{pid_namespace()}"
         path = shm_path(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

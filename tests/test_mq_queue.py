@@ -385,3 +385,31 @@ def test_create_from_the_coordinators_stateless_process_group():
 def test_long_mixed_stream_to_local_and_remote_readers():
     # --long: 200,000 mixed messages (overflow included) to 3 ring + 1 TCP reader.
     assert run_ranks(_ordering_rank, 5, 3, 200_000, timeout=800) == [200_000] * 5
+
+
+def test_recv_decodes_a_codec_message_from_a_socket_and_times_out() -> None:
+    import zmq
+
+    from shm_broadcast import memory_fence, to_bytes_big
+    from shm_broadcast.codec import encode_message, frames_as_buffers
+    from shm_broadcast.errors import GroupcoordTimeoutError
+
+    assert to_bytes_big(258, 4) == b"\x00\x00\x01\x02"
+    memory_fence()  # callable on every platform
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind("inproc://mq-recv")
+        b.connect("inproc://mq-recv")
+        sent = {"step": 3, "t": torch.arange(5)}
+        a.send_multipart(frames_as_buffers(encode_message(sent)))
+        got = MessageQueue.recv(b, timeout=5)
+        assert got["step"] == 3 and torch.equal(got["t"], sent["t"])
+        start = time.monotonic()
+        with pytest.raises(GroupcoordTimeoutError, match="recv"):
+            MessageQueue.recv(b, timeout=0.2)
+        assert time.monotonic() - start < 2
+        a.close(linger=0)
+        b.close(linger=0)
+    finally:
+        ctx.term()

@@ -98,3 +98,13 @@ def _read_tensor_after_close(rank: int, world_size: int) -> int:
 def test_tensors_over_a_closed_segment_stay_readable() -> None:
     # Before the fix, close() unmapped memory under `whole` and the rank segfaulted.
     assert run_ranks(_read_tensor_after_close, 1, timeout=30.0) == [12 + 12]
+
+
+def test_check_shm_free_space_names_the_allocation_and_the_shortfall() -> None:
+    from shm_broadcast import check_shm_free_space
+
+    check_shm_free_space(1)  # plenty
+    with pytest.raises(ShmSpaceError, match=r"10\d* byte KV arena: .* has only"):
+        check_shm_free_space(10**18, allocation_name="KV arena")
+    with pytest.raises(OSError):  # ShmSpaceError is an OSError, as vLLM's callers expect
+        check_shm_free_space(10**18, "/dev/shm")
