@@ -99,6 +99,16 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self.pynccl = PyNcclCommunicator(self.cpu_group, self.device)
         return [self.custom_all_reduce, PyNcclAllReduce(self.pynccl)]
 
+    @property
+    def ca_comm(self) -> CustomAllreduce | None:
+        """vLLM's name for the custom all-reduce: None where it is disabled."""
+        return None if self.custom_all_reduce.disabled else self.custom_all_reduce
+
+    @property
+    def pynccl_comm(self) -> PyNcclCommunicator | None:
+        """vLLM's name for the PyNccl communicator: None where it is unavailable."""
+        return self.pynccl if self.pynccl.available else None
+
     def describe(self) -> list[tuple[str, str]]:
         """(back end, "enabled" or why not) in the order all-reduce tries them."""
         return [

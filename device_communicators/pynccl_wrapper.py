@@ -23,6 +23,7 @@ from shm_broadcast.config import get_config
 from .errors import BackendUnavailableError, GroupcoordError, GroupcoordValueError
 
 __all__ = [
+    "NCCLLibrary",
     "NCCL_FUNCTIONS",
     "NCCL_RESULT_NAMES",
     "NCCL_UNIQUE_ID_BYTES",
@@ -407,6 +408,148 @@ class NcclLibrary:
 
     def comm_window_deregister(self, comm: int, window: int) -> None:
         self._call("ncclCommWindowDeregister", comm, window, comm=comm)
+
+
+def _address(value: Any) -> int:
+    """A pointer, handle or stream as an int: vLLM's callers pass ctypes ``c_void_p``."""
+    if isinstance(value, ctypes.c_void_p):
+        return value.value or 0
+    return int(value)
+
+
+class NCCLLibrary:
+    """vLLM's ``NCCLLibrary``: its class name and nccl.h-named methods, taking and
+    returning ctypes values as vLLM's do, over the one binding (:class:`NcclLibrary`;
+    ``library`` picks a loaded one)."""
+
+    def __init__(self, so_file: str | None = None, *, library: NcclLibrary | None = None):
+        self.lib = library if library is not None else load_nccl_library(so_file)
+
+    def ncclGetErrorString(self, result: int) -> str:  # noqa: N802 - nccl.h's names
+        return self.lib.error_string(result)
+
+    def NCCL_CHECK(self, result: int) -> None:  # noqa: N802
+        self.lib.check("NCCL call", result)
+
+    def ncclGetRawVersion(self) -> int:  # noqa: N802
+        return self.lib.version_code
+
+    def ncclGetVersion(self) -> str:  # noqa: N802
+        return self.lib.version
+
+    def ncclGetUniqueId(self) -> ncclUniqueId:  # noqa: N802
+        return self.lib.unique_id_from_bytes(self.lib.get_unique_id())
+
+    def unique_id_from_bytes(self, data: bytes) -> ncclUniqueId:
+        return self.lib.unique_id_from_bytes(data)
+
+    def ncclCommInitRank(self, world_size: int, unique_id: ncclUniqueId, rank: int) -> Any:  # noqa: N802
+        raw = ctypes.string_at(ctypes.addressof(unique_id), NCCL_UNIQUE_ID_BYTES)
+        return ncclComm_t(self.lib.comm_init_rank(world_size, raw, rank))
+
+    def ncclAllReduce(
+        self,
+        sendbuff: Any,
+        recvbuff: Any,
+        count: int,
+        datatype: int,
+        op: int,
+        comm: Any,
+        stream: Any,
+    ) -> None:  # noqa: N802
+        a = _address
+        self.lib.all_reduce(a(sendbuff), a(recvbuff), count, datatype, op, a(comm), a(stream))
+
+    def ncclReduce(
+        self,
+        sendbuff: Any,
+        recvbuff: Any,
+        count: int,
+        datatype: int,
+        op: int,
+        root: int,
+        comm: Any,
+        stream: Any,
+    ) -> None:  # noqa: N802
+        a = _address
+        self.lib.reduce(a(sendbuff), a(recvbuff), count, datatype, op, root, a(comm), a(stream))
+
+    def ncclReduceScatter(
+        self,
+        sendbuff: Any,
+        recvbuff: Any,
+        count: int,
+        datatype: int,
+        op: int,
+        comm: Any,
+        stream: Any,
+    ) -> None:  # noqa: N802
+        a = _address
+        self.lib.reduce_scatter(a(sendbuff), a(recvbuff), count, datatype, op, a(comm), a(stream))
+
+    def ncclAllGather(
+        self,
+        sendbuff: Any,
+        recvbuff: Any,
+        count: int,
+        datatype: int,
+        comm: Any,
+        stream: Any,
+    ) -> None:  # noqa: N802
+        a = _address
+        self.lib.all_gather(a(sendbuff), a(recvbuff), count, datatype, a(comm), a(stream))
+
+    def ncclSend(
+        self,
+        sendbuff: Any,
+        count: int,
+        datatype: int,
+        dest: int,
+        comm: Any,
+        stream: Any,
+    ) -> None:  # noqa: N802
+        self.lib.send(_address(sendbuff), count, datatype, dest, _address(comm), _address(stream))
+
+    def ncclRecv(
+        self,
+        recvbuff: Any,
+        count: int,
+        datatype: int,
+        src: int,
+        comm: Any,
+        stream: Any,
+    ) -> None:  # noqa: N802
+        self.lib.recv(_address(recvbuff), count, datatype, src, _address(comm), _address(stream))
+
+    def ncclBroadcast(
+        self,
+        sendbuff: Any,
+        recvbuff: Any,
+        count: int,
+        datatype: int,
+        root: int,
+        comm: Any,
+        stream: Any,
+    ) -> None:  # noqa: N802
+        a = _address
+        self.lib.broadcast(a(sendbuff), a(recvbuff), count, datatype, root, a(comm), a(stream))
+
+    def ncclCommDestroy(self, comm: Any) -> None:  # noqa: N802
+        self.lib.comm_destroy(_address(comm))
+
+    def ncclGroupStart(self) -> None:  # noqa: N802
+        self.lib.group_start()
+
+    def ncclGroupEnd(self) -> None:  # noqa: N802
+        self.lib.group_end()
+
+    def ncclCommWindowRegister(self, comm: Any, buff: Any, size: int, win_flags: int) -> Any:  # noqa: N802
+        return ncclWindow_t(
+            self.lib.comm_window_register(_address(comm), _address(buff), size, win_flags)
+        )
+
+    def ncclCommWindowDeregister(self, comm: Any, window: Any) -> None:  # noqa: N802
+        self.lib.comm_window_deregister(_address(comm), _address(window))
 
 
 _LIBRARIES: dict[str, NcclLibrary] = {}

@@ -33,6 +33,8 @@ def _communicator_without_gpu(rank: int, world_size: int) -> dict:
             "describe": comm.describe(),
             "chain": comm.all_reduce_chain.names(),
             "explain": comm.all_reduce_chain.explain(torch.zeros(64, dtype=torch.float16)),
+            # vLLM's member names: None where the fast path is off.
+            "vllm_names": (comm.ca_comm, comm.pynccl_comm),
         }
         with pytest.raises(GroupcoordValueError, match="input_ is on cpu"):
             comm.all_reduce(torch.ones(4))
@@ -64,6 +66,7 @@ def test_communicator_without_gpu_disables_fast_paths_with_reasons():
         assert explained["pynccl"] == reasons["pynccl"]
         assert explained["torch.distributed(gloo)"] is None
         assert out["captured"] and out["sum"] == 3
+        assert list(out["vllm_names"]) == [None, None]
 
 
 def _custom_ar_refusals(rank: int, world_size: int) -> list[str]:

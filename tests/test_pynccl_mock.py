@@ -268,3 +268,58 @@ def test_every_mock_prototype_has_a_row_of_our_table_with_as_many_arguments():
     assert set(PROTOTYPES) <= set(rows)
     for fn, (_, params) in PROTOTYPES.items():
         assert len(rows[fn].argtypes) == len(params), fn
+
+
+def test_vllms_ncclLibrary_names_run_on_the_one_binding() -> None:
+    """vLLM's NCCLLibrary spelling (ctypes arguments, nccl.h names) reaches the same
+    calls as ours: checked against the recording mock, in process."""
+    import ctypes
+
+    from device_communicators.pynccl_wrapper import (
+        NcclDataType,
+        NCCLLibrary,
+        NcclRedOp,
+        ncclUniqueId,
+    )
+
+    mock = MockNccl(22809)
+    lib = NCCLLibrary(library=mock.library())
+    assert lib.ncclGetVersion() == "2.28.9" and lib.ncclGetRawVersion() == 22809
+    assert lib.ncclGetErrorString(3) == lib.lib.error_string(3)
+    uid = lib.ncclGetUniqueId()
+    assert isinstance(uid, ncclUniqueId)
+    raw = ctypes.string_at(ctypes.addressof(uid), 128)
+    assert raw.startswith(b"mock-id")
+    again = lib.unique_id_from_bytes(raw)
+    assert ctypes.string_at(ctypes.addressof(again), 128) == raw
+    comm = lib.ncclCommInitRank(1, uid, 0)
+    assert isinstance(comm, ctypes.c_void_p) and comm.value
+    assert mock.named("ncclCommInitRank")[-1].args["commId"].rstrip(b"\0") == b"mock-id"
+    src = torch.arange(4, dtype=torch.float32) + 1
+    dst = torch.zeros(4)
+    ptr, stream = ctypes.c_void_p, ctypes.c_void_p(STREAM)
+    lib.ncclAllReduce(
+        ptr(src.data_ptr()),
+        ptr(dst.data_ptr()),
+        4,
+        NcclDataType.FLOAT32,
+        NcclRedOp.SUM,
+        comm,
+        stream,
+    )
+    assert torch.equal(dst, src)  # one rank: the sum is the input
+    call = mock.named("ncclAllReduce")[-1]
+    assert (call.args["count"], call.args["stream"], call.args["comm"]) == (4, STREAM, comm.value)
+    out = torch.zeros(4)
+    lib.ncclBroadcast(
+        ptr(src.data_ptr()), ptr(out.data_ptr()), 4, NcclDataType.FLOAT32, 0, comm, stream
+    )
+    assert torch.equal(out, src)
+    lib.ncclGroupStart()
+    lib.ncclGroupEnd()
+    lib.ncclCommDestroy(comm)
+    assert [c.name for c in mock.calls][-3:] == [
+        "ncclGroupStart",
+        "ncclGroupEnd",
+        "ncclCommDestroy",
+    ]
