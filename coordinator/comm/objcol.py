@@ -16,7 +16,6 @@ from typing import Any
 
 from device_communicators import checks
 from shm_broadcast import codec
-from shm_broadcast.config import resolve_timeout
 
 from ..errors import GroupcoordTypeError, GroupcoordValueError
 from . import bytes_io
@@ -58,7 +57,7 @@ def all_gather_object(
     pickle = _pickle_allowed(weights_only)
     _check_list(object_list, "object_list", comm.get_size())
     data = codec.dumps(obj, allow_pickle=pickle)
-    gathered = bytes_io.all_gather_bytes(comm, data, _seconds(timeout))
+    gathered = bytes_io.all_gather_bytes(comm, data, timeout)
     object_list[:] = [codec.loads(b, allow_pickle=pickle) for b in gathered]
 
 
@@ -76,7 +75,7 @@ def gather_object(
     if comm.get_rank() == root:
         _check_list(object_gather_list, "object_gather_list", comm.get_size())
     data = codec.dumps(obj, allow_pickle=pickle)
-    gathered = bytes_io.gather_bytes(comm, data, root, _seconds(timeout))
+    gathered = bytes_io.gather_bytes(comm, data, root, timeout)
     if gathered is not None and object_gather_list is not None:
         object_gather_list[:] = [codec.loads(b, allow_pickle=pickle) for b in gathered]
 
@@ -93,7 +92,7 @@ def broadcast_object_list(
     root = checks.rank(root, "root", comm.get_size())
     _check_list(object_list, "object_list")
     data = codec.dumps(list(object_list), allow_pickle=pickle) if comm.get_rank() == root else None
-    received = bytes_io.broadcast_bytes(comm, data, root, _seconds(timeout))
+    received = bytes_io.broadcast_bytes(comm, data, root, timeout)
     if comm.get_rank() != root:
         _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
 
@@ -112,7 +111,7 @@ def send_object_list(
     dst = checks.rank(dst, "dst", comm.get_size(), self_rank=comm.get_rank())
     _check_list(object_list, "object_list")
     data = codec.dumps(list(object_list), allow_pickle=pickle)
-    bytes_io.send_bytes(comm, data, dst, _seconds(timeout))
+    bytes_io.send_bytes(comm, data, dst, timeout)
 
 
 def recv_object_list(
@@ -126,7 +125,7 @@ def recv_object_list(
     pickle = _pickle_allowed(weights_only)
     src = checks.rank(src, "src", comm.get_size(), self_rank=comm.get_rank())
     _check_list(object_list, "object_list")
-    received = bytes_io.recv_bytes(comm, src, _seconds(timeout))
+    received = bytes_io.recv_bytes(comm, src, timeout)
     _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
 
 
@@ -150,7 +149,7 @@ def scatter_object_list(
             scatter_object_input_list, "scatter_object_input_list", comm.get_size()
         )
         items = [codec.dumps(obj, allow_pickle=pickle) for obj in inputs]
-    received = bytes_io.scatter_bytes(comm, items, root, _seconds(timeout))
+    received = bytes_io.scatter_bytes(comm, items, root, timeout)
     scatter_object_output_list[0] = codec.loads(received, allow_pickle=pickle)
 
 
@@ -159,7 +158,3 @@ def _pickle_allowed(weights_only: Any) -> bool:
     rebuild; here it means no pickle at all (the codec's types only). ``False``
     lets unsupported types travel as pickle, a trust both sides must opt into."""
     return not checks.flag(weights_only, "weights_only")
-
-
-def _seconds(timeout: float | datetime.timedelta | None) -> float | None:
-    return None if timeout is None else resolve_timeout(timeout)
