@@ -27,28 +27,40 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .checks import write_into
-from .errors import ClosedError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
+from .errors import (
+    ClosedError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+    NotSupportedError,
+    unsupported,
+)
 
 __all__ = [
+    "AgRsAll2AllManager",
     "AllGatherReduceScatterAll2AllManager",
     "All2AllManagerBase",
+    "Cache",
     "HasMoEBufferSpec",
     "MoEBufferSpec",
     "NaiveAll2AllManager",
     "create_all2all_manager",
     "known_all2all_backends",
+    "register_communicator",
 ]
 
 
 class All2AllCommunicator(Protocol):
     """What a manager needs from its device communicator (``DeviceCommunicatorBase``)."""
 
+    cpu_group: Any
     world_size: int
     rank_in_group: int
     unique_name: str
@@ -97,12 +109,73 @@ class HasMoEBufferSpec(Protocol):
 DispatchResult = tuple[Any, ...]
 
 
+class Cache:
+    """Objects made once per distinct set of keyword arguments (vLLM's handle cache).
+
+    ``get_or_create(kwargs, func)`` returns the object ``func(**kwargs)`` made
+    for equal ``kwargs`` while it is alive (entries are weak), else makes it.
+    """
+
+    def __init__(self) -> None:
+        self._cache: weakref.WeakValueDictionary[tuple[tuple[str, Any], ...], Any] = (
+            weakref.WeakValueDictionary()
+        )
+        self._lock = threading.RLock()
+
+    def get_or_create(self, kwargs: dict[str, Any], func: Any) -> Any:
+        if not isinstance(kwargs, dict):
+            raise GroupcoordTypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+        key = tuple(sorted(kwargs.items()))
+        with self._lock:
+            instance = self._cache.get(key)
+            if instance is None:
+                instance = func(**kwargs)
+                self._cache[key] = instance
+            return instance
+
+
+# The device communicator over each cpu_group, so a manager built the vLLM way,
+# from the group alone, talks through it (weak: a destroyed one disappears).
+_COMMUNICATORS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def register_communicator(communicator: Any) -> None:
+    """Make ``communicator`` the one managers built on its ``cpu_group`` use."""
+    _COMMUNICATORS[id(communicator.cpu_group)] = communicator
+
+
+_ELASTIC_EP = "elastic EP and EP fault tolerance (the EP group is fixed at initialization)"
+
+
 class All2AllManagerBase:
-    """Common bookkeeping: argument checks, token counts, the dispatch/combine pairing."""
+    """Common bookkeeping: argument checks, token counts, the dispatch/combine pairing.
+
+    vLLM's constructor, ``Manager(cpu_group, tcp_store_group=None)``: the
+    manager talks through the device communicator already built over
+    ``cpu_group`` (every ``DeviceCommunicatorBase`` registers itself), or
+    through the one passed as ``communicator=``. ``tcp_store_group`` is kept
+    for the signature; groupcoord's managers need no store.
+    """
 
     name = "base"
 
-    def __init__(self, communicator: All2AllCommunicator) -> None:
+    def __init__(
+        self,
+        cpu_group: Any,
+        tcp_store_group: Any = None,
+        *,
+        communicator: All2AllCommunicator | None = None,
+    ) -> None:
+        if communicator is None:
+            communicator = _COMMUNICATORS.get(id(cpu_group))
+            if communicator is None or communicator.cpu_group is not cpu_group:
+                raise GroupcoordValueError(
+                    f"{type(self).__name__}(cpu_group): no groupcoord device communicator runs "
+                    "over this cpu_group; build the group with GroupCoordinator (or a "
+                    "DeviceCommunicatorBase) first, or pass communicator="
+                )
+        self.cpu_group = cpu_group
+        self.tcp_store_group = tcp_store_group
         self.communicator = communicator
         self.world_size = int(communicator.world_size)
         self.rank = int(communicator.rank_in_group)
@@ -232,6 +305,29 @@ class All2AllManagerBase:
         self._pending_counts = None
         self._closed = True
 
+    def clean_buffers(self) -> None:
+        """Drop reusable buffers and a dispatch still waiting for its combine."""
+        self._release()
+        self._pending_counts = None
+
+    def set_num_sms(self, num_sms: int) -> None:
+        """Accepted and checked; these managers run no SM-resident kernels to limit."""
+        if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+            raise GroupcoordValueError(f"num_sms must be an int >= 1, got {num_sms!r}")
+
+    def max_sms_used(self) -> int | None:
+        """None: these managers occupy no SMs (they call the communicator's collectives)."""
+        return None
+
+    get_handle = unsupported("get_handle", "handles of vendor all2all kernels (DeepEP, pplx, ...)")
+    query_active_mask = unsupported("query_active_mask", _ELASTIC_EP)
+    query_fault = unsupported("query_fault", _ELASTIC_EP)
+    checkpoint_prepare = unsupported("checkpoint_prepare", _ELASTIC_EP)
+    checkpoint_restore = unsupported("checkpoint_restore", _ELASTIC_EP)
+    stage_ep_size = unsupported("stage_ep_size", _ELASTIC_EP)
+    commit_ep_size = unsupported("commit_ep_size", _ELASTIC_EP)
+    mask_remote_ranks = unsupported("mask_remote_ranks", _ELASTIC_EP)
+
     # ----------------------------------------------------------- for subclasses
     def _dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -328,8 +424,14 @@ class NaiveAll2AllManager(All2AllManagerBase):
 
     name = "naive"
 
-    def __init__(self, communicator: All2AllCommunicator) -> None:
-        super().__init__(communicator)
+    def __init__(
+        self,
+        cpu_group: Any,
+        tcp_store_group: Any = None,
+        *,
+        communicator: All2AllCommunicator | None = None,
+    ) -> None:
+        super().__init__(cpu_group, tcp_store_group, communicator=communicator)
         # Reused receive buffers, keyed by (trailing shape, dtype); filled by _allocate.
         self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -387,6 +489,9 @@ class AllGatherReduceScatterAll2AllManager(All2AllManagerBase):
         return self.communicator.reduce_scatterv(hidden_states, dim=0, sizes=counts)
 
 
+# vLLM's name for it.
+AgRsAll2AllManager = AllGatherReduceScatterAll2AllManager
+
 _MANAGERS: dict[str, type[All2AllManagerBase]] = {
     NaiveAll2AllManager.name: NaiveAll2AllManager,
     AllGatherReduceScatterAll2AllManager.name: AllGatherReduceScatterAll2AllManager,
@@ -414,4 +519,4 @@ def create_all2all_manager(name: str, communicator: All2AllCommunicator) -> All2
         raise GroupcoordValueError(
             f"all2all backend {name!r} is unknown; known backends: {', '.join(known_all2all_backends())}"
         )
-    return cls(communicator)
+    return cls(communicator.cpu_group, communicator=communicator)

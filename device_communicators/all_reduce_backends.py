@@ -50,9 +50,15 @@ class AllReduceBackend(ABC):
 
     @abstractmethod
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+        self, tensor: torch.Tensor, *, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
         """Reduce ``tensor`` over the group; returns the result as a new tensor."""
+
+    def reduce_in_chain(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
+        """What the chain calls once this back end accepted ``tensor``: its
+        ``all_reduce``, unless the back end picks something per call (the custom
+        all-reduce registers, rather than copies, an input being graph-captured)."""
+        return self.all_reduce(tensor, op=op)
 
     def close(self) -> None:
         """Release what the back end holds (idempotent)."""
@@ -126,7 +132,7 @@ class AllReduceChain:
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
-        return self.select(tensor, op).all_reduce(tensor, op)
+        return self.select(tensor, op).reduce_in_chain(tensor, op)
 
     def close(self) -> None:
         for backend in self.backends:

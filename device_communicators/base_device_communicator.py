@@ -25,8 +25,11 @@ from torch.distributed import ProcessGroup, ReduceOp
 from shm_broadcast.gloo_errors import gloo_errors
 
 from . import checks
+from .all2all import All2AllManagerBase, Cache, create_all2all_manager, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError, unsupported
+
+__all__ = ["All2AllManagerBase", "Cache", "DeviceCommunicatorBase"]
 
 
 class DeviceCommunicatorBase:
@@ -55,6 +58,7 @@ class DeviceCommunicatorBase:
         self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
         self.rank_in_group = self.ranks.index(self.rank)
         self.all2all_manager: Any = None
+        register_communicator(self)  # managers built from cpu_group alone find this one
         # Errors start with the group's name, like the coordinator's own errors.
         self.what = unique_name or type(self).__name__
         fast = self._fast_all_reduce_backends()
@@ -75,8 +79,6 @@ class DeviceCommunicatorBase:
             )
         if use_all2all:
             from shm_broadcast.config import get_config
-
-            from .all2all import create_all2all_manager
 
             try:
                 self.set_all2all_manager(create_all2all_manager(get_config().all2all_backend, self))

@@ -6,17 +6,30 @@
 exchange of gather), reduce-scatter(v) and broadcast use its slots too.
 When the ranks do not share a node (or the shm path is disabled) the shm
 back end is built disabled and says why, and Gloo takes everything.
+
+``send_tensor_dict``/``recv_tensor_dict`` (vLLM's CPU pipeline hand-off) move
+a whole dict as one codec message: through a shared-memory channel to a peer
+on this node (``shm_broadcast.p2p_channels``, as ``GroupCoordinator`` does),
+else as bytes over Gloo.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shm_broadcast.codec import encode_message, loads, message_bytes
+from shm_broadcast.config import get_config
+from shm_broadcast.p2p_channels import P2PChannels
+
+from . import checks
 from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
+from .errors import GroupcoordTypeError
 from .shm_all_reduce import ShmAllReduce
 
 
@@ -31,7 +44,17 @@ class CpuCommunicator(DeviceCommunicatorBase):
         unique_name: str = "",
         use_all2all: bool = False,
     ) -> None:
+        cfg = get_config()
+        # Before the base constructor, whose failure path calls destroy().
+        self._p2p_channels = P2PChannels(
+            f"{unique_name or 'CpuCommunicator'}/cpu_communicator",
+            dist.get_rank(),
+            {},
+            cfg.timeout_s,
+        )
         super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
+        if not cfg.disable_shm_p2p:
+            self._p2p_channels.peers = dict(self.peer_pids)
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
         self.shm_all_reduce = ShmAllReduce(self.cpu_group, unique_name=self.unique_name)
@@ -72,3 +95,43 @@ class CpuCommunicator(DeviceCommunicatorBase):
         if self.shm_all_reduce.copy_refusal(input_) is None:
             return self.shm_all_reduce.broadcast_(input_, src)
         return super()._broadcast_(input_, src)
+
+    # ---- tensor dicts (vLLM's CpuCommunicator) --------------------------------------
+
+    def send_tensor_dict(self, tensor_dict: dict[str, torch.Tensor | Any], dst: int) -> None:
+        """Send ``tensor_dict`` (tensors and codec-encodable values) to in-group rank ``dst``."""
+        operation = "send_tensor_dict"
+        checks.rank(dst, "dst", self.world_size, self.rank_in_group, self.what)
+        if not isinstance(tensor_dict, dict):
+            raise GroupcoordTypeError(
+                f"tensor_dict must be a dict, got {type(tensor_dict).__name__}"
+            )
+        msg = encode_message(tensor_dict)  # refuses what it cannot carry, before sending
+        peer = self.ranks[dst]
+        if self._p2p_channels.open_to(peer, operation):
+            self._p2p_channels.send_message(peer, msg, operation)
+            return
+        payload = message_bytes(msg)
+        self.send(torch.tensor([len(payload)], dtype=torch.int64), dst)
+        self.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst)
+
+    def recv_tensor_dict(self, src: int) -> dict[str, torch.Tensor | Any]:
+        """The next dict in-group rank ``src`` sent with :meth:`send_tensor_dict`."""
+        operation = "recv_tensor_dict"
+        checks.rank(src, "src", self.world_size, self.rank_in_group, self.what)
+        peer = self.ranks[src]
+        if self._p2p_channels.open_from(peer, operation):
+            got = self._p2p_channels.recv_message(peer, operation)
+        else:
+            length = int(self.recv(torch.Size([1]), torch.int64, src).item())
+            got = loads(self.recv(torch.Size([length]), torch.uint8, src).numpy().tobytes())
+        if not isinstance(got, dict):
+            raise GroupcoordTypeError(
+                f"{self.what}: recv_tensor_dict from rank {peer} got a "
+                f"{type(got).__name__}, not a dict"
+            )
+        return got
+
+    def destroy(self) -> None:
+        self._p2p_channels.close()
+        super().destroy()

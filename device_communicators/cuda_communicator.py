@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 
+from shm_broadcast.config import get_config
+
 from . import checks
 from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
@@ -95,7 +97,9 @@ class CudaCommunicator(DeviceCommunicatorBase):
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
         # Called by the base constructor once cpu_group and device are set.
-        self.custom_all_reduce = CustomAllreduce(self.cpu_group, self.device)
+        self.custom_all_reduce = CustomAllreduce(
+            self.cpu_group, self.device, get_config().custom_all_reduce_max_bytes
+        )
         self.pynccl = PyNcclCommunicator(self.cpu_group, self.device)
         return [self.custom_all_reduce, PyNcclAllReduce(self.pynccl)]
 

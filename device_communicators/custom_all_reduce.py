@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from shm_broadcast.config import get_config
@@ -53,6 +54,7 @@ from .errors import (
     BackendUnavailableError,
     GroupcoordError,
     GroupcoordValueError,
+    NotSupportedError,
     ProtocolError,
 )
 from .nvrtc_compile import DTYPE_SUFFIXES, compile_custom_all_reduce, kernel_name
@@ -95,14 +97,44 @@ class CustomAllreduce(AllReduceBackend):
 
     name = "custom_all_reduce"
 
-    def __init__(self, group: Any, device: int | str | torch.device, max_size: int | None = None):
+    def __init__(
+        self,
+        group: Any,
+        device: int | str | torch.device,
+        max_size: int = 8192 * 1024,
+        max_all_gather_size: int | None = None,
+        max_mnnvl_all_gather_size: int | None = None,
+        max_reduce_scatter_size: int | None = None,
+        max_mnnvl_reduce_scatter_size: int | None = None,
+        max_mnnvl_multimem_reduce_scatter_size: int | None = None,
+        symm_mem_enabled: bool = False,
+        *,
+        register_graph_buffers: bool = True,
+    ):
+        """vLLM's constructor. Our kernels do all-reduce only: the all-gather and
+        reduce-scatter size limits are accepted (vLLM's positions) and those
+        collectives go to NCCL (``should_custom_all_gather`` and friends say
+        False). ``register_graph_buffers=False`` leaves the collective
+        registration after :meth:`capture` to the caller."""
+        if symm_mem_enabled:
+            raise NotSupportedError.by_groupcoord(
+                "CustomAllreduce(symm_mem_enabled=True)", "symmetric-memory all-reduce"
+            )
         cfg = get_config()
         self.group = group
         self.rank, self.world_size = group_rank_and_size(group)
         self.device = (
             torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         )
-        self.max_size = cfg.custom_all_reduce_max_bytes if max_size is None else max_size
+        self.max_size = max_size
+        self.size_limits = {
+            "max_all_gather_size": max_all_gather_size,
+            "max_mnnvl_all_gather_size": max_mnnvl_all_gather_size,
+            "max_reduce_scatter_size": max_reduce_scatter_size,
+            "max_mnnvl_reduce_scatter_size": max_mnnvl_reduce_scatter_size,
+            "max_mnnvl_multimem_reduce_scatter_size": max_mnnvl_multimem_reduce_scatter_size,
+        }
+        self._auto_register = register_graph_buffers
         if self.max_size <= 0 or self.max_size % PACK_BYTES or self.max_size // PACK_BYTES >= 2**31:
             raise GroupcoordValueError(
                 f"max_size: expected a positive multiple of {PACK_BYTES} below 32 GiB, "
@@ -280,29 +312,129 @@ class CustomAllreduce(AllReduceBackend):
         decision = should_custom_ar(describe_tensor(tensor), max_bytes=self.max_size)
         return None if decision else decision.reason
 
-    def should_custom_ar(self, tensor: torch.Tensor) -> bool:
-        return self.refusal(tensor) is None
+    def should_custom_ar(self, inp: torch.Tensor) -> bool:
+        return self.refusal(inp) is None
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
+        self,
+        inp: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        registered: bool = False,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
     ) -> torch.Tensor:
-        """Sum ``tensor`` over the group into a new tensor, on the current stream."""
-        reason = self.refusal(tensor, op)
+        """Sum ``inp`` over the group on the current stream, into ``out`` (a new tensor
+        when None). ``registered=False`` copies ``inp`` into the shared staging
+        buffer first; ``registered=True`` (inside :meth:`capture`, while the stream
+        is being captured) reads ``inp`` where it is, through the IPC handles
+        registered when the capture ends."""
+        reason = self.refusal(inp, op)
         if reason is not None:
             raise GroupcoordValueError(f"custom all-reduce cannot take this tensor: {reason}")
-        nbytes = tensor.numel() * tensor.element_size()
-        # empty_like keeps a dense tensor's strides, so the output's bytes line
-        # up with the input's even for a permuted (weakly contiguous) layout.
-        out = torch.empty_like(tensor)
+        nbytes = inp.numel() * inp.element_size()
+        if out is None:
+            # empty_like keeps a dense tensor's strides, so the output's bytes line
+            # up with the input's even for a permuted (weakly contiguous) layout.
+            out = torch.empty_like(inp)
+        elif out.shape != inp.shape or out.dtype != inp.dtype or out.device != inp.device:
+            raise GroupcoordValueError(
+                f"out must match inp ({inp.dtype}{list(inp.shape)} on {inp.device}), "
+                f"got {out.dtype}{list(out.shape)} on {out.device}"
+            )
+        elif out.stride() != inp.stride():
+            raise GroupcoordValueError(
+                "out must have inp's strides (its bytes are written as inp's)"
+            )
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        slot = self._graph_slot(tensor) if self._capturing else None
+        slot = self._graph_slot(inp) if registered else None
+        if registered and slot is None and not self._capturing:
+            raise GroupcoordValueError(
+                "registered=True: only inputs captured inside capture() are registered"
+            )
         if slot is None:
-            cuda_ipc.memcpy_d2d_async(self._staging[self.rank], tensor.data_ptr(), nbytes, stream)
+            cuda_ipc.memcpy_d2d_async(self._staging[self.rank], inp.data_ptr(), nbytes, stream)
             slot = 0
-        dtype = str(tensor.dtype).removeprefix("torch.")
+        dtype = str(inp.dtype).removeprefix("torch.")
         algo = choose_algorithm(nbytes, self.world_size, self.algo_setting)
         self._launch(self._functions[(algo, dtype)], slot, out.data_ptr(), nbytes, stream)
         return out
+
+    def custom_all_reduce(self, input: torch.Tensor) -> torch.Tensor | None:
+        """vLLM's entry: the sum, or None when this back end should not take ``input``
+        (the caller then uses NCCL). While a graph is being captured inside
+        :meth:`capture` the input is registered, not copied."""
+        if self.refusal(input) is not None:
+            return None
+        return self.reduce_in_chain(input, ReduceOp.SUM)
+
+    def reduce_in_chain(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
+        return self.all_reduce(
+            tensor, op=op, registered=self._capturing and torch.cuda.is_current_stream_capturing()
+        )
+
+    def should_custom_all_gather(self, inp: torch.Tensor) -> bool:
+        """False: no all-gather kernel here; NCCL gathers."""
+        return False
+
+    def custom_all_gather(self, inp: torch.Tensor) -> torch.Tensor | None:
+        """None: no all-gather kernel here (the caller uses NCCL)."""
+        return None
+
+    def should_custom_reduce_scatter(self, inp: torch.Tensor) -> bool:
+        """False: no reduce-scatter kernel here; NCCL reduce-scatters."""
+        return False
+
+    def should_mnnvl_multimem_reduce_scatter(self, inp: torch.Tensor) -> bool:
+        """False: no multi-node NVLink multimem kernels here."""
+        return False
+
+    def custom_reduce_scatter(self, inp: torch.Tensor) -> torch.Tensor | None:
+        """None: no reduce-scatter kernel here (the caller uses NCCL)."""
+        return None
+
+    # ---- vLLM's shared-buffer helpers -------------------------------------------------
+    @staticmethod
+    def create_shared_buffer(
+        size_in_bytes: int, group: Any = None, uncached: bool | None = False
+    ) -> list[int]:
+        """Collective: a zeroed device buffer of ``size_in_bytes`` on every rank of
+        ``group`` (default: the world), shared over CUDA IPC; returns every rank's
+        pointer in rank order, this rank's own included. Free it with
+        :meth:`free_shared_buffer`. Ranks agree first, so all raise together."""
+        if uncached:
+            raise NotSupportedError.by_groupcoord(
+                "create_shared_buffer(uncached=True)", "uncached (fine-grained) allocations"
+            )
+        if isinstance(size_in_bytes, bool) or not isinstance(size_in_bytes, int):
+            raise GroupcoordValueError(f"size_in_bytes must be an int, got {size_in_bytes!r}")
+        if size_in_bytes <= 0:
+            raise GroupcoordValueError(f"size_in_bytes must be positive, got {size_in_bytes}")
+        group = dist.group.WORLD if group is None else group
+        rank, _world = group_rank_and_size(group)
+        reasons = [
+            r.decode() for r in all_gather_bytes(group, cuda_ipc.cuda_unavailable_reason().encode())
+        ]
+        refused = [(r, why) for r, why in enumerate(reasons) if why]
+        if refused:
+            r, why = refused[0]
+            raise BackendUnavailableError(
+                "CustomAllreduce.create_shared_buffer", f"rank {r}: {why}"
+            )
+        ptr = cuda_ipc.malloc_zeroed(size_in_bytes)
+        handles = all_gather_bytes(group, cuda_ipc.ipc_handle(ptr))
+        return [ptr if r == rank else cuda_ipc.open_ipc_handle(h) for r, h in enumerate(handles)]
+
+    @staticmethod
+    def free_shared_buffer(pointers: list[int], group: Any = None, rank: int | None = None) -> None:
+        """Undo :meth:`create_shared_buffer` on this rank: close the peers' mappings
+        and free its own buffer (``pointers[rank]``)."""
+        if rank is None:
+            rank = group_rank_and_size(dist.group.WORLD if group is None else group)[0]
+        for r, ptr in enumerate(pointers):
+            if r == rank:
+                cuda_ipc.free(ptr)
+            else:
+                cuda_ipc.close_ipc_handle(ptr)
 
     def _graph_slot(self, tensor: torch.Tensor) -> int | None:
         """A RankData slot for a call being captured; None to use the staging copy."""
@@ -345,7 +477,7 @@ class CustomAllreduce(AllReduceBackend):
             yield
         finally:
             self._capturing = False
-            if not self.disabled:
+            if not self.disabled and self._auto_register:
                 self.register_graph_buffers()
 
     def register_graph_buffers(self) -> None:

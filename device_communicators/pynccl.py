@@ -15,12 +15,14 @@ after CUDA was torn down at exit, can hang or crash); call :meth:`destroy`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from shm_broadcast.config import get_config
@@ -32,10 +34,17 @@ from .errors import (
     ClosedError,
     GroupcoordTypeError,
     GroupcoordValueError,
+    unsupported,
 )
 from .pynccl_wrapper import NcclDataType, NcclError, NcclLibrary, NcclRedOp, load_nccl_library
 
-__all__ = ["PyNcclCommunicator", "nccl_data_type", "nccl_red_op"]
+__all__ = [
+    "PyNcclCommunicator",
+    "defer_comm_warmup_on_rocm",
+    "nccl_data_type",
+    "nccl_red_op",
+    "register_nccl_symmetric_ops",
+]
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
@@ -98,6 +107,14 @@ def _as_device(device: int | str | torch.device) -> torch.device:
     return device
 
 
+defer_comm_warmup_on_rocm = unsupported(
+    "defer_comm_warmup_on_rocm", "ROCm (groupcoord's NCCL path is CUDA only)"
+)
+register_nccl_symmetric_ops = unsupported(
+    "register_nccl_symmetric_ops", "NCCL symmetric-memory ops"
+)
+
+
 class PyNcclCommunicator:
     """NCCL over one group; ``available`` says whether it works, ``reason`` why not."""
 
@@ -110,8 +127,61 @@ class PyNcclCommunicator:
         strict: bool = False,
         allow_single_rank: bool = False,
     ) -> None:
+        self._fields(group, *group_rank_and_size(group), device, strict, allow_single_rank)
+        local = self._local_refusal(library_path)
+        # Every rank must take the same path or the others would wait in
+        # ncclCommInitRank for a rank that gave up: agree on one reason first.
+        refusal = self._agree(local)
+        if refusal:
+            self._disable(refusal)
+            return
+        unique_id = self._make_unique_id() if self.rank == 0 else None
+        unique_id = broadcast_bytes(group, unique_id, src=0)
+        if not unique_id:
+            self._disable("rank 0 could not make an NCCL unique id (see its log)")
+            return
+        self._init_comm(unique_id)
+
+    @classmethod
+    def from_unique_id_bytes(
+        cls,
+        unique_id_bytes: bytes,
+        rank: int,
+        world_size: int,
+        device: int | str | torch.device,
+        library_path: str | None = None,
+    ) -> PyNcclCommunicator:
+        """vLLM's group-less start: every rank passes the same unique id (rank 0's
+        ``NcclLibrary.get_unique_id()``, shared however the caller likes). With no
+        group to agree on a refusal, any failure raises (strict)."""
+        if not isinstance(unique_id_bytes, bytes | bytearray) or not unique_id_bytes:
+            raise GroupcoordTypeError(
+                f"unique_id_bytes must be the non-empty bytes of an NCCL unique id, "
+                f"got {type(unique_id_bytes).__name__}"
+            )
+        for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise GroupcoordValueError(f"{name} must be an int >= {low}, got {value!r}")
+        checks.rank(rank, "rank", world_size)
+        self = cls.__new__(cls)
+        self._fields(None, rank, world_size, device, True, True)
+        refusal = self._local_refusal(library_path)
+        if refusal:
+            self._disable(refusal)
+        self._init_comm(bytes(unique_id_bytes))
+        return self
+
+    def _fields(
+        self,
+        group: Any,
+        rank: int,
+        world_size: int,
+        device: int | str | torch.device,
+        strict: bool,
+        allow_single_rank: bool,
+    ) -> None:
         self.group = group
-        self.rank, self.world_size = group_rank_and_size(group)
+        self.rank, self.world_size = rank, world_size
         self.device = _as_device(device)
         self.nccl: NcclLibrary | None = None
         self.comm: int | None = None
@@ -121,19 +191,9 @@ class PyNcclCommunicator:
         self._strict = strict
         self._allow_single_rank = allow_single_rank
         self._closed = False
-        local = self._local_refusal(library_path)
-        # Every rank must take the same path or the others would wait in
-        # ncclCommInitRank for a rank that gave up: agree on one reason first.
-        refusal = self._agree(local)
-        if refusal:
-            self._disable(refusal)
-            return
+
+    def _init_comm(self, unique_id: bytes) -> None:
         assert self.nccl is not None
-        unique_id = self._make_unique_id() if self.rank == 0 else None
-        unique_id = broadcast_bytes(group, unique_id, src=0)
-        if not unique_id:
-            self._disable("rank 0 could not make an NCCL unique id (see its log)")
-            return
         try:
             with self._on_device():
                 self.comm = self.nccl.comm_init_rank(self.world_size, unique_id, self.rank)
@@ -373,6 +433,65 @@ class PyNcclCommunicator:
         finally:
             self.nccl.group_end()
 
+    def reduce(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        root: int,
+        op: Any = ReduceOp.SUM,
+        stream: Any = None,
+    ) -> None:
+        """Reduce ``input_tensor`` over the ranks into ``root``'s ``output_tensor``."""
+        comm = self._require()
+        self._check(input_tensor, "input_tensor")
+        self._check(output_tensor, "output_tensor")
+        self._check_peer(root, "root")
+        if output_tensor.numel() != input_tensor.numel():
+            raise GroupcoordValueError("output_tensor must hold as many elements as input_tensor")
+        assert self.nccl is not None
+        self.nccl.reduce(
+            input_tensor.data_ptr(),
+            output_tensor.data_ptr(),
+            input_tensor.numel(),
+            self._dtype(input_tensor, reduction=True),
+            nccl_red_op(op, input_tensor.dtype),
+            root,
+            comm,
+            self._stream(stream),
+        )
+
+    def scatter(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        sizes: Sequence[int],
+        root: int = 0,
+        stream: Any = None,
+    ) -> None:
+        """``root`` gives rank i its ``sizes[i]`` rows (dim 0) of ``input_tensor``, into
+        each rank's ``output_tensor``: sends and receives in one NCCL group."""
+        self._require()
+        self._check(output_tensor, "output_tensor")
+        self._check_peer(root, "root")
+        self._check_sizes(sizes, sum(sizes) if isinstance(sizes, list | tuple) else 0, "sizes")
+        if output_tensor.shape[0] != sizes[self.rank]:
+            raise GroupcoordValueError(
+                f"output_tensor has {output_tensor.shape[0]} rows, sizes[{self.rank}]={sizes[self.rank]}"
+            )
+        ops: list[tuple[str, torch.Tensor, int]] = []
+        if self.rank == root:
+            self._check(input_tensor, "input_tensor")
+            self._check_sizes(sizes, input_tensor.shape[0], "sizes")
+            offsets = [0, *itertools.accumulate(sizes)]
+            ops = [
+                ("send", input_tensor[offsets[peer] : offsets[peer + 1]], peer)
+                for peer in range(self.world_size)
+                if sizes[peer]
+            ]
+        if sizes[self.rank]:
+            ops.append(("recv", output_tensor, root))
+        self._grouped_p2p(ops, stream)
+
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
         comm = self._require()
         self._check(tensor, "tensor")
@@ -434,20 +553,51 @@ class PyNcclCommunicator:
         stream: Any = None,
     ) -> None:
         """All sends and receives in one NCCL group, so a ring exchange cannot deadlock."""
-        for tensor, peer in sends:
-            self._check(tensor, "sends[].tensor")
-            self._check_peer(peer, "sends[].dst")
-        for tensor, peer in recvs:
-            self._check(tensor, "recvs[].tensor")
-            self._check_peer(peer, "recvs[].src")
+        self._grouped_p2p(
+            [("send", t, p) for t, p in sends] + [("recv", t, p) for t, p in recvs], stream
+        )
+
+    def batch_isend_irecv(self, p2p_ops: list, stream: Any = None) -> None:
+        """vLLM's form: ``torch.distributed.P2POp`` s (``isend``/``irecv``, in-group
+        peer), issued in order in one NCCL group."""
+        if not isinstance(p2p_ops, list | tuple):
+            raise GroupcoordTypeError(
+                f"p2p_ops must be a list of P2POp, got {type(p2p_ops).__name__}"
+            )
+        ops: list[tuple[str, torch.Tensor, int]] = []
+        for i, p2p in enumerate(p2p_ops):
+            fn = getattr(p2p, "op", None)
+            kind = "send" if fn is dist.isend else "recv" if fn is dist.irecv else None
+            if kind is None:
+                raise GroupcoordValueError(
+                    f"p2p_ops[{i}] must be a torch.distributed.P2POp of isend or irecv, got {p2p!r}"
+                )
+            peer = getattr(p2p, "group_peer", None)
+            ops.append((kind, p2p.tensor, p2p.peer if peer is None else peer))
+        self._grouped_p2p(ops, stream)
+
+    def _grouped_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]], stream: Any) -> None:
+        for i, (kind, tensor, peer) in enumerate(ops):
+            self._check(tensor, f"{kind}s[{i}].tensor")
+            self._check_peer(peer, f"{kind}s[{i}].{'dst' if kind == 'send' else 'src'}")
         self.group_start()
         try:
-            for tensor, peer in sends:
-                self.send(tensor, peer, stream)
-            for tensor, peer in recvs:
-                self.recv(tensor, peer, stream)
+            for kind, tensor, peer in ops:
+                (self.send if kind == "send" else self.recv)(tensor, peer, stream)
         finally:
             self.group_end()
+
+    suspend = unsupported("suspend", "releasing and re-creating communicators (sleep mode)")
+    resume = unsupported("resume", "releasing and re-creating communicators (sleep mode)")
+    register_comm_window = unsupported(
+        "register_comm_window", "NCCL symmetric-memory window registration"
+    )
+    register_comm_window_raw = unsupported(
+        "register_comm_window_raw", "NCCL symmetric-memory window registration"
+    )
+    deregister_comm_window = unsupported(
+        "deregister_comm_window", "NCCL symmetric-memory window registration"
+    )
 
     # -- teardown ---------------------------------------------------------------
     def destroy(self) -> None:

@@ -13,7 +13,7 @@ Memory ordering (x86-64 only; callers refuse other machines): stores reach
 other cores in program order and loads are not reordered with older loads,
 so data stored before a counter is seen by whoever sees the counter. The
 sleep/wake handshake also needs StoreLoad order and so a full fence on both
-sides (``futex.full_fence``).
+sides (``memory_fence``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,14 @@ import torch
 
 from shm_broadcast.liveness import pid_namespace
 from shm_broadcast.liveness import process_alive as pid_alive
+from shm_broadcast.waiting import (
+    futex_available,
+    futex_wait,
+    futex_wake,
+    memory_fence,
+    wait_until,
+)
 
-from . import futex
 from .errors import ClosedError, DesyncError, GroupcoordTimeoutError, PeerDiedError
 
 LINE = 64
@@ -122,7 +128,7 @@ class PhaseLines:
         self._address = self._address_holder.data_ptr()
         self._counter_index = [r * _QWORDS for r in range(self.world_size)]
         self._others = [r for r in range(self.world_size) if r != rank_in_group]
-        self.use_futex = futex.available()
+        self.use_futex = futex_available()
         self.spin_s = SPIN_BEFORE_SLEEP_S
         self.pids: list[int] = []
         self.pid_checks = False
@@ -162,7 +168,7 @@ class PhaseLines:
         if self.use_futex:
             me = self.rank_in_group
             self._words[me * _DWORDS + _BELL] = (self._words[me * _DWORDS + _BELL] + 1) & 0x7FFFFFFF
-            futex.wake(self._bell_address(me))
+            futex_wake(self._bell_address(me))
 
     def release(self) -> None:
         """Drop the views into the mapping (it cannot be unmapped while they live)."""
@@ -213,13 +219,13 @@ class PhaseLines:
         self._counters[self.rank_in_group * _QWORDS] = phase
         if not self.use_futex:
             return
-        futex.full_fence()  # the counter store must be visible before we read "asleep"
+        memory_fence()  # the counter store must be visible before we read "asleep"
         words = self._words
         for r in self._others:
             if words[r * _DWORDS + _ASLEEP]:
                 bell = r * _DWORDS + _BELL
                 words[bell] = (words[bell] + 1) & 0x7FFFFFFF
-                futex.wake(self._bell_address(r))
+                futex_wake(self._bell_address(r))
 
     def wait_all(self, phase: int) -> None:
         """Wait until every rank's counter reaches ``phase``: yield-spin, then sleep;
@@ -231,34 +237,27 @@ class PhaseLines:
     def _wait_all(self, phase: int) -> None:
         if self.all_reached(phase):
             return
-        start = time.monotonic()
-        sleep_from = start + self.spin_s
-        deadline = start + self.timeout_s if self.deadline is None else self.deadline
-        next_check = start + self.peer_check_interval_s
-        while not self.all_reached(phase):
-            if self.abandoned is not None:
-                raise ClosedError(f"{self.what}: {self.operation} {self.abandoned}")
-            now = time.monotonic()
-            if now < sleep_from:
-                # Yield every turn, never busy-poll: with more ranks than cores
-                # a pure spin starves the very peer it waits for, and on a
-                # loaded machine 50 busy polls first measured 25% slower
-                # (37.5 vs 30 us at 4 KiB, world 2) and no faster when quiet.
-                os.sched_yield()
-                continue
-            if now >= next_check:
-                next_check = now + self.peer_check_interval_s
-                self._check_peers_alive(phase)
-            if now >= deadline:
-                raise GroupcoordTimeoutError(
-                    self.what,
-                    self.operation,
-                    self.timeout_s,
-                    missing=self.behind(phase),
-                    role=f"rank {self.ranks[self.rank_in_group]}",
-                    detail=f"shared-memory path, generation {self.generation}",
-                )
-            self._sleep(phase, min(next_check, deadline) - now)
+        deadline = time.monotonic() + self.timeout_s if self.deadline is None else self.deadline
+        wait_until(
+            lambda: self.all_reached(phase),
+            deadline,
+            quick_check=self._check_abandoned,
+            slow_check=lambda: self._check_peers_alive(phase),
+            on_timeout=lambda: GroupcoordTimeoutError(
+                self.what,
+                self.operation,
+                self.timeout_s,
+                missing=self.behind(phase),
+                role=f"rank {self.ranks[self.rank_in_group]}",
+                detail=f"shared-memory path, generation {self.generation}",
+            ),
+            sleep=lambda at_most_s: self._sleep(phase, at_most_s),
+            spin_s=self.spin_s,
+        )
+
+    def _check_abandoned(self) -> None:
+        if self.abandoned is not None:
+            raise ClosedError(f"{self.what}: {self.operation} {self.abandoned}")
 
     def behind(self, phase: int) -> list[int]:
         """Global ranks whose counter has not reached ``phase``."""
@@ -275,10 +274,10 @@ class PhaseLines:
         me = self.rank_in_group
         bell = words[me * _DWORDS + _BELL]  # read before re-checking: a ring after it wakes us
         words[me * _DWORDS + _ASLEEP] = 1
-        futex.full_fence()  # "asleep" must be visible before we read the counters
+        memory_fence()  # "asleep" must be visible before we read the counters
         try:
             if not self.all_reached(phase):
-                futex.wait(self._bell_address(me), bell, max(at_most_s, 1e-4))
+                futex_wait(self._bell_address(me), bell, max(at_most_s, 1e-4))
         finally:
             words[me * _DWORDS + _ASLEEP] = 0
 

@@ -17,14 +17,16 @@ from .errors import (
 )
 from .group_io import ObjectGroup, all_gather_bytes, broadcast_bytes
 from .message_queue import Handle, MessageQueue, cleanup_stale_ipc_files
-from .ring import ShmRingBuffer, memory_fence, to_bytes_big
+from .ring import ShmRingBuffer, to_bytes_big
 from .segments import (
     ShmSegment,
     check_shm_free_space,
     cleanup_owned_segments,
     cleanup_stale_segments,
 )
+from .spin_condition import SpinCondition
 from .topology import in_the_same_node_as
+from .waiting import memory_fence
 
 __all__ = [
     "add_safe_types",
@@ -43,6 +45,7 @@ __all__ = [
     "ShmRingBuffer",
     "ShmSegment",
     "ShmSpaceError",
+    "SpinCondition",
     "all_gather_bytes",
     "broadcast_bytes",
     "check_shm_free_space",

@@ -12,6 +12,7 @@ flow control). Every wait has a deadline; a dead peer raises
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -21,7 +22,7 @@ import secrets
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -51,6 +52,7 @@ from .ring import READER_DETACHED, ShmRingBuffer, pid_namespace, process_alive
 from .segments import unlink_segment
 from .tcp_channel import KIND_READY, TcpReader, TcpWriter
 from .topology import in_the_same_node_as
+from .waiting import wait_until
 
 __all__ = ["Handle", "MessageQueue", "cleanup_stale_ipc_files"]
 
@@ -60,16 +62,11 @@ logger = logging.getLogger("groupcoord.shm_broadcast")
 # _MSG_OFFSET bytes in, so its frames are 64-byte aligned.
 _INLINE = 1
 _OVERFLOW = 2
+_RAW = 3  # bytes written through acquire_write
 _MSG_OFFSET = 64
 _READY = b"READY"
-# Spin (yielding the CPU) this long before sleeping between polls: short waits
-# stay in microseconds, long idle waits stop burning a core. Measured on 2
-# loaded cores, 1 writer + 3 readers of small tensors: 2 ms of spinning gave
-# 10-15k msgs/s (waiting readers starve the writer), 0.5 ms gave ~60k.
-_SPIN_S = 0.0005
 _IPC_PREFIX = "groupcoord_mq_"
 _IPC_RE = re.compile(r"^groupcoord_mq_groupcoord_(\d+)_ring_[0-9a-f]+\.sock$")
-_IDLE_SLEEP_S = 0.0001
 # An unbounded enqueue/dequeue (timeout=None) logs that it still waits this often.
 _IDLE_NOTICE_S = 60.0
 
@@ -249,7 +246,7 @@ class MessageQueue:
         self._handle: Handle | None = None
         try:
             if n_local_reader:
-                self._ring = ShmRingBuffer.create(n_local_reader, max_chunk_bytes, max_chunks)
+                self._ring = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
                 self._local_sock = self._ctx.socket(zmq.XPUB)
                 self._local_sock.setsockopt(zmq.XPUB_VERBOSE, 1)
                 self._local_sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the ring instead
@@ -485,6 +482,82 @@ class MessageQueue:
             if self._closed:
                 self._release()
 
+    @contextlib.contextmanager
+    def acquire_write(
+        self, timeout: float | datetime.timedelta | None = None
+    ) -> Iterator[memoryview]:
+        """vLLM's raw write: a writable view of the next chunk's payload
+        (``max_chunk_bytes - 64`` bytes), published to the local readers when the
+        block ends (not when it raises). Waits for the chunk as ``enqueue`` does.
+        Raw bytes reach local readers only: a queue with remote readers refuses."""
+        ring = self._raw_ring("acquire_write", "writer")
+        timeout_s, deadline = _deadline(timeout)
+        self._notice = None if timeout is not None else "acquire_write"
+        self._busy = True
+        try:
+            idx = self._idx
+            if not ring.chunk_free(idx):
+                self._writer_wait_chunk(idx, deadline, timeout_s, "acquire_write")
+            buf = ring.begin_write(idx)
+            at = ring.chunk_at[idx]
+            buf[at] = _RAW
+            with buf[at + _MSG_OFFSET : at + ring.max_chunk_bytes] as view:
+                yield view
+            ring.publish(idx)
+            self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+        finally:
+            self._busy = False
+            if self._closed:
+                self._release()
+
+    @contextlib.contextmanager
+    def acquire_read(
+        self, timeout: float | datetime.timedelta | None = None, indefinite: bool = False
+    ) -> Iterator[memoryview]:
+        """vLLM's raw read: a view of the next chunk's payload, released to the
+        writer when the block ends. Waits as ``dequeue`` does (``timeout=None``:
+        as long as the writer lives). A message ``enqueue`` sent over ZeroMQ
+        (larger than a chunk) is refused here and left for ``dequeue``."""
+        ring = self._raw_ring("acquire_read", "local reader")
+        timeout_s, deadline = _deadline(timeout)
+        self._notice = None if indefinite or timeout is not None else "acquire_read"
+        self._busy = True
+        try:
+            idx = self._idx
+            me = self._local_index
+            if not ring.ready(idx, me):
+                self._reader_wait_chunk(idx, deadline, timeout_s, "acquire_read")
+            at = ring.chunk_at[idx]
+            if ring.buf[at] == _OVERFLOW:
+                raise ProtocolError(
+                    f"{self.what}: chunk {idx} stands for a message larger than a chunk "
+                    "(sent over ZeroMQ by enqueue): read it with dequeue"
+                )
+            try:
+                with ring.buf[at + _MSG_OFFSET : at + ring.max_chunk_bytes] as view:
+                    yield view
+            finally:
+                ring.release(idx, me)
+                self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+        finally:
+            self._busy = False
+            if self._closed:
+                self._release()
+
+    def _raw_ring(self, operation: str, role: str) -> ShmRingBuffer:
+        self._check_open()
+        if self.role != role:
+            raise GroupcoordValueError(
+                f"{self.what}: {operation} on a {self.role} (rank {self.rank}); "
+                f"it is for the {role}"
+            )
+        if self._ring is None or self._tcp_writer is not None:
+            raise GroupcoordValueError(
+                f"{self.what}: {operation} moves raw bytes through the shared-memory ring, "
+                "which this queue's remote readers do not map; use enqueue/dequeue"
+            )
+        return self._ring
+
     def all_read(self) -> bool:
         """Writer: whether every local reader has read everything sent so far (a
         reader that shut down counts as done; remote readers are not tracked)."""
@@ -495,7 +568,9 @@ class MessageQueue:
             return True
         return all(ring.chunk_free(i) for i in range(ring.max_chunks))
 
-    def _writer_wait_chunk(self, idx: int, deadline: float, timeout_s: float) -> None:
+    def _writer_wait_chunk(
+        self, idx: int, deadline: float, timeout_s: float, operation: str = "enqueue"
+    ) -> None:
         ring = self._ring
         assert ring is not None
 
@@ -513,21 +588,22 @@ class MessageQueue:
                 if pid and not process_alive(pid):
                     dead.append(self.local_reader_ranks[r])
             if dead:
-                raise PeerDiedError(self.what, "enqueue", dead, "reader process is gone")
+                raise PeerDiedError(self.what, operation, dead, "reader process is gone")
 
-        _spin_wait(
+        wait_until(
             lambda: ring.chunk_free(idx),
             deadline,
-            self._check_open,
-            self._with_notice(check),
-            lambda: GroupcoordTimeoutError(
+            quick_check=self._check_open,
+            slow_check=self._with_notice(check),
+            on_timeout=lambda: GroupcoordTimeoutError(
                 self.what,
-                "enqueue",
+                operation,
                 timeout_s,
                 missing(),
                 "writer",
                 f"chunk {idx} not yet read by every local reader",
             ),
+            sleep=lambda at_most_s: ring.writer_sleep(idx, at_most_s),
         )
 
     # -- reader ------------------------------------------------------------
@@ -586,13 +662,20 @@ class MessageQueue:
                 return read_message(self._codec, ring.buf, at + _MSG_OFFSET)
             if parts is not None:
                 return self._codec.decode(parts[0].buffer, [p.buffer for p in parts[1:]])
+            if kind == _RAW:
+                raise ProtocolError(
+                    f"{self.what}: chunk {idx} holds raw bytes written with acquire_write: "
+                    "read them with acquire_read"
+                )
             raise ProtocolError(f"{self.what}: chunk {idx} has unknown kind {kind}")
         finally:
             # Released even when decoding failed, so the queue stays usable.
             ring.release(idx, me)
             self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
 
-    def _reader_wait_chunk(self, idx: int, deadline: float, timeout_s: float) -> None:
+    def _reader_wait_chunk(
+        self, idx: int, deadline: float, timeout_s: float, operation: str = "dequeue"
+    ) -> None:
         ring = self._ring
         assert ring is not None
         me = self._local_index
@@ -602,12 +685,15 @@ class MessageQueue:
             if ring.shutdown_flag:
                 raise ClosedError(f"{self.what}: the writer shut the queue down")
 
-        _spin_wait(
+        wait_until(
             lambda: ring.ready(idx, me),
             deadline,
-            quick,
-            self._with_notice(lambda: self._check_writer_alive("dequeue")),
-            lambda: self._reader_timeout("dequeue", timeout_s, f"chunk {idx} not written"),
+            quick_check=quick,
+            slow_check=self._with_notice(lambda: self._check_writer_alive(operation)),
+            on_timeout=lambda: self._reader_timeout(
+                operation, timeout_s, f"chunk {idx} not written"
+            ),
+            sleep=lambda at_most_s: ring.reader_sleep(idx, me, at_most_s),
         )
 
     def _recv_overflow(self, deadline: float, timeout_s: float) -> list[Any]:
@@ -750,6 +836,9 @@ class MessageQueue:
                     self._tcp_writer.shutdown()
             elif self._ring is not None and self._local_index >= 0:
                 self._ring.set_reader_pid(self._local_index, READER_DETACHED)
+                # Wake this reader's own dequeue (another thread) and the writer.
+                self._ring.ring_readers()
+                self._ring.ring_writer()
         finally:
             if not self._busy:
                 self._release()
@@ -907,38 +996,3 @@ def _deadline(timeout: float | datetime.timedelta | None) -> tuple[float, float]
         return math.inf, math.inf
     timeout_s = resolve_timeout(timeout)
     return timeout_s, time.monotonic() + timeout_s
-
-
-def _spin_wait(
-    ready: Callable[[], bool],
-    deadline: float,
-    quick_check: Callable[[], None],
-    slow_check: Callable[[], None],
-    on_timeout: Callable[[], BaseException],
-) -> None:
-    """Wait until ``ready()``, yielding the CPU each poll and sleeping when idle.
-
-    ``quick_check`` (flags: shut down?) runs every few polls, ``slow_check``
-    (peer pids) every ``peer_check_interval_s``; either raises to stop.
-    """
-    interval = get_config().peer_check_interval_s
-    start = time.monotonic()
-    next_slow = start + min(interval, 0.05)
-    spins = 0
-    yield_ = os.sched_yield
-    while not ready():
-        spins += 1
-        if spins & 31:
-            yield_()
-            continue
-        now = time.monotonic()
-        if now > deadline:
-            raise on_timeout()
-        quick_check()
-        if now >= next_slow:
-            slow_check()
-            next_slow = now + interval
-        if now - start > _SPIN_S:
-            time.sleep(_IDLE_SLEEP_S)
-        else:
-            yield_()

@@ -3,6 +3,7 @@
 Layout (offsets from the segment start)::
 
     0     control block: magic, geometry, writer pid, shutdown flag, reader pids
+    bells readers' bell, writer's bell (int32 futex words), asleep bytes: writer, readers
     flags max_chunks x (1 + n_reader) bytes: [written, read_0, read_1, ...] per chunk
     data  max_chunks x chunk_stride bytes, page aligned
 
@@ -12,33 +13,34 @@ flag, then set ``written``. Reader ``r``: wait until its own flag is clear
 *and* ``written`` is set (reading its own flag first), read the data, then set
 its own flag. Readers only ever write their own flag.
 
-Memory ordering. The protocol needs: the data stores become visible before
-the ``written`` store (writer), the flag loads happen before the data loads
-(reader), and a reader's data loads finish before its flag store. On x86-64
-(TSO) plain stores are seen in program order and loads are not reordered with
-older loads nor stores with older loads, so plain byte stores through a
-memoryview are enough; CPython performs them in program order (each is an
-opaque call the C compiler cannot move). On weaker machines (Arm, POWER,
-RISC-V) we call ``atomic_thread_fence(seq_cst)`` from libatomic (a real
-``dmb ish`` / ``sync``) at the three points above; if libatomic is missing we
-fall back to an uncontended lock acquire/release, whose barriers order memory
-in practice, and log that.
+Memory ordering: the data stores become visible before the ``written`` store
+(writer), the flag loads happen before the data loads (reader), and a
+reader's data loads finish before its flag store. x86-64 (TSO) keeps that
+order with plain byte stores through a memoryview (CPython performs them in
+program order: each is an opaque call the C compiler cannot move); on weaker
+machines ``memory_fence`` runs at the three points (see :mod:`.waiting`).
+
+Sleeping. A reader that has waited ``SPIN_S`` for a message sleeps on the
+readers' bell, which the writer rings after publishing a chunk when a
+reader's asleep byte is set; a writer waiting for a chunk to be freed sleeps
+on its own bell, rung by the reader whose release frees it. So an idle reader
+costs no CPU and the first message after idleness wakes it at once. The
+handshake is the one :mod:`.waiting` describes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
-import logging
 import os
-import platform
 import struct
-import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from .errors import GroupcoordValueError, ProtocolError
 from .liveness import pid_namespace, process_alive
 from .segments import ShmSegment
+from .waiting import futex_available, futex_wait, futex_wake, memory_fence, needs_fence
 
 __all__ = [
     "ShmRingBuffer",
@@ -49,38 +51,20 @@ __all__ = [
     "to_bytes_big",
 ]
 
-logger = logging.getLogger("groupcoord.shm_broadcast")
-
 _MAGIC = 0x47435242  # "GCRB"
-_VERSION = 1
+_VERSION = 2
 # magic, version, n_reader, max_chunks, max_chunk_bytes, writer_pid, pid_ns, shutdown
 _CONTROL = struct.Struct("<IIIIQQQQ")
 _PID = struct.Struct("<Q")
 _PAGE = 4096
+# The bells line: readers' bell (int32), writer's bell (int32), then one
+# asleep byte for the writer and one per reader.
+_READER_BELL = 0
+_WRITER_BELL = 4
+_WRITER_ASLEEP = 8
+_READERS_ASLEEP = 9
 # A reader that detached cleanly writes this in its pid slot.
 READER_DETACHED = 2**64 - 1
-
-
-def _make_fence() -> tuple[bool, Callable[[], None]]:
-    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        return False, lambda: None
-    path = ctypes.util.find_library("atomic")
-    if path:
-        fence = ctypes.CDLL(path).atomic_thread_fence
-        fence.argtypes = [ctypes.c_int]
-        fence.restype = None
-        return True, lambda: fence(5)  # memory_order_seq_cst
-    logger.warning("libatomic not found: using a lock acquire/release as the memory fence")
-    lock = threading.Lock()
-
-    def lock_fence() -> None:
-        lock.acquire()
-        lock.release()
-
-    return True, lock_fence
-
-
-needs_fence, memory_fence = _make_fence()
 
 
 def to_bytes_big(value: int, size: int) -> bytes:
@@ -92,35 +76,26 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def _offsets(n_reader: int, max_chunks: int) -> tuple[int, int, int]:
+    """(bells line, flags, data) offsets of a ring's layout."""
+    bells = _round_up(_CONTROL.size + _PID.size * n_reader, 64)
+    flags = _round_up(bells + _READERS_ASLEEP + n_reader, 64)
+    data = _round_up(flags + (1 + n_reader) * max_chunks, _PAGE)
+    return bells, flags, data
+
+
 class ShmRingBuffer:
-    """``max_chunks`` chunks of ``max_chunk_bytes`` plus flags for ``n_reader`` local readers."""
+    """``max_chunks`` chunks of ``max_chunk_bytes`` plus flags for ``n_reader`` local readers.
 
-    def __init__(self, segment: ShmSegment, n_reader: int, max_chunks: int, max_chunk_bytes: int):
-        self.segment = segment
-        self.n_reader = n_reader
-        self.max_chunks = max_chunks
-        self.max_chunk_bytes = max_chunk_bytes
-        self.name = segment.name
-        self.flags_offset = _round_up(_CONTROL.size + _PID.size * n_reader, 64)
-        self.flag_stride = 1 + n_reader
-        self.data_offset = _round_up(self.flags_offset + self.flag_stride * max_chunks, _PAGE)
-        self.chunk_stride = _round_up(max_chunk_bytes, 64)
-        self.buf = segment.buf
-        # Precomputed per-chunk offsets keep the hot path free of arithmetic.
-        self.written_at = [self.flags_offset + i * self.flag_stride for i in range(max_chunks)]
-        self.chunk_at = [self.data_offset + i * self.chunk_stride for i in range(max_chunks)]
-        self._all_read = b"\x01" * n_reader
-        self._none_read = b"\x00" * n_reader
+    ``ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)`` creates the segment
+    (the writer); with ``name`` it maps that existing ring, whose geometry must
+    be the one given (vLLM's constructor). :meth:`attach` maps a ring by name
+    alone, reading its geometry from the segment.
+    """
 
-    @staticmethod
-    def nbytes_for(n_reader: int, max_chunks: int, max_chunk_bytes: int) -> int:
-        flags_offset = _round_up(_CONTROL.size + _PID.size * n_reader, 64)
-        data_offset = _round_up(flags_offset + (1 + n_reader) * max_chunks, _PAGE)
-        return data_offset + max_chunks * _round_up(max_chunk_bytes, 64)
-
-    @classmethod
-    def create(cls, n_reader: int, max_chunk_bytes: int, max_chunks: int) -> ShmRingBuffer:
-        """Create the segment (writer side); refuses sizes /dev/shm cannot hold."""
+    def __init__(
+        self, n_reader: int, max_chunk_bytes: int, max_chunks: int, name: str | None = None
+    ) -> None:
         for arg, value, low in (
             ("n_reader", n_reader, 1),
             ("max_chunk_bytes", max_chunk_bytes, 256),
@@ -128,7 +103,17 @@ class ShmRingBuffer:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise GroupcoordValueError(f"{arg} must be an int >= {low}, got {value!r}")
-        segment = ShmSegment.create(cls.nbytes_for(n_reader, max_chunks, max_chunk_bytes), "ring")
+        if name is not None:
+            segment, geometry = self._map(name)
+            if geometry != (n_reader, max_chunk_bytes, max_chunks):
+                segment.close()
+                raise GroupcoordValueError(
+                    f"ring {name} holds n_reader, max_chunk_bytes, max_chunks = {geometry}, "
+                    f"not the {(n_reader, max_chunk_bytes, max_chunks)} given"
+                )
+            self._setup(segment, *geometry)
+            return
+        segment = ShmSegment.create(self.nbytes_for(n_reader, max_chunks, max_chunk_bytes), "ring")
         try:
             _CONTROL.pack_into(
                 segment.buf,
@@ -142,7 +127,7 @@ class ShmRingBuffer:
                 pid_namespace(),
                 0,
             )
-            return cls(segment, n_reader, max_chunks, max_chunk_bytes)
+            self._setup(segment, n_reader, max_chunk_bytes, max_chunks)
         except BaseException:
             segment.close()
             segment.unlink()
@@ -151,6 +136,13 @@ class ShmRingBuffer:
     @classmethod
     def attach(cls, name: str) -> ShmRingBuffer:
         """Map an existing ring by segment name (reader side); geometry comes from it."""
+        segment, geometry = cls._map(name)
+        ring = cls.__new__(cls)
+        ring._setup(segment, *geometry)
+        return ring
+
+    @classmethod
+    def _map(cls, name: str) -> tuple[ShmSegment, tuple[int, int, int]]:
         segment = ShmSegment.attach(name)
         try:
             magic, version, n_reader, max_chunks, max_chunk_bytes, *_ = _CONTROL.unpack_from(
@@ -158,13 +150,70 @@ class ShmRingBuffer:
             )
             if magic != _MAGIC or version != _VERSION:
                 raise ProtocolError(f"{name} is not a version-{_VERSION} groupcoord ring")
-            ring = cls(segment, n_reader, max_chunks, max_chunk_bytes)
             if segment.size < cls.nbytes_for(n_reader, max_chunks, max_chunk_bytes):
                 raise ProtocolError(f"{name} is smaller than its geometry says")
-            return ring
         except BaseException:
             segment.close()
             raise
+        return segment, (n_reader, max_chunk_bytes, max_chunks)
+
+    def _setup(
+        self, segment: ShmSegment, n_reader: int, max_chunk_bytes: int, max_chunks: int
+    ) -> None:
+        self.segment = segment
+        self.n_reader = n_reader
+        self.max_chunks = max_chunks
+        self.max_chunk_bytes = max_chunk_bytes
+        self.name = segment.name
+        self.bells_offset, self.flags_offset, self.data_offset = _offsets(n_reader, max_chunks)
+        self.flag_stride = 1 + n_reader
+        self.chunk_stride = _round_up(max_chunk_bytes, 64)
+        self.buf = segment.buf
+        # Precomputed per-chunk offsets keep the hot path free of arithmetic.
+        self.written_at = [self.flags_offset + i * self.flag_stride for i in range(max_chunks)]
+        self.chunk_at = [self.data_offset + i * self.chunk_stride for i in range(max_chunks)]
+        self._all_read = b"\x01" * n_reader
+        self._none_read = b"\x00" * n_reader
+        self._bells = self.buf[self.bells_offset : self.bells_offset + 8].cast("i")
+        at = self.bells_offset + _READERS_ASLEEP
+        self._readers_asleep = (at, at + n_reader)
+        self._use_futex = futex_available()
+        holder = ctypes.c_char.from_buffer(self.buf)
+        # The address outlives the ctypes object (which would pin the mapping):
+        # it is used only while the mapping is open (close() comes after the
+        # last wait).
+        self._bells_address = ctypes.addressof(holder) + self.bells_offset
+        del holder
+
+    @staticmethod
+    def nbytes_for(n_reader: int, max_chunks: int, max_chunk_bytes: int) -> int:
+        return _offsets(n_reader, max_chunks)[2] + max_chunks * _round_up(max_chunk_bytes, 64)
+
+    def handle(self) -> tuple[int, int, int, str]:
+        """``(n_reader, max_chunk_bytes, max_chunks, name)``: what maps this ring
+        elsewhere, ``ShmRingBuffer(*ring.handle())`` (vLLM's order)."""
+        return (self.n_reader, self.max_chunk_bytes, self.max_chunks, self.name)
+
+    @contextlib.contextmanager
+    def get_data(self, current_idx: int) -> Iterator[memoryview]:
+        """The ``max_chunk_bytes`` of chunk ``current_idx``, as a writable view."""
+        at = self.chunk_at[self._chunk_index(current_idx)]
+        with self.buf[at : at + self.max_chunk_bytes] as view:
+            yield view
+
+    @contextlib.contextmanager
+    def get_metadata(self, current_idx: int) -> Iterator[memoryview]:
+        """Chunk ``current_idx``'s flags: ``[written, read_0, ..., read_{n-1}]``."""
+        at = self.written_at[self._chunk_index(current_idx)]
+        with self.buf[at : at + self.flag_stride] as view:
+            yield view
+
+    def _chunk_index(self, idx: int) -> int:
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < self.max_chunks:
+            raise GroupcoordValueError(
+                f"current_idx must be an int in [0, {self.max_chunks}), got {idx!r}"
+            )
+        return idx
 
     # -- control block ------------------------------------------------------
 
@@ -182,6 +231,8 @@ class ShmRingBuffer:
 
     def set_shutdown(self) -> None:
         self.buf[_CONTROL.size - 8] = 1
+        memory_fence()
+        self.ring_readers()
 
     def reader_pid(self, reader: int) -> int:
         return _PID.unpack_from(self.buf, _CONTROL.size + _PID.size * reader)[0]
@@ -215,6 +266,10 @@ class ShmRingBuffer:
             memory_fence()  # data stores before the flag stores
         buf[at + 1 : at + self.flag_stride] = self._none_read
         buf[at] = 1
+        memory_fence()  # the flag store before the load of the asleep bytes
+        lo, hi = self._readers_asleep
+        if buf[lo:hi] != self._none_read:
+            self.ring_readers()
 
     def ready(self, idx: int, reader: int) -> bool:
         """Reader: is chunk ``idx`` written and not yet read by ``reader``?"""
@@ -234,10 +289,57 @@ class ShmRingBuffer:
         """Reader: done with chunk ``idx``; the writer may reuse it once all are."""
         if needs_fence:
             memory_fence()  # data loads before the flag store
-        self.buf[self.written_at[idx] + 1 + reader] = 1
+        buf = self.buf
+        buf[self.written_at[idx] + 1 + reader] = 1
+        memory_fence()  # the flag store before the load of the writer's asleep byte
+        if buf[self.bells_offset + _WRITER_ASLEEP]:
+            self.ring_writer()
+
+    # -- sleeping and waking ------------------------------------------------
+
+    def ring_readers(self) -> None:
+        """Wake every reader asleep on the readers' bell (a publish, a shutdown)."""
+        self._ring(_READER_BELL)
+
+    def ring_writer(self) -> None:
+        """Wake the writer asleep on its bell (a release, a reader leaving)."""
+        self._ring(_WRITER_BELL)
+
+    def _ring(self, bell: int) -> None:
+        words = self._bells
+        words[bell // 4] = (words[bell // 4] + 1) & 0x7FFFFFFF
+        if self._use_futex:
+            futex_wake(self._bells_address + bell)
+
+    def reader_sleep(self, idx: int, reader: int, at_most_s: float) -> None:
+        """Reader: sleep until the writer rings (or ``at_most_s``) unless chunk
+        ``idx`` is ready by the time this reader is marked asleep."""
+        self._sleep(
+            _READER_BELL, _READERS_ASLEEP + reader, lambda: self.ready(idx, reader), at_most_s
+        )
+
+    def writer_sleep(self, idx: int, at_most_s: float) -> None:
+        """Writer: sleep until a reader rings (or ``at_most_s``) unless chunk ``idx``
+        is free by the time the writer is marked asleep."""
+        self._sleep(_WRITER_BELL, _WRITER_ASLEEP, lambda: self.chunk_free(idx), at_most_s)
+
+    def _sleep(self, bell: int, asleep: int, ready: Callable[[], bool], at_most_s: float) -> None:
+        if not self._use_futex:
+            time.sleep(min(at_most_s, 0.0002))
+            return
+        buf = self.buf
+        value = self._bells[bell // 4]  # read first: a ring after this read wakes us
+        buf[self.bells_offset + asleep] = 1
+        memory_fence()  # "asleep" visible before the re-check's loads
+        try:
+            if not ready():
+                futex_wait(self._bells_address + bell, value, at_most_s)
+        finally:
+            buf[self.bells_offset + asleep] = 0
 
     def close(self) -> None:
         """Unmap (both sides). The creator also calls :meth:`unlink`."""
+        self._bells.release()
         self.buf = memoryview(b"")
         self.segment.close()
 

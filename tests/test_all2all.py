@@ -256,3 +256,61 @@ def test_ep_group_coordinator_uses_configured_manager(backend):
         want = _moe(mine, mine @ router, experts, range(EXPERTS))
         got_t = torch.tensor(got, dtype=torch.float32).reshape(counts[rank], HIDDEN)
         torch.testing.assert_close(got_t, want, rtol=1e-5, atol=1e-5)
+
+
+def _vllm_style_manager_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from device_communicators.all2all import AgRsAll2AllManager
+    from device_communicators.base_device_communicator import All2AllManagerBase, Cache
+    from device_communicators.errors import GroupcoordValueError, NotSupportedError
+
+    init_gloo(rank, world_size)
+    communicator = _communicator(world_size)
+    # vLLM builds its manager from the cpu_group alone, inside its communicator.
+    manager = AgRsAll2AllManager(communicator.cpu_group)
+    assert isinstance(manager, All2AllManagerBase)
+    assert (manager.rank, manager.world_size) == (rank, world_size)
+    hidden = _tokens(rank, rank + 1)
+    weights = torch.rand(rank + 1, TOP_K)
+    ids = torch.randint(0, EXPERTS, (rank + 1, TOP_K))
+    got_hidden, got_weights, got_ids = manager.dispatch(hidden, weights, ids)
+    combined = manager.combine(got_hidden)
+    result = {
+        "gathered_rows": got_hidden.shape[0],
+        # combine sums every rank's copy of this rank's rows: world_size x hidden.
+        "combine_ok": torch.allclose(combined, hidden * world_size),
+        "max_sms_used": manager.max_sms_used(),
+    }
+    manager.set_num_sms(16)
+    with pytest.raises(GroupcoordValueError, match="num_sms"):
+        manager.set_num_sms(0)
+    for name in ("query_active_mask", "stage_ep_size", "mask_remote_ranks", "get_handle"):
+        with pytest.raises(NotSupportedError, match="not supported by groupcoord"):
+            getattr(manager, name)() if name != "get_handle" else manager.get_handle({})
+    manager.dispatch(hidden, weights, ids)
+    manager.clean_buffers()  # drops the dispatch waiting for its combine
+    with pytest.raises(GroupcoordValueError, match="token counts"):
+        manager.combine(got_hidden)
+    other = dist.new_group(list(range(world_size)), backend="gloo")
+    with pytest.raises(GroupcoordValueError, match="no groupcoord device communicator"):
+        AgRsAll2AllManager(other)
+    made = []
+    cache = Cache()
+    first = cache.get_or_create({"a": 1}, lambda a: made.append(a) or torch.zeros(a))
+    again = cache.get_or_create({"a": 1}, lambda a: made.append(a) or torch.zeros(a))
+    result["cache_reused"] = first is again and made == [1]
+    manager.destroy()
+    communicator.destroy()
+    return result
+
+
+def test_a_manager_built_the_vllm_way_from_its_cpu_group():
+    results = run_ranks(_vllm_style_manager_rank, 2, timeout=60)
+    for r in results:
+        assert r == {
+            "gathered_rows": 1 + 2,
+            "combine_ok": True,
+            "max_sms_used": None,
+            "cache_reused": True,
+        }

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coordinator.launch import init_gloo, run_ranks
+from device_communicators.errors import GroupcoordValueError
 
 
 def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -338,3 +339,42 @@ def test_subgroup_uses_in_group_indices() -> None:
     assert out[0] is None
     assert out[1] == [0, None] and out[2] == [1, None]
     assert out[3] == [2, [1.0, 2.0, 3.0]]
+
+
+def _tensor_dicts(rank: int, world: int, shm: bool) -> dict:
+    comm = make_comm(rank, world, shm=shm)
+    try:
+        peer = 1 - rank
+        sent = {
+            "ids": torch.arange(5) + 10 * rank,
+            "hidden": data(rank, (512, 1024)),  # 2 MiB: more than a chunk
+            "step": 3 + rank,
+            "names": ["a", "b"],
+        }
+        for _ in range(2):  # in order, and the channel is reused
+            if rank == 0:
+                comm.send_tensor_dict(sent, dst=peer)
+                got = comm.recv_tensor_dict(src=peer)
+            else:
+                got = comm.recv_tensor_dict(src=peer)
+                comm.send_tensor_dict(sent, dst=peer)
+        want = {
+            "ids": torch.arange(5) + 10 * peer,
+            "hidden": data(peer, (512, 1024)),
+            "step": 3 + peer,
+            "names": ["a", "b"],
+        }
+        assert set(got) == set(want)
+        assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["hidden"], want["hidden"])
+        assert got["step"] == want["step"] and got["names"] == want["names"]
+        with pytest.raises(GroupcoordValueError, match="dst"):
+            comm.send_tensor_dict(sent, dst=rank)  # itself
+        return {"shm_channels": bool(comm._p2p_channels._writers)}
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_send_and_recv_tensor_dict_as_vllms_cpu_communicator(shm: bool) -> None:
+    out = run_ranks(_tensor_dicts, 2, shm)
+    assert [o["shm_channels"] for o in out] == [shm, shm]

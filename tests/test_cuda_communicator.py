@@ -73,7 +73,11 @@ def _custom_ar_refusals(rank: int, world_size: int) -> list[str]:
     import torch.distributed as dist
 
     from device_communicators.custom_all_reduce import CustomAllreduce
-    from device_communicators.errors import GroupcoordValueError
+    from device_communicators.errors import (
+        BackendUnavailableError,
+        GroupcoordValueError,
+        NotSupportedError,
+    )
 
     init_gloo(rank, world_size)
     try:
@@ -89,8 +93,21 @@ def _custom_ar_refusals(rank: int, world_size: int) -> list[str]:
         ca = CustomAllreduce(dist.group.WORLD, rank)
         assert ca.disabled and not ca.should_custom_ar(torch.zeros(8))
         with pytest.raises(GroupcoordValueError, match="cannot take this tensor"):
-            ca.all_reduce(torch.zeros(8))
+            ca.all_reduce(torch.zeros(8), out=torch.zeros(8))
+        # vLLM's entry points: None / False send the caller to NCCL.
+        assert ca.custom_all_reduce(torch.zeros(8)) is None
+        assert not ca.should_custom_all_gather(torch.zeros(8))
+        assert ca.custom_all_gather(torch.zeros(8)) is None
+        assert not ca.should_custom_reduce_scatter(torch.zeros(8))
+        assert ca.custom_reduce_scatter(torch.zeros(8)) is None
         ca.close()
+        with pytest.raises(NotSupportedError, match="symmetric-memory"):
+            CustomAllreduce(dist.group.WORLD, rank, symm_mem_enabled=True)
+        # Collective, and refused alike on every rank without a GPU.
+        with pytest.raises(BackendUnavailableError, match="create_shared_buffer.*rank 0"):
+            CustomAllreduce.create_shared_buffer(1 << 20)
+        with pytest.raises(NotSupportedError, match="uncached"):
+            CustomAllreduce.create_shared_buffer(1 << 20, uncached=True)
         return reasons
     finally:
         dist.destroy_process_group()

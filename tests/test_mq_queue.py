@@ -413,3 +413,135 @@ def test_recv_decodes_a_codec_message_from_a_socket_and_times_out() -> None:
         b.close(linger=0)
     finally:
         ctx.term()
+
+
+def test_shm_ring_buffer_with_vllms_constructor_handle_and_views() -> None:
+    from shm_broadcast import ShmRingBuffer
+
+    ring = ShmRingBuffer(2, 4096, 3)  # n_reader, max_chunk_bytes, max_chunks: creates
+    try:
+        assert ring.handle() == (2, 4096, 3, ring.name)
+        other = ShmRingBuffer(*ring.handle())  # vLLM's way to map it elsewhere
+        try:
+            with ring.get_data(1) as data:
+                assert len(data) == 4096
+                data[:5] = b"hello"
+            with other.get_data(1) as seen:
+                assert bytes(seen[:5]) == b"hello"
+            with ring.get_metadata(2) as flags:
+                assert len(flags) == 1 + 2  # written, then one flag per reader
+                flags[0] = 1
+            with other.get_metadata(2) as flags:
+                assert bytes(flags) == b"\x01\x00\x00"
+        finally:
+            other.close()
+        with pytest.raises(GroupcoordValueError, match="not the"):
+            ShmRingBuffer(3, 4096, 3, name=ring.name)  # geometry differs from the ring's
+        with pytest.raises(GroupcoordValueError, match="current_idx"):
+            with ring.get_data(3):
+                pass
+    finally:
+        ring.close()
+        ring.unlink()
+
+
+def _raw_chunks_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from shm_broadcast.errors import GroupcoordTimeoutError, ProtocolError
+
+    mq = make_queue(rank, world_size, world_size - 1, max_chunk_bytes=1024, max_chunks=3)
+    got: list = []
+    try:
+        if rank == 0:
+            with pytest.raises(GroupcoordValueError, match="writer"):
+                with mq.acquire_read(timeout=1):
+                    pass
+            for i in range(10):  # more than max_chunks: chunks are reused
+                with mq.acquire_write(timeout=30) as buf:
+                    assert len(buf) == 1024 - 64
+                    buf[:4] = i.to_bytes(4, "little")
+            with pytest.raises(RuntimeError, match="caller"):
+                with mq.acquire_write(timeout=30) as buf:
+                    buf[:4] = b"\xff\xff\xff\xff"
+                    raise RuntimeError("the caller failed: nothing is published")
+            mq.enqueue({"after": "raw"}, timeout=30)  # the codec path still works
+            with mq.acquire_write(timeout=30) as buf:
+                buf[:4] = (99).to_bytes(4, "little")
+        else:
+            for _ in range(10):
+                with mq.acquire_read(timeout=30) as buf:
+                    got.append(int.from_bytes(buf[:4], "little"))
+            got.append(mq.dequeue(timeout=30))
+            with pytest.raises(ProtocolError, match="acquire_read"):
+                mq.dequeue(timeout=30)  # a raw chunk: refused, and released
+            with pytest.raises(GroupcoordTimeoutError, match="acquire_read"):
+                with mq.acquire_read(timeout=0.2):
+                    pass
+    finally:
+        dist.barrier()
+        mq.shutdown()
+    return got
+
+
+def test_acquire_write_and_acquire_read_move_raw_chunks_in_order():
+    results = run_ranks(_raw_chunks_rank, 3, timeout=60)
+    assert results[0] == []
+    for got in results[1:]:
+        assert got == [*range(10), {"after": "raw"}]
+
+
+def test_raw_chunks_are_refused_where_remote_readers_cannot_see_them():
+    mq = MessageQueue(2, 1, [1], 1 << 12, 2, "127.0.0.1")  # one local, one remote reader
+    try:
+        with pytest.raises(GroupcoordValueError, match="remote readers"):
+            with mq.acquire_write(timeout=1):
+                pass
+    finally:
+        mq.shutdown()
+
+
+def test_spin_condition_spins_while_busy_sleeps_when_idle_and_wakes_on_notify():
+    import zmq
+
+    from shm_broadcast import SpinCondition
+
+    ctx = zmq.Context()
+    address = "inproc://spin-condition-test"
+    writer = SpinCondition(False, ctx, address)
+    reader = SpinCondition(True, ctx, address, busy_loop_s=0.05)
+    try:
+        time.sleep(0.1)  # the subscription reaches the PUB socket
+        reader.record_read()
+        start = time.monotonic()
+        reader.wait(timeout_ms=2000)  # busy: a yield, back at once
+        assert time.monotonic() - start < 0.05
+        time.sleep(0.06)  # now idle
+        start = time.monotonic()
+        reader.wait(timeout_ms=200)  # nobody notifies: the timeout ends it
+        assert 0.15 < time.monotonic() - start < 2.0
+        woke = []
+
+        def idle_wait():
+            t0 = time.monotonic()
+            reader.wait(timeout_ms=10_000)
+            woke.append(time.monotonic() - t0)
+
+        t = threading.Thread(target=idle_wait)
+        t.start()
+        time.sleep(0.2)
+        writer.notify()
+        t.join(5)
+        assert woke and 0.1 < woke[0] < 2.0
+        t = threading.Thread(target=idle_wait)
+        t.start()
+        time.sleep(0.2)
+        reader.cancel()
+        t.join(5)
+        assert len(woke) == 2 and woke[1] < 2.0
+        with pytest.raises(GroupcoordValueError, match="writer"):
+            reader.notify()
+    finally:
+        writer.close()
+        reader.close()
+        ctx.term()

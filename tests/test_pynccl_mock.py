@@ -323,3 +323,90 @@ def test_vllms_ncclLibrary_names_run_on_the_one_binding() -> None:
         "ncclGroupEnd",
         "ncclCommDestroy",
     ]
+
+
+# ---- vLLM 0.33's other PyNcclCommunicator methods ------------------------------------------
+
+
+def world1_vllm_methods(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from device_communicators.errors import NotSupportedError
+    from device_communicators.pynccl import PyNcclCommunicator
+
+    init_gloo(rank, world)
+    seen: dict[str, Any] = {}
+    with mocked_communicator(world) as (comm, mock):
+        src = torch.arange(6, dtype=torch.float32) + 1
+        out, sentinel = _padded_out(src)
+        comm.reduce(out, src, root=0, op=ReduceOp.MAX)
+        call = mock.named("ncclReduce")[-1].args
+        seen["reduce"] = (call["count"], call["root"], call["op"], call["stream"])
+        seen["reduce_data"] = torch.equal(out, src) and bool((sentinel == 77).all())
+        rows = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        got = torch.zeros(3, 4)
+        comm.scatter(got, rows, [3], root=0)
+        seen["scatter"] = [c.name for c in mock.calls[-4:]]
+        seen["scatter_data"] = torch.equal(got, rows)
+        a, b = torch.arange(3.0), torch.zeros(3)
+        comm.batch_isend_irecv([dist.P2POp(dist.isend, a, 0), dist.P2POp(dist.irecv, b, 0)])
+        seen["batch"] = [c.name for c in mock.calls[-4:]]
+        seen["batch_data"] = torch.equal(a, b)
+        try:
+            comm.batch_isend_irecv([("send", a, 0)])
+        except ValueError as exc:
+            seen["bad_op"] = str(exc)
+        for name in ("suspend", "resume", "register_comm_window_raw"):
+            try:
+                getattr(
+                    comm, name
+                )() if name != "register_comm_window_raw" else comm.register_comm_window_raw(0, 8)
+            except NotSupportedError as exc:
+                seen[name] = str(exc)
+        # vLLM's group-less start: the same library, an id made beforehand.
+        uid = comm.nccl.get_unique_id()
+        other = PyNcclCommunicator.from_unique_id_bytes(uid, 0, 1, "cuda:0", library_path=LIB)
+        try:
+            seen["from_id"] = (other.available, other.group, other.world_size)
+            seen["from_id_init"] = mock.named("ncclCommInitRank")[-1].args["commId"][:7]
+            seen["from_id_works"] = torch.equal(other.all_reduce(src), src)
+        finally:
+            other.destroy()
+    return seen
+
+
+def test_reduce_scatter_batch_isend_irecv_and_from_unique_id_bytes():
+    seen = run_ranks(world1_vllm_methods, 1)[0]
+    assert seen["reduce"] == (6, 0, NCCL_H_RED_OPS["ncclMax"], STREAM)
+    assert seen["reduce_data"]
+    assert seen["scatter"] == ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]
+    assert seen["scatter_data"]
+    assert seen["batch"] == ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]
+    assert seen["batch_data"]
+    assert "p2p_ops[0]" in seen["bad_op"]
+    for name in ("suspend", "resume", "register_comm_window_raw"):
+        assert "not supported by groupcoord" in seen[name]
+    assert seen["from_id"] == (True, None, 1)
+    assert seen["from_id_init"] == b"mock-id"
+    assert seen["from_id_works"]
+
+
+def world2_scatter(rank: int, world: int) -> list[tuple[str, int, int]]:
+    init_gloo(rank, world)
+    with mocked_communicator(world) as (comm, mock):
+        sizes = [1, 2]
+        out = torch.zeros(sizes[rank], 4)
+        before = len(mock.calls)
+        comm.scatter(out, torch.zeros(3, 4) if rank == 1 else torch.empty(0), sizes, root=1)
+        return [
+            (c.name, c.args.get("peer", -1), c.args.get("count", -1)) for c in mock.calls[before:]
+        ]
+
+
+def test_scatter_sends_each_rank_its_rows_from_the_root():
+    start, end = ("ncclGroupStart", -1, -1), ("ncclGroupEnd", -1, -1)
+    results = run_ranks(world2_scatter, 2)
+    # Rank 0 only receives its one row (4 floats) from root 1.
+    assert results[0] == [start, ("ncclRecv", 1, 4), end]
+    # The root sends rows [0:1] to rank 0 and [1:3] to itself, and receives its own.
+    assert results[1] == [start, ("ncclSend", 0, 4), ("ncclSend", 1, 8), ("ncclRecv", 1, 8), end]

@@ -329,18 +329,18 @@ def test_dead_peer_is_reported_within_seconds() -> None:
 def test_futex_wait_returns_on_changed_value_and_on_timeout() -> None:
     import ctypes
 
-    from device_communicators import futex
+    from shm_broadcast import waiting
 
-    assert futex.available()
+    assert waiting.futex_available()
     word = ctypes.c_int32(5)
     start = time.monotonic()
-    futex.wait(ctypes.addressof(word), 4, 5.0)  # value differs: returns at once
+    waiting.futex_wait(ctypes.addressof(word), 4, 5.0)  # value differs: returns at once
     assert time.monotonic() - start < 1.0
     start = time.monotonic()
-    futex.wait(ctypes.addressof(word), 5, 0.05)  # nobody wakes it: the timeout does
+    waiting.futex_wait(ctypes.addressof(word), 5, 0.05)  # nobody wakes it: the timeout does
     assert 0.04 <= time.monotonic() - start < 2.0
-    futex.wake(ctypes.addressof(word))  # waking nobody is fine
-    futex.full_fence()
+    waiting.futex_wake(ctypes.addressof(word))  # waking nobody is fine
+    waiting.memory_fence()
 
 
 def _gather_and_broadcast(rank: int, world: int) -> bool:

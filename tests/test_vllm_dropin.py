@@ -175,6 +175,34 @@ def test_an_idle_worker_outlasts_the_deadline_and_shutdown_wakes_it():
     assert reader["woke_after"] < 2.0
 
 
+def _idle_reader_cpu(rank: int, world: int) -> dict:
+    mq = _queue(rank, world)
+    try:
+        if rank == 0:
+            for _ in range(3):
+                time.sleep(0.8)  # the reader idles in dequeue() meanwhile
+                mq.enqueue(time.monotonic())
+            time.sleep(0.2)
+            return {}
+        cpu = time.process_time()
+        delays = []
+        for _ in range(3):
+            sent = mq.dequeue()
+            delays.append(time.monotonic() - sent)
+        return {"cpu_s": time.process_time() - cpu, "delays": delays}
+    finally:
+        mq.shutdown()
+
+
+def test_an_idle_reader_sleeps_and_the_next_message_wakes_it():
+    reader = run_ranks(_idle_reader_cpu, 2, timeout=60)[1]
+    # 2.4 s idle: sleeping on the ring's bell costs ~0.02 s of CPU; the old
+    # 100 us polling loop cost 0.6 s (a quarter of a core).
+    assert reader["cpu_s"] < 0.25, reader
+    # Woken by the message, not by a poll of peer liveness (0.5 s apart).
+    assert max(reader["delays"]) < 0.1, reader
+
+
 def _reader_of_a_killed_writer(rank: int, world: int) -> dict:
     from shm_broadcast.errors import PeerDiedError
 

@@ -48,6 +48,23 @@ NOTES = {
     "parallel_state.get_ep_group": "built always (DP x PCP x TP); all2all only with EP on",
     "parallel_state.get_eplb_group": "the EP group itself",
     "utils.get_pp_indices": "partition= replaces VLLM_PP_LAYER_PARTITION",
+    "base_device_communicator.All2AllManagerBase.__init__": (
+        "talks through the device communicator registered for cpu_group (or communicator=)"
+    ),
+    "base_device_communicator.All2AllManagerBase.set_num_sms": "checked; no SM-resident kernels",
+    "base_device_communicator.All2AllManagerBase.max_sms_used": "None: uses no SMs",
+    "custom_all_reduce.CustomAllreduce.__init__": (
+        "all-gather/reduce-scatter limits accepted; those go to NCCL"
+    ),
+    "custom_all_reduce.CustomAllreduce.should_custom_all_gather": "False: no such kernel, NCCL",
+    "custom_all_reduce.CustomAllreduce.custom_all_gather": "None: no such kernel, NCCL",
+    "custom_all_reduce.CustomAllreduce.should_custom_reduce_scatter": "False: no such kernel, NCCL",
+    "custom_all_reduce.CustomAllreduce.should_mnnvl_multimem_reduce_scatter": "False: no MNNVL",
+    "custom_all_reduce.CustomAllreduce.custom_reduce_scatter": "None: no such kernel, NCCL",
+    "custom_all_reduce.CustomAllreduce.free_shared_buffer": "also closes the peers' mappings",
+    "shm_broadcast.SpinCondition": "works; our MessageQueue sleeps on a futex in the ring instead",
+    "shm_broadcast.MessageQueue.acquire_write": "local readers only (raw bytes in the ring)",
+    "all2all.AgRsAll2AllManager": "AllGatherReduceScatterAll2AllManager",
 }
 
 

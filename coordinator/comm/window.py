@@ -14,7 +14,7 @@ aligned store is executed by a later bytecode; both are opaque C calls the
 compiler cannot reorder. On x86-64 (TSO) stores become visible in program
 order and loads are not reordered with older loads, so a reader that sees the
 new counter also sees the data. On weaker machines (Arm, POWER) we issue
-``shm_broadcast.ring.memory_fence`` (``atomic_thread_fence(seq_cst)``) after
+``shm_broadcast.waiting.memory_fence`` (``atomic_thread_fence(seq_cst)``) after
 the data and before the signal store, and after the signal load before the
 caller reads the data. Counters only grow and each has one writer, so no
 atomic read-modify-write is needed; value slots are plain 8-byte stores
@@ -36,8 +36,8 @@ import torch
 from device_communicators import checks
 from shm_broadcast.config import get_config
 from shm_broadcast.liveness import dead_peers
-from shm_broadcast.ring import memory_fence, needs_fence
 from shm_broadcast.segments import ShmSegment
+from shm_broadcast.waiting import memory_fence, needs_fence, wait_until
 
 from ..errors import (
     BackendUnavailableError,
@@ -50,7 +50,6 @@ from ..errors import (
 from . import bytes_io
 from .core import timeout_seconds
 from .ops import CommOps
-from .spin import spin_until
 from .work import Work
 
 _ALIGN = 64
@@ -377,7 +376,7 @@ class Window:
         watched = self._watch_peers(ready, peers)
         work = Work.polled(self._comm.get_name(), "wait_signal", peers, timeout_s, watched)
         if not async_op:
-            if not spin_until(watched, work.deadline):
+            if not wait_until(watched, work.deadline):
                 raise GroupcoordTimeoutError(
                     f"window of communicator {self._comm.get_name()!r}",
                     "wait_signal",

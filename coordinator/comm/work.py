@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shm_broadcast.gloo_errors import failure_kind
+from shm_broadcast.waiting import wait_until
 
 from ..errors import (
     ClosedError,
@@ -25,7 +26,6 @@ from ..errors import (
     PeerDiedError,
     ProtocolError,
 )
-from .spin import spin_until
 
 # The completer waits on a c10d work this much longer than the operation's
 # deadline, so the caller's own timeout (named, with peers) fires first.
@@ -183,7 +183,7 @@ class Work:
             self._finish(None)
 
     def _spin(self, deadline: float) -> None:
-        spin_until(lambda: self._done.is_set() or bool(self._poll and self._poll()), deadline)
+        wait_until(lambda: self._done.is_set() or bool(self._poll and self._poll()), deadline)
         self._check_poll()
 
     def __repr__(self) -> str:
