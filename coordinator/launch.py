@@ -12,7 +12,10 @@ result within ``timeout`` makes :class:`RankError` name it (with its
 traceback; a hung rank's stack is dumped by faulthandler just before the
 deadline). Every process is ended on every path: ranks that answered get a
 grace to tear down, the rest are killed. Each rank destroys its default
-process group and unlinks the shared memory it created on the way out.
+process group on the way out; its shared memory is groupcoord's own business
+(unlinked once attached, on shutdown, at exit: the launcher does not clean up
+for a rank), except that the segments of ranks the launcher had to kill are
+swept with ``cleanup_stale_segments``.
 
 Ranks are forked by default (about 50 ms each; spawn re-imports torch, about
 2 s). The forking parent must stay single-threaded: a rank forked after the
@@ -241,12 +244,10 @@ def _release_rank_resources() -> None:
     import torch.distributed as dist
 
     from shm_broadcast.p2p_channels import deliver_pending_sends
-    from shm_broadcast.segments import cleanup_owned_segments
 
     deliver_pending_sends()  # what the process's exit would do, before the store goes
     if dist.is_initialized():
         dist.destroy_process_group()
-    cleanup_owned_segments()
 
 
 class Ranks:
@@ -368,6 +369,10 @@ class Ranks:
             proc.join(5)
         for conn in self.conns:
             conn.close()
+        if self._killed_by_us:
+            from shm_broadcast.segments import cleanup_stale_segments
+
+            cleanup_stale_segments()  # what the killed ranks could not unlink
 
 
 def _read_outcome(rank: int, conn: Connection) -> RankOutcome:

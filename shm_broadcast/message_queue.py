@@ -12,6 +12,7 @@ flow control). Every wait has a deadline; a dead peer raises
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -22,6 +23,7 @@ import secrets
 import socket
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -162,6 +164,23 @@ def cleanup_stale_ipc_files() -> list[str]:
     return removed
 
 
+# Every queue of this process that is not shut down yet (weak: a dropped queue leaves).
+_live_queues: weakref.WeakSet[MessageQueue] = weakref.WeakSet()
+
+
+def _shut_down_open_queues() -> None:
+    """At interpreter exit: shut down the queues this process left open, without
+    lingering, so ZeroMQ contexts never hold the exit up and readers are told
+    the queue ended (a ``ClosedError``) instead of finding a dead writer. A
+    forked child's queues belong to its parent and are left alone."""
+    for mq in list(_live_queues):
+        if mq._owner_pid == os.getpid():
+            mq._shutdown_now()
+
+
+atexit.register(_shut_down_open_queues)
+
+
 def _check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise GroupcoordValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -244,6 +263,8 @@ class MessageQueue:
         self._idx = 0
         self._local_index = -1
         self._handle: Handle | None = None
+        self._owner_pid = os.getpid()
+        _live_queues.add(self)
         try:
             if n_local_reader:
                 self._ring = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
@@ -324,6 +345,8 @@ class MessageQueue:
         self._idx = 0
         self._handle = handle
         self._capacity = handle.max_chunk_bytes - _MSG_OFFSET
+        self._owner_pid = os.getpid()
+        _live_queues.add(self)
         try:
             if rank in handle.local_reader_ranks:
                 self.role = "local reader"
@@ -845,11 +868,20 @@ class MessageQueue:
 
     close = shutdown
 
+    def _shutdown_now(self) -> None:
+        """:meth:`shutdown` that does not wait for queued ZeroMQ messages to leave. A
+        queue some thread still waits on is only marked shut (its memory stays
+        mapped until the process is gone)."""
+        if self._local_sock is not None and not self._local_sock.closed:
+            self._local_sock.setsockopt(zmq.LINGER, 0)
+        self.shutdown()
+
     def _release(self) -> None:
         """Close sockets and unmap (the writer also unlinks its ring); idempotent."""
         if self._released:
             return
         self._released = True
+        _live_queues.discard(self)
         if self._tcp_writer is not None:
             self._tcp_writer.close()
             self._tcp_writer = None

@@ -256,3 +256,49 @@ def test_forged_frames_to_a_reader_are_dropped_and_counted():
     ((got, bad),) = start_ranks(_forged_to_reader_rank, 1, timeout=30).collect()
     assert got == ["genuine", "second"]
     assert bad == 3  # wrong key, altered payload, replay
+
+
+_WRITER_THAT_RETURNS = """
+import sys
+from shm_broadcast.codec import dumps
+from shm_broadcast.message_queue import MessageQueue
+
+mq = MessageQueue(2, 1, [1], 1 << 16, 4, "127.0.0.1")  # a local and a remote reader
+sys.stdout.write(dumps(mq.export_handle()).hex() + "\\n")
+sys.stdout.flush()
+mq.wait_until_ready(timeout=30)
+mq.enqueue({"step": 1}, timeout=30)
+# The script ends here without shutdown(), as an engine's main often does.
+"""
+
+
+def test_a_writer_that_exits_without_shutdown_shuts_its_queue_down():
+    import subprocess
+    import sys
+
+    from shm_broadcast.codec import loads
+    from shm_broadcast.errors import ClosedError
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_THAT_RETURNS], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        handle = loads(bytes.fromhex(writer.stdout.readline().strip()))
+        readers = [MessageQueue.create_from_handle(handle, rank) for rank in (1, 2)]
+        for reader in readers:
+            reader.wait_until_ready(timeout=30)
+        assert [r.dequeue(timeout=30) for r in readers] == [{"step": 1}, {"step": 1}]
+        assert writer.wait(timeout=20) == 0  # ZeroMQ does not hold the exit up
+        for reader in readers:
+            start = time.monotonic()
+            # Told the queue ended (the exit hook shut it down), not a dead writer.
+            with pytest.raises(ClosedError, match="shut"):
+                reader.dequeue(timeout=10)
+            assert time.monotonic() - start < 5
+            reader.shutdown()
+        assert not [s for s in list_segments() if f"_{writer.pid}_" in s]
+    finally:
+        writer.kill()
+        writer.wait()
