@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from coordinator.comm import WorkStatus, new_comm
+from coordinator.comm import SignalCmpOp, WorkStatus, new_comm
 from coordinator.errors import (
     GroupcoordTimeoutError,
     GroupcoordTypeError,
@@ -38,7 +38,8 @@ def _window_ring(rank: int, world_size: int) -> str:
     # overwrites data its target has not read yet.
     for i in range(_ITERS):
         if i:
-            win.wait_signal(signal_disp=1, signal_val=i, cmp_op="ge")
+            # torchcomms' enum and its lower-case name are the same comparison.
+            win.wait_signal(1, i, SignalCmpOp.GE if i % 2 else "ge")
         win.put(torch.tensor([1000.0 * i + rank, -1.0 * i]), right, target_disp=2)
         win.signal(dst_rank=right)
         win.wait_signal(peer_rank=left)

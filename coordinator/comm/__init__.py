@@ -22,7 +22,7 @@ from .objcol import (
     send_object_list,
 )
 from .reduce_ops import RedOpType, ReduceOp
-from .window import Window
+from .window import SignalCmpOp, Window
 from .work import Work, WorkStatus
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "P2PBatch",
     "P2POp",
     "RedOpType",
+    "SignalCmpOp",
     "ReduceOp",
     "Window",
     "Work",

@@ -24,6 +24,7 @@ atomic read-modify-write is needed; value slots are plain 8-byte stores
 from __future__ import annotations
 
 import datetime
+import enum
 import operator
 import os
 import time
@@ -53,6 +54,18 @@ from .ops import CommOps
 from .work import Work
 
 _ALIGN = 64
+class SignalCmpOp(enum.Enum):
+    """How ``Window.wait_signal`` compares a signal slot with the value (torchcomms'
+    ``SignalCmpOp``); the lower-case names (``"eq"``, ...) are accepted too."""
+
+    EQ = "eq"
+    NE = "ne"
+    GE = "ge"
+    GT = "gt"
+    LE = "le"
+    LT = "lt"
+
+
 _COMPARE: dict[str, Callable[[int, int], bool]] = {
     "eq": operator.eq,
     "ne": operator.ne,
@@ -349,7 +362,7 @@ class Window:
         self,
         signal_disp: int | None = None,
         signal_val: int | None = None,
-        cmp_op: str = "eq",
+        cmp_op: SignalCmpOp | str = SignalCmpOp.EQ,
         async_op: bool = False,
         *,
         peer_rank: int | None = None,
@@ -406,14 +419,18 @@ class Window:
         return ready
 
     def _value_ready(
-        self, disp: int | None, value: int | None, cmp_op: str
+        self, disp: int | None, value: int | None, cmp_op: SignalCmpOp | str
     ) -> tuple[Callable[[], bool], list[int]]:
         slots = self._local.values
         disp = self._slot(disp, len(slots), self._comm.get_rank())
         if isinstance(value, bool) or not isinstance(value, int):
             raise GroupcoordValueError(f"signal_val must be an int, got {value!r}")
+        if isinstance(cmp_op, SignalCmpOp):
+            cmp_op = cmp_op.value
         if cmp_op not in _COMPARE:
-            raise GroupcoordValueError(f"cmp_op must be one of {sorted(_COMPARE)}, got {cmp_op!r}")
+            raise GroupcoordValueError(
+                f"cmp_op must be a SignalCmpOp or one of {sorted(_COMPARE)}, got {cmp_op!r}"
+            )
         compare = _COMPARE[cmp_op]
 
         def ready() -> bool:
