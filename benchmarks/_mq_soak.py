@@ -2,8 +2,8 @@
 
 A 4-rank queue: rank 0 writes; ranks 1 and 2 read the shared-memory ring;
 rank 3 is made a remote reader (TCP on 127.0.0.1, MAC'd frames, credits) by
-leaving it out of the local ranks. Chunks are 64 KiB, so the larger messages
-take the overflow (ZeroMQ ipc) path behind a marker in the ring.
+leaving it out of the local ranks. Chunks are 64 KiB x 8, so the larger
+messages span chunks and the largest stream through the whole ring.
 
 ``message``/``check`` are the mixed messages of the kill cases; ``soak`` is the
 soak: one writer streams mixed messages to the 3 readers, every reader checks
@@ -116,8 +116,10 @@ def soak_message(rng: random.Random, seq: int) -> Any:
         return {"seq": seq, "a": np.full((2, rng.choice([3, 300])), seq % 7, dtype=np.int16)}
     if roll < 0.99:
         return ("tuple", seq, (None, True, 1.5), {"nested": [seq]})
-    # One in a hundred overflows the 64 KiB chunk (ZeroMQ ipc path behind a ring marker).
-    return {"seq": seq, "blob": bytes([seq % 256]) * 100_000}
+    # One in a hundred is larger than a 64 KiB chunk (it spans two); one in a
+    # thousand larger than the 512 KiB ring (it streams through it).
+    size = 700_000 if seq % 1000 == 999 else 100_000
+    return {"seq": seq, "blob": bytes([seq % 256]) * size}
 
 
 def soak(rank: int, world: int, n_messages: int, seed: int) -> dict[str, Any]:

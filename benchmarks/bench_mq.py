@@ -86,6 +86,21 @@ def _cases(quick: bool) -> list[dict[str, Any]]:
             "tcp": True,
         }
     )
+    # The queue a GroupCoordinator builds (GROUPCOORD_MQ_MAX_CHUNK_BYTES x
+    # GROUPCOORD_MQ_MAX_CHUNKS, 4 MiB x 10): a 16 MiB message spans chunks of
+    # the ring, a 64 MiB one is larger than the ring and goes over ZeroMQ.
+    for size, n, gloo, lat in ((16 << 20, 40, 12, 20), (64 << 20, 12, 6, 8)):
+        cases.append(
+            {
+                "name": f"tensor {human_bytes(size)} default ring",
+                "kind": "tensor",
+                "size": size,
+                "n": n,
+                "gloo": gloo,
+                "lat": lat,
+                "defaults": True,
+            }
+        )
     for case in cases:
         for key in ("n", "gloo", "lat"):
             case[key] = max(int(case[key] * scale), 8)
@@ -128,6 +143,7 @@ def _bench_rank(
     import torch
     import torch.distributed as dist
 
+    from shm_broadcast.config import get_config
     from shm_broadcast.message_queue import MessageQueue
 
     init_gloo_rank(rank, world, port, timeout_s=300)
@@ -138,6 +154,9 @@ def _bench_rank(
         # A chunk holds the largest message of the case: every message rides the ring.
         chunk = max(1 << 16, size + (1 << 16))
         chunks = 10 if size <= (1 << 20) else 4
+        if case.get("defaults"):
+            cfg = get_config()
+            chunk, chunks = cfg.mq_max_chunk_bytes, cfg.mq_max_chunks
         if case.get("tcp"):
             mq = _tcp_queue(group, rank, world, chunk, chunks)
         else:

@@ -1,13 +1,14 @@
 """MessageQueue: one writer, many readers, in order, nothing lost.
 
-Local readers (same node) read a :class:`ShmRingBuffer`. A message larger than
-a chunk leaves an *overflow marker* in its chunk and travels over a ZeroMQ
-``ipc://`` PUB socket; the marker keeps the order and the ring's flags keep at
-most ``max_chunks`` such messages in flight, so the PUB socket (unlimited
-high-water mark, subscriptions confirmed in ``wait_until_ready``) never drops.
-Remote readers get every message over TCP (:mod:`.tcp_channel`: MACs, credit
-flow control). Every wait has a deadline; a dead peer raises
-:class:`PeerDiedError`; :meth:`MessageQueue.shutdown` wakes a waiting reader.
+Local readers (same node) read a :class:`ShmRingBuffer`. A message fits one
+chunk, or spans several consecutive chunks (contiguous in the segment, so it
+is decoded in place), or, larger than the whole ring, streams through the
+chunks in order while the readers copy it out. Remote readers get every
+message over TCP (:mod:`.tcp_channel`: MACs, credit flow control). Every wait
+has a deadline; a dead peer raises :class:`PeerDiedError`;
+:meth:`MessageQueue.shutdown` wakes a waiting reader. Local readers also
+connect a ZeroMQ ``ipc://`` socket to the writer: ``wait_until_ready``'s
+handshake runs over it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import re
 import secrets
 import socket
+import struct
 import tempfile
 import time
 import weakref
@@ -63,8 +65,22 @@ logger = logging.getLogger("groupcoord.shm_broadcast")
 # First byte of a chunk: what the chunk holds. The message itself starts
 # _MSG_OFFSET bytes in, so its frames are 64-byte aligned.
 _INLINE = 1
-_OVERFLOW = 2
+# A message larger than the ring: its bytes stream through the chunks in
+# order, each chunk filled and published as the writer gets to it (readers
+# copy each out as it comes). The first chunk holds the stream's length (u64
+# after the kind byte); the stream is [u32 parts][u64 length per part][parts],
+# the parts being the codec's header and frames.
+_STREAM = 2
 _RAW = 3  # bytes written through acquire_write
+# A message larger than a chunk that fits the ring: it starts at its first
+# chunk's _MSG_OFFSET and runs on through the next chunks (contiguous in the
+# segment); the first chunk says how many (uint32 after the kind byte). Only
+# the first chunk has a kind byte: the others are message bytes throughout.
+_SPAN = 4
+# Chunks at the ring's end that a span skipped to start contiguous at chunk 0.
+_PAD = 5
+_SPAN_COUNT = struct.Struct("<I")
+_STREAM_LEN = struct.Struct("<Q")
 _MSG_OFFSET = 64
 _READY = b"READY"
 _IPC_PREFIX = "groupcoord_mq_"
@@ -150,7 +166,7 @@ def _remove_ipc_file(address: str | None) -> None:
 
 
 def cleanup_stale_ipc_files() -> list[str]:
-    """Remove overflow socket files whose creating process is gone (named after its ring)."""
+    """Remove handshake socket files whose creating process is gone (named after its ring)."""
     removed = []
     folder = tempfile.gettempdir()
     for entry in os.listdir(folder):
@@ -470,29 +486,25 @@ class MessageQueue:
         try:
             body: list[Any] | None = None
             ring = self._ring
-            if ring is not None:
+            if ring is not None and msg.nbytes > self._capacity:
+                if not self._write_span(ring, msg, deadline, timeout_s):
+                    body = frames_as_buffers(msg)
+                    self._write_stream(ring, body, deadline, timeout_s)
+            elif ring is not None:
                 idx = self._idx
                 if not ring.chunk_free(idx):
                     self._writer_wait_chunk(idx, deadline, timeout_s)
                 buf = ring.begin_write(idx)
                 at = ring.chunk_at[idx]
-                if msg.nbytes <= self._capacity:
-                    buf[at] = _INLINE
-                    if msg.frames:
-                        write_message(msg, buf, at + _MSG_OFFSET)
-                    else:
-                        header = msg.header
-                        pos = at + _MSG_OFFSET
-                        MESSAGE_PREFIX.pack_into(buf, pos, len(header), 0)
-                        buf[pos + 8 : pos + 8 + len(header)] = header
-                    ring.publish(idx)
+                buf[at] = _INLINE
+                if msg.frames:
+                    write_message(msg, buf, at + _MSG_OFFSET)
                 else:
-                    buf[at] = _OVERFLOW
-                    ring.publish(idx)
-                    body = frames_as_buffers(msg)
-                    assert self._local_sock is not None
-                    # Copied: the caller may change its tensors once enqueue returns.
-                    self._local_sock.send_multipart(body)
+                    header = msg.header
+                    pos = at + _MSG_OFFSET
+                    MESSAGE_PREFIX.pack_into(buf, pos, len(header), 0)
+                    buf[pos + 8 : pos + 8 + len(header)] = header
+                ring.publish(idx)
                 self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
             if self._tcp_writer is not None:
                 if body is None:
@@ -504,6 +516,88 @@ class MessageQueue:
             self._busy = False
             if self._closed:
                 self._release()
+
+    def _write_span(
+        self, ring: ShmRingBuffer, msg: EncodedMessage, deadline: float, timeout_s: float
+    ) -> bool:
+        """A message larger than a chunk, written across consecutive chunks (their
+        memory is contiguous) so readers decode it in place; False when it is
+        larger than the whole ring."""
+        count = -(-(msg.nbytes + _MSG_OFFSET) // ring.chunk_stride)
+        if count > ring.max_chunks:
+            return False
+        idx = self._idx
+        if idx + count > ring.max_chunks:
+            # Not enough chunks before the ring wraps: pad them, start at chunk 0.
+            for pad in range(idx, ring.max_chunks):
+                if not ring.chunk_free(pad):
+                    self._writer_wait_chunk(pad, deadline, timeout_s)
+                ring.begin_write(pad)[ring.chunk_at[pad]] = _PAD
+                ring.publish(pad)
+            idx = self._idx = 0
+        for j in range(idx, idx + count):
+            if not ring.chunk_free(j):
+                self._writer_wait_chunk(j, deadline, timeout_s)
+        for j in range(idx, idx + count):
+            buf = ring.begin_write(j)
+        at = ring.chunk_at[idx]
+        write_message(msg, buf, at + _MSG_OFFSET)
+        buf[at] = _SPAN
+        _SPAN_COUNT.pack_into(buf, at + 1, count)
+        # The first chunk last: a reader that sees it written finds the rest written.
+        for j in range(idx + 1, idx + count):
+            ring.publish(j)
+        ring.publish(idx)
+        self._idx = (idx + count) % ring.max_chunks
+        return True
+
+    def _write_stream(
+        self, ring: ShmRingBuffer, parts: list[Any], deadline: float, timeout_s: float
+    ) -> None:
+        """A message larger than the ring, streamed through it chunk by chunk. A
+        failure half-way (a timeout, a dead reader) shuts the queue down: the
+        readers could not find the next message's start."""
+        views = [memoryview(p).cast("B") for p in parts]
+        table = struct.pack(f"<I{len(views)}Q", len(views), *(len(v) for v in views))
+        # Each part starts 64-byte aligned in the stream (tensors are built on it).
+        segments = []
+        total = 0
+        for v in [memoryview(table), *views]:
+            pad = -total % 64
+            if pad:
+                segments.append(memoryview(bytes(pad)))
+            segments.append(v)
+            total += pad + len(v)
+        capacity = self._capacity
+        idx = self._idx
+        first = True
+        try:
+            while segments:
+                if not ring.chunk_free(idx):
+                    self._writer_wait_chunk(idx, deadline, timeout_s)
+                buf = ring.begin_write(idx)
+                at = ring.chunk_at[idx]
+                pos = at + _MSG_OFFSET
+                end = pos + capacity
+                if first:
+                    buf[at] = _STREAM
+                    _STREAM_LEN.pack_into(buf, at + 8, total)
+                    first = False
+                while segments and pos < end:
+                    n = min(len(segments[0]), end - pos)
+                    buf[pos : pos + n] = segments[0][:n]
+                    pos += n
+                    segments[0] = segments[0][n:]
+                    if not segments[0]:
+                        segments.pop(0)
+                ring.publish(idx)
+                idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+                self._idx = idx
+        except BaseException:
+            if not first:
+                ring.set_shutdown()
+                self._closed = True
+            raise
 
     @contextlib.contextmanager
     def acquire_write(
@@ -546,15 +640,13 @@ class MessageQueue:
         self._notice = None if indefinite or timeout is not None else "acquire_read"
         self._busy = True
         try:
-            idx = self._idx
             me = self._local_index
-            if not ring.ready(idx, me):
-                self._reader_wait_chunk(idx, deadline, timeout_s, "acquire_read")
+            idx = self._next_message_chunk(ring, me, deadline, timeout_s, "acquire_read")
             at = ring.chunk_at[idx]
-            if ring.buf[at] == _OVERFLOW:
+            if ring.buf[at] in (_STREAM, _SPAN):
                 raise ProtocolError(
-                    f"{self.what}: chunk {idx} stands for a message larger than a chunk "
-                    "(sent over ZeroMQ by enqueue): read it with dequeue"
+                    f"{self.what}: chunk {idx} starts a message larger than a chunk "
+                    "(sent by enqueue): read it with dequeue"
                 )
             try:
                 with ring.buf[at + _MSG_OFFSET : at + ring.max_chunk_bytes] as view:
@@ -660,13 +752,12 @@ class MessageQueue:
     def _dequeue_local(self, deadline: float, timeout_s: float) -> Any:
         ring = self._ring
         assert ring is not None
-        idx = self._idx
         me = self._local_index
-        if not ring.ready(idx, me):
-            self._reader_wait_chunk(idx, deadline, timeout_s)
+        idx = self._next_message_chunk(ring, me, deadline, timeout_s, "dequeue")
         at = ring.chunk_at[idx]
         buf = ring.buf
         kind = buf[at]
+        count = 1
         if kind == _INLINE:
             pos = at + _MSG_OFFSET
             header_len, n_frames = MESSAGE_PREFIX.unpack_from(buf, pos)
@@ -676,15 +767,13 @@ class MessageQueue:
                 finally:
                     ring.release(idx, me)
                     self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
-        parts = None
-        if kind == _OVERFLOW:
-            # A timeout here keeps the chunk: the next dequeue waits for the same message.
-            parts = self._recv_overflow(deadline, timeout_s)
+        elif kind == _SPAN:
+            count = _SPAN_COUNT.unpack_from(buf, at + 1)[0]
+        elif kind == _STREAM:
+            return self._read_stream(ring, me, deadline, timeout_s)
         try:
-            if kind == _INLINE:
+            if kind == _INLINE or kind == _SPAN:
                 return read_message(self._codec, ring.buf, at + _MSG_OFFSET)
-            if parts is not None:
-                return self._codec.decode(parts[0].buffer, [p.buffer for p in parts[1:]])
             if kind == _RAW:
                 raise ProtocolError(
                     f"{self.what}: chunk {idx} holds raw bytes written with acquire_write: "
@@ -693,6 +782,20 @@ class MessageQueue:
             raise ProtocolError(f"{self.what}: chunk {idx} has unknown kind {kind}")
         finally:
             # Released even when decoding failed, so the queue stays usable.
+            for j in range(idx, idx + count):
+                ring.release(j, me)
+            self._idx = (idx + count) % ring.max_chunks
+
+    def _next_message_chunk(
+        self, ring: ShmRingBuffer, me: int, deadline: float, timeout_s: float, operation: str
+    ) -> int:
+        """Wait for the next chunk that starts a message, releasing pad chunks."""
+        while True:
+            idx = self._idx
+            if not ring.ready(idx, me):
+                self._reader_wait_chunk(idx, deadline, timeout_s, operation)
+            if ring.buf[ring.chunk_at[idx]] != _PAD:
+                return idx
             ring.release(idx, me)
             self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
 
@@ -719,19 +822,42 @@ class MessageQueue:
             sleep=lambda at_most_s: ring.reader_sleep(idx, me, at_most_s),
         )
 
-    def _recv_overflow(self, deadline: float, timeout_s: float) -> list[Any]:
-        sock = self._local_sock
-        assert sock is not None
-        while True:
-            while not sock.poll(20, zmq.POLLIN):
-                if time.monotonic() > deadline:
-                    raise self._reader_timeout("dequeue", timeout_s, "overflow message missing")
-                self._check_open()
-                self._check_writer_alive("dequeue")
-            parts = sock.recv_multipart(copy=False)
-            if len(parts) == 1 and parts[0].bytes == _READY:
-                continue  # a reader that skipped wait_until_ready
-            return parts
+    def _read_stream(self, ring: ShmRingBuffer, me: int, deadline: float, timeout_s: float) -> Any:
+        """Copy a streamed message out chunk by chunk (releasing each), then decode it.
+        A failure half-way closes this reader: the next message's start is lost."""
+        import torch  # the buffer comes from torch's allocator: no fresh-page faults
+
+        idx = self._idx
+        total = _STREAM_LEN.unpack_from(ring.buf, ring.chunk_at[idx] + 8)[0]
+        view = torch.empty(total, dtype=torch.uint8).numpy().data
+        got = 0
+        capacity = self._capacity
+        try:
+            while got < total:
+                if not ring.ready(idx, me):
+                    self._reader_wait_chunk(idx, deadline, timeout_s)
+                n = min(capacity, total - got)
+                pos = ring.chunk_at[idx] + _MSG_OFFSET
+                view[got : got + n] = ring.buf[pos : pos + n]
+                got += n
+                ring.release(idx, me)
+                idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+                self._idx = idx
+        except BaseException:
+            self._closed = True
+            raise
+        (count,) = struct.unpack_from("<I", view, 0)
+        lens = struct.unpack_from(f"<{count}Q", view, 4)
+        offset = 4 + 8 * count
+        parts = []
+        for n in lens:
+            offset += -offset % 64
+            parts.append(view[offset : offset + n])
+            offset += n
+        if offset != total or not parts:
+            raise ProtocolError(f"{self.what}: a streamed message's parts do not add up")
+        # The buffer is this message's own: tensors are built on it, not copied.
+        return self._codec.decode(parts[0], parts[1:], owned=True)
 
     def _dequeue_remote(self, deadline: float, timeout_s: float) -> Any:
         tcp = self._tcp_reader

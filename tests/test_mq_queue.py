@@ -1,4 +1,4 @@
-"""MessageQueue with real forked processes: order, overflow, TCP readers, group constructors."""
+"""MessageQueue with real forked processes: order, messages larger than a chunk, TCP readers, group constructors."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_order_kept_over_10000_mixed_messages_with_three_local_readers():
 
 
 def test_order_kept_with_local_and_remote_readers():
-    # rank 1 reads the ring, ranks 2 and 3 read over TCP; overflow messages included.
+    # rank 1 reads the ring, ranks 2 and 3 read over TCP; messages spanning chunks included.
     assert run_ranks(_ordering_rank, 4, 1, 3_000, timeout=120) == [3_000] * 4
 
 
@@ -383,7 +383,7 @@ def test_create_from_the_coordinators_stateless_process_group():
 @pytest.mark.long
 @pytest.mark.timeout(900)
 def test_long_mixed_stream_to_local_and_remote_readers():
-    # --long: 200,000 mixed messages (overflow included) to 3 ring + 1 TCP reader.
+    # --long: 200,000 mixed messages (some spanning chunks) to 3 ring + 1 TCP reader.
     assert run_ranks(_ordering_rank, 5, 3, 200_000, timeout=800) == [200_000] * 5
 
 
@@ -545,3 +545,48 @@ def test_spin_condition_spins_while_busy_sleeps_when_idle_and_wakes_on_notify():
         writer.close()
         reader.close()
         ctx.term()
+
+
+_SPAN_SIZES = [3000, 6000, 15000, 20000, 9000, 100, 12000, 7000]  # bytes, 4 KiB chunks
+
+
+def _span_message(i: int) -> dict:
+    n = _SPAN_SIZES[i % len(_SPAN_SIZES)]
+    return {"i": i, "t": torch.arange(n // 4, dtype=torch.int32) + i}
+
+
+def _spanning_rank(rank, world_size, count):
+    import torch.distributed as dist
+
+    # 4 chunks of 4 KiB: messages of 2-4 chunks span them (padding at the ring's
+    # end), a 20000-byte one is larger than the ring and streams through it.
+    mq = make_queue(rank, world_size, 2, max_chunk_bytes=1 << 12, max_chunks=4)
+    result = 0
+    if rank == 0:
+        stream = mq._write_stream
+        streamed = []
+
+        def counting(*args):
+            streamed.append(1)
+            return stream(*args)
+
+        mq._write_stream = counting
+        for i in range(count):
+            mq.enqueue(_span_message(i), timeout=60)
+        result = len(streamed)
+    else:
+        for i in range(count):
+            got = mq.dequeue(timeout=60)
+            want = _span_message(i)
+            assert got["i"] == i and torch.equal(got["t"], want["t"]), i
+        result = count
+    dist.barrier()
+    mq.shutdown()
+    return result
+
+
+def test_messages_larger_than_a_chunk_span_the_ring_in_order():
+    count = 200
+    results = run_ranks(_spanning_rank, 4, count, timeout=120)  # 2 ring readers, 1 over TCP
+    too_big = sum(1 for i in range(count) if _SPAN_SIZES[i % len(_SPAN_SIZES)] > 16000)
+    assert results == [too_big, count, count, count]

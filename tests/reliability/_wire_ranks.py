@@ -203,7 +203,8 @@ def fake_writer_to_reader(rank: int, world: int, n_events: int, seed: int, path:
 
 
 def pickle_through_queue(rank: int, world: int, path: str) -> Any:
-    """The writer pickles anyway (a hostile or misconfigured peer): ring, overflow and TCP."""
+    """The writer pickles anyway (a hostile or misconfigured peer): one chunk, spanning
+    chunks, streamed through the ring, and TCP."""
     from groupcoord_benchmarks import _mq_soak as _mq
 
     from shm_broadcast.codec import Codec
@@ -214,11 +215,13 @@ def pickle_through_queue(rank: int, world: int, path: str) -> Any:
         if rank == _mq.WRITER:
             mq._codec = Codec(allow_pickle=True)  # bypass the writer's own refusal
             mq.enqueue([CreatesFile(path)])  # inline in a ring chunk
-            mq.enqueue([CreatesFile(path), b"x" * (_mq.CHUNK_BYTES * 2)])  # overflow path
+            mq.enqueue([CreatesFile(path), b"x" * (_mq.CHUNK_BYTES * 2)])  # spans chunks
+            big = b"x" * (_mq.CHUNK_BYTES * _mq.CHUNKS * 2)
+            mq.enqueue([CreatesFile(path), big])  # larger than the ring: streamed
             mq.enqueue({"after": "bombs"})
             return None
         outcomes = []
-        for _ in range(2):
+        for _ in range(3):
             try:
                 mq.dequeue(timeout=30)
                 outcomes.append("decoded")
