@@ -7,7 +7,11 @@ throughput (msgs/s, GB/s delivered per reader; median of 5 timed rounds after
 warm-up), one-way latency p50/p99 (a
 timestamp inside the message, messages spaced so none waits in the queue), and
 Gloo's ``broadcast_object_list`` in the same world and run, with the ratio.
-Two more rows force every reader onto the TCP path (remote readers).
+Two more rows force every reader onto the TCP path (remote readers). The
+"engine step" row sends what an engine broadcasts every step: a dataclass
+shaped like a scheduler output (10 fields: ids, nested lists, a dict, a set)
+plus 4 small tensors (input ids, positions, slot mapping, sequence lengths),
+declared with ``add_safe_types``; Gloo pickles the same object.
 
     python benchmarks/bench_mq.py            # full run
     python benchmarks/bench_mq.py --quick    # < 60 s
@@ -17,6 +21,7 @@ Two more rows force every reader onto the TCP path (remote readers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -39,6 +44,50 @@ from _common import (  # noqa: E402 - after the path set-up above
 )
 
 SIZES = [64, 4 << 10, 1 << 20, 16 << 20]
+
+
+@dataclasses.dataclass
+class EngineStep:
+    """The shape of a scheduler output an engine broadcasts to its workers each step."""
+
+    step: int
+    req_ids: list[str]
+    new_req_prompts: list[list[int]]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: list[str]
+    num_common_prefix_blocks: list[int]
+    use_spec_decode: bool
+    grammar_bitmask: bytes | None
+    input_ids: Any
+    positions: Any
+    slot_mapping: Any
+    seq_lens: Any
+
+
+def _engine_step() -> EngineStep:
+    import torch
+
+    reqs = [f"req-{i}" for i in range(16)]
+    return EngineStep(
+        step=1234,
+        req_ids=reqs,
+        new_req_prompts=[list(range(i, i + 12)) for i in range(2)],
+        num_scheduled_tokens={r: 16 for r in reqs},
+        total_num_scheduled_tokens=256,
+        finished_req_ids={"req-99", "req-98"},
+        preempted_req_ids=[],
+        num_common_prefix_blocks=[0, 3],
+        use_spec_decode=False,
+        grammar_bitmask=None,
+        input_ids=torch.arange(256, dtype=torch.int32),
+        positions=torch.arange(256, dtype=torch.int64),
+        slot_mapping=torch.arange(256, dtype=torch.int64) + 4096,
+        seq_lens=torch.full((16,), 300, dtype=torch.int32),
+    )
+
+
 ROUNDS = 5  # throughput is the median of this many timed rounds
 
 
@@ -73,6 +122,9 @@ def _cases(quick: bool) -> list[dict[str, Any]]:
                     "lat": lat,
                 }
             )
+    cases.append(
+        {"name": "engine step", "kind": "step", "size": 0, "n": 20_000, "gloo": 2_000, "lat": 2_000}
+    )
     # Remote readers: every message over ZeroMQ TCP with MACs and credits.
     cases.append(dict(cases[0], name="small-object TCP", tcp=True, n=20_000))
     cases.append(
@@ -110,6 +162,8 @@ def _cases(quick: bool) -> list[dict[str, Any]]:
 def _payload(kind: str, size: int) -> Any:
     import torch
 
+    if kind == "step":
+        return _engine_step()
     if kind == "object":
         return {"request": 12345, "step": 7, "tokens": 512, "flags": 3, "name": "req-12345"}
     if kind == "bytes":
@@ -230,6 +284,9 @@ def run_world(
     world: int, cases: list[dict[str, Any]], timeout: float
 ) -> list[list[dict[str, Any]]]:
     """Fork ``world`` ranks, run every case, return each rank's measurements."""
+    from shm_broadcast import add_safe_types
+
+    add_safe_types([EngineStep])  # before the ranks fork: every rank may rebuild it
     return run_ranks(_bench_rank, world, free_port(), cases, timeout=timeout)
 
 
