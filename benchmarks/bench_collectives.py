@@ -16,12 +16,25 @@ torchcomms-style ``coordinator.comm.Comm`` on the group (``comm_us``;
 ``comm_vs_group`` = Comm time / GroupCoordinator time, 1.0 = same speed).
 
 Numbers are medians over batches after warm-up; ratio = torch time / ours.
+
+``--threads default,1`` runs each world with torch's default intra-op threads
+and with one (``threads`` column). ``--interleave`` puts an engine step's
+other work between calls (a 256x256 matmul on torch's default threads and a
+small Gloo all-reduce) on both sides: times then include that work (its own
+time alone is ``work_us``), the case where a thread pool left spinning by
+torch ops competes with the collective. MPI (mpi4py over MPICH's shared-memory transport, started with
+``mpiexec``; the ``bench`` extra installs both) is a third column for
+all_reduce, all_gather and reduce_scatter: ``mpi_us`` and ``mpi_ratio`` = MPI
+time / ours (> 1: ours is faster); without it the column says why it is empty.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -82,10 +95,15 @@ def _rank_main(
     ops: list[str],
     quick: bool,
     use_mq: bool,
+    threads: str,
+    interleave: bool,
 ) -> list[dict[str, Any]]:
     """One rank's sweep; rank 0 returns the rows."""
     import torch
     import torch.distributed as dist
+
+    if threads != "default":
+        torch.set_num_threads(int(threads))
 
     from coordinator.comm import comm_from_group
     from coordinator.group_coordinator import GroupCoordinator
@@ -108,6 +126,19 @@ def _rank_main(
     def barrier() -> None:
         dist.barrier(group=plain)
 
+    a, b, small = torch.randn(256, 256), torch.randn(256, 256), torch.ones(16)
+
+    def work() -> None:  # the rest of an engine step, between two collectives
+        torch.mm(a, b)
+        dist.all_reduce(small, group=plain)
+
+    def with_work(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def both() -> None:
+            work()
+            fn()
+
+        return both
+
     for op in ops:
         for nbytes in sizes:
             n = max(nbytes // 4, world * DICT_TENSORS)
@@ -115,12 +146,19 @@ def _rank_main(
             x = torch.randn(n)
             iters, batches = _iters_for(nbytes, quick)
             ours, theirs, through_comm = _pair(op, group, plain, comm, x, rank, world)
+            t_work = None
+            if interleave:
+                t_work = _timed(work, barrier, iters, batches)
+                ours, theirs = with_work(ours), with_work(theirs)
+                through_comm = with_work(through_comm) if through_comm else None
             t_ours = _timed(ours, barrier, iters, batches)
             t_torch = _timed(theirs, barrier, iters, batches)
             t_comm = _timed(through_comm, barrier, iters, batches) if through_comm else None
             rows.append(
                 {
                     "world": world,
+                    "threads": threads,
+                    "interleaved": interleave,
                     "op": op,
                     "bytes": n * 4,
                     "size": human_bytes(n * 4),
@@ -130,6 +168,7 @@ def _rank_main(
                     "ours_GBps": n * 4 / t_ours / 1e9,
                     "comm_us": None if t_comm is None else t_comm * 1e6,
                     "comm_vs_group": None if t_comm is None else t_comm / t_ours,
+                    "work_us": None if t_work is None else t_work * 1e6,
                 }
             )
     comm.finalize()
@@ -233,12 +272,54 @@ def _pair(
     raise ValueError(f"unknown op {op!r}")
 
 
+MPI_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def mpi_rows(world: int, sizes: list[int], ops: list[str], quick: bool) -> list[dict] | str:
+    """MPI's times for the same ops and sizes, or why there are none."""
+    wanted = [op for op in ops if op in MPI_OPS]
+    if not wanted:
+        return "no op MPI has here"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'groupcoord[bench]')"
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec") or ""
+    if not mpiexec:
+        return "no mpiexec (the mpich wheel of the bench extra provides one)"
+    iters, batches = _iters_for(1, quick)
+    command = [
+        mpiexec, "-n", str(world), sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_peer.py"),
+        "--ops", ",".join(wanted), "--sizes", ",".join(map(str, sizes)),
+        "--budget", str((8 << 20) if quick else (64 << 20)),
+        "--max-iters", str(iters), "--batches", str(batches),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    except subprocess.TimeoutExpired:
+        return "mpiexec timed out"
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"mpiexec failed ({done.returncode}): {tail[0]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_world(
-    world: int, sizes: list[int], ops: list[str], quick: bool, use_mq: bool, timeout: float
+    world: int,
+    sizes: list[int],
+    ops: list[str],
+    quick: bool,
+    use_mq: bool,
+    timeout: float,
+    threads: str = "default",
+    interleave: bool = False,
 ) -> list[dict]:
     port = free_port()
     rows: list[dict] = run_ranks(
-        _rank_main, world, port, sizes, ops, quick, use_mq, timeout=timeout
+        _rank_main, world, port, sizes, ops, quick, use_mq, threads, interleave, timeout=timeout
     )[0]
     # send/recv is a round trip: report the one-way time.
     for row in rows:
@@ -265,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="bench_results/collectives.json")
     parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
     parser.add_argument("--timeout", type=float, default=900.0, help="per world size, seconds")
+    parser.add_argument(
+        "--threads", default="default", help="torch intra-op threads per rank: default, 1, or both"
+    )
+    parser.add_argument(
+        "--interleave", action="store_true", help="an engine step's other work between calls"
+    )
+    parser.add_argument("--no-mpi", action="store_true", help="leave the MPI column out")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     sizes = (
@@ -280,11 +368,34 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {command}", flush=True)
     rows: list[dict] = []
     columns = [
-        "world", "op", "size", "ours_us", "torch_us", "ratio", "ours_GBps", "comm_us",
-        "comm_vs_group",
+        "world", "threads", "op", "size", "ours_us", "torch_us", "ratio", "mpi_us", "mpi_ratio",
+        "ours_GBps", "comm_us", "comm_vs_group", "work_us",
     ]  # fmt: skip
+    thread_modes = args.threads.split(",")
     for world in worlds:
-        rows.extend(run_world(world, sizes, ops, args.quick, not args.no_mq, args.timeout))
+        mpi: list[dict] | str = "left out (--no-mpi)" if args.no_mpi else ""
+        if not args.no_mpi:
+            mpi = mpi_rows(world, sizes, ops, args.quick)
+        if isinstance(mpi, str):
+            print(f"# world {world}: no MPI column: {mpi}", flush=True)
+        mpi_us = {} if isinstance(mpi, str) else {(r["op"], r["bytes"]): r["mpi_us"] for r in mpi}
+        for threads in thread_modes:
+            got = run_world(
+                world,
+                sizes,
+                ops,
+                args.quick,
+                not args.no_mq,
+                args.timeout,
+                threads,
+                args.interleave,
+            )
+            for row in got:
+                t_mpi = mpi_us.get((row["op"], row["bytes"]))
+                if t_mpi is not None:
+                    row["mpi_us"] = t_mpi
+                    row["mpi_ratio"] = t_mpi / row["ours_us"]
+            rows.extend(got)
         if len(worlds) > 1:
             print(f"# world {world} done", flush=True)
     print_table(rows, columns)

@@ -180,6 +180,22 @@ def cleanup_stale_ipc_files() -> list[str]:
     return removed
 
 
+def _close_zmq(ctx: zmq.Context, owned: list[Any]) -> None:
+    """Close a queue's ZeroMQ sockets (and TCP ends, heartbeat threads included)
+    without lingering, then terminate its context. Run when a queue that was
+    never shut down is garbage-collected: the sockets are held here, so they
+    cannot be collected first, leaving ``zmq_ctx_term`` waiting forever for a
+    socket whose close never comes (seen as a rank hung inside a GC pass)."""
+    for item in owned:
+        if isinstance(item, zmq.Socket):
+            if not item.closed:
+                item.close(linger=0)
+        else:
+            item.close()
+    owned.clear()
+    ctx.term()
+
+
 # Every queue of this process that is not shut down yet (weak: a dropped queue leaves).
 _live_queues: weakref.WeakSet[MessageQueue] = weakref.WeakSet()
 
@@ -271,6 +287,9 @@ class MessageQueue:
         self._key = secrets.token_bytes(32)
         self._window = max(16, max_chunks)
         self._ctx = zmq.Context()
+        self._zmq_owned: list[Any] = []  # closed by _close_zmq if the queue is collected open
+        self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._zmq_owned)
+        self._zmq_finalizer.atexit = False  # the exit hook shuts open queues down first
         self._ring: ShmRingBuffer | None = None
         self._local_sock: zmq.Socket | None = None
         self._local_address: str | None = None
@@ -285,6 +304,7 @@ class MessageQueue:
             if n_local_reader:
                 self._ring = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
                 self._local_sock = self._ctx.socket(zmq.XPUB)
+                self._zmq_owned.append(self._local_sock)
                 self._local_sock.setsockopt(zmq.XPUB_VERBOSE, 1)
                 self._local_sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the ring instead
                 self._local_sock.setsockopt(zmq.LINGER, 2000)
@@ -301,6 +321,7 @@ class MessageQueue:
                     max_chunks * max_chunk_bytes,
                     self.what,
                 )
+                self._zmq_owned.append(self._tcp_writer)
         except BaseException:
             self._abandon()
             raise
@@ -353,6 +374,9 @@ class MessageQueue:
         self._key = handle.key
         self._window = handle.window
         self._ctx = zmq.Context()
+        self._zmq_owned = []
+        self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._zmq_owned)
+        self._zmq_finalizer.atexit = False  # the exit hook shuts open queues down first
         self._ring = None
         self._local_sock = None
         self._local_address = handle.local_address
@@ -372,6 +396,7 @@ class MessageQueue:
                 self._ring = ShmRingBuffer.attach(handle.buffer_name)
                 self._ring.set_reader_pid(self._local_index, os.getpid())
                 self._local_sock = self._ctx.socket(zmq.SUB)
+                self._zmq_owned.append(self._local_sock)
                 self._local_sock.setsockopt(zmq.RCVHWM, 0)
                 self._local_sock.setsockopt(zmq.LINGER, 0)
                 self._local_sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -393,6 +418,7 @@ class MessageQueue:
                     self.what,
                     handle.writer_rank,
                 )
+                self._zmq_owned.append(self._tcp_reader)
         except BaseException:
             self._abandon()
             raise
@@ -1008,6 +1034,8 @@ class MessageQueue:
             return
         self._released = True
         _live_queues.discard(self)
+        self._zmq_finalizer.detach()  # closed here, in order, with linger
+        self._zmq_owned.clear()
         if self._tcp_writer is not None:
             self._tcp_writer.close()
             self._tcp_writer = None

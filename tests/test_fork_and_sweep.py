@@ -5,13 +5,15 @@ init_distributed_environment, but only those of this pid namespace."""
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import os
 import time
+from typing import Any
 
 import torch
 
 from coordinator import parallel_state as ps
-from coordinator.launch import run_ranks, start_ranks
+from coordinator.launch import run_ranks
 from shm_broadcast.config import get_config
 from shm_broadcast.segments import cleanup_stale_segments, list_segments
 
@@ -47,15 +49,14 @@ def test_a_forked_child_exiting_normally_leaves_the_parent_working():
         assert got == {"child_exit": 0, "all_reduce": 2000.0, "queue": {"after": 0}}
 
 
-def _init_and_idle(rank: int, world: int) -> None:
+def _name_a_segment_then_wait(ready: Any) -> None:
     from shm_broadcast.segments import ShmSegment
 
-    _init(rank, world)
-    # Rings are unlinked once set up; a segment killed while still named (a crash
-    # during set-up, say) is what the sweep is for.
-    segment = ShmSegment.create(4096, tag="orphan")
+    # A segment killed while still named (a crash during set-up, say): rings
+    # are unlinked once set up, so this is what the sweep is for.
+    ShmSegment.create(4096, tag="orphan")
+    ready.set()
     time.sleep(60)  # killed by the test with the segment still named
-    segment.close()
 
 
 def _init_and_report(rank: int, world: int, dead: list[int]) -> list[str]:
@@ -67,17 +68,22 @@ def _init_and_report(rank: int, world: int, dead: list[int]) -> list[str]:
 
 
 def test_segments_of_killed_ranks_are_swept_at_the_next_init():
-    group = start_ranks(_init_and_idle, 2, timeout=60)
-    pids = [group.pid(0), group.pid(1)]
-    deadline = time.monotonic() + 30
-    while not any(int(s.split("_")[1]) in pids for s in list_segments()):
-        assert time.monotonic() < deadline, "the ranks never made their segments"
-        time.sleep(0.05)
-    time.sleep(1.0)  # let both finish building their groups
-    for rank in (0, 1):
-        group.kill(rank)
-    group.collect(killed=[0, 1])
-    assert any(int(s.split("_")[1]) in pids for s in list_segments())  # left behind
+    # Plain multiprocessing workers, SIGKILLed: nothing of ours cleans up after
+    # them (coordinator.launch would sweep what it killed itself).
+    ctx = multiprocessing.get_context("fork")
+    ready = [ctx.Event() for _ in range(2)]
+    procs = [ctx.Process(target=_name_a_segment_then_wait, args=(r,)) for r in ready]
+    for proc in procs:
+        proc.start()
+    try:
+        for event in ready:
+            assert event.wait(30), "a worker never made its segment"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(10)
+    pids = [proc.pid for proc in procs]
+    assert sum(int(s.split("_")[1]) in pids for s in list_segments()) == 2  # left behind
     left = run_ranks(_init_and_report, 2, pids, timeout=60)
     assert left == [[], []]
 

@@ -302,3 +302,36 @@ def test_a_writer_that_exits_without_shutdown_shuts_its_queue_down():
     finally:
         writer.kill()
         writer.wait()
+
+
+_QUEUES_IN_A_CYCLE = """
+import gc, time
+from shm_broadcast.message_queue import MessageQueue
+
+w = MessageQueue(2, 1, [1], 1 << 12, 4, "127.0.0.1")  # a ring reader and a TCP reader
+h = w.export_handle()
+readers = [MessageQueue.create_from_handle(h, rank) for rank in (1, 2)]
+for q in (w, *readers):
+    q.cycle = q  # never shut down, and only the cyclic garbage collector can free it
+del w, readers, q
+gc.collect()
+print("collected", flush=True)
+"""
+
+
+def test_queues_collected_without_shutdown_do_not_hang_the_collector():
+    # Before: the cyclic GC cleared the sockets' weak references first, so the
+    # context's finaliser waited forever in zmq_ctx_term for sockets it could
+    # no longer close (a rank hung inside an unrelated allocation).
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", _QUEUES_IN_A_CYCLE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0 and "collected" in done.stdout, done.stderr

@@ -1,0 +1,69 @@
+"""MPI's side of ``bench_collectives.py``: the same collectives through mpi4py on MPICH.
+
+Run by ``bench_collectives.py`` under ``mpiexec -n WORLD`` (MPICH's shared-memory
+transport on one machine); rank 0 prints one JSON list of rows on stdout:
+``{"op", "bytes", "mpi_us"}``. Buffers are float32 numpy arrays of the same
+bytes per rank as ours; all_reduce is out-of-place (``Allreduce(send, recv)``),
+all_gather is ``Allgather``, reduce_scatter ``Reduce_scatter_block``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+
+def _timed(fn: Callable[[], object], comm: Any, iters: int, batches: int) -> float:
+    per_call = []
+    for batch in range(batches + 1):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        if batch:
+            per_call.append((time.perf_counter() - start) / iters)
+    return statistics.median(per_call)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ops", required=True)
+    parser.add_argument("--sizes", required=True, help="bytes per rank, comma-separated")
+    parser.add_argument("--budget", type=int, required=True, help="bytes moved per batch")
+    parser.add_argument("--max-iters", type=int, required=True)
+    parser.add_argument("--batches", type=int, required=True)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    world = comm.Get_size()
+    rows = []
+    for op in args.ops.split(","):
+        for nbytes in (int(s) for s in args.sizes.split(",")):
+            n = max(nbytes // 4, world)
+            n -= n % world
+            x = np.random.default_rng(comm.Get_rank()).standard_normal(n).astype(np.float32)
+            calls = {
+                "all_reduce": (comm.Allreduce, np.empty_like(x)),
+                "all_gather": (comm.Allgather, np.empty(n * world, dtype=np.float32)),
+                "reduce_scatter": (comm.Reduce_scatter_block, np.empty(n // world, np.float32)),
+            }
+            if op not in calls:
+                continue
+            call, out = calls[op]
+            fn = functools.partial(call, x, out)
+            iters = max(2, min(args.max_iters, args.budget // max(n * 4, 1)))
+            seconds = _timed(fn, comm, iters, args.batches)
+            rows.append({"op": op, "bytes": n * 4, "mpi_us": seconds * 1e6})
+    if comm.Get_rank() == 0:
+        print(json.dumps(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
