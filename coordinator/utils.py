@@ -3,7 +3,7 @@ layer ranges, TCP stores and ``StatelessProcessGroup`` (re-exported from its mod
 
 Differences, all listed in docs/vllm_compat.md: ``get_pp_indices`` takes an explicit
 ``partition`` (keyword-only) instead of reading ``VLLM_PP_LAYER_PARTITION``; the
-stateless torch process-group builders are not supported.
+stateless torch process-group builders make Gloo groups only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from device_communicators.errors import unsupported
+from device_communicators import checks
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.errors import GroupcoordValueError
 
@@ -181,11 +181,61 @@ def get_worker_rank_suffix(global_rank: int | None = None) -> str:
     return "_".join(parts)
 
 
-_STATELESS_PG = "torch process groups outside torch.distributed's world (use StatelessProcessGroup)"
-init_gloo_process_group = unsupported("init_gloo_process_group", _STATELESS_PG)
-stateless_init_torch_distributed_process_group = unsupported(
-    "stateless_init_torch_distributed_process_group", _STATELESS_PG
-)
-stateless_destroy_torch_distributed_process_group = unsupported(
-    "stateless_destroy_torch_distributed_process_group", _STATELESS_PG
-)
+def init_gloo_process_group(
+    prefix_store: dist.PrefixStore,
+    group_rank: int,
+    group_size: int,
+    timeout: datetime.timedelta,
+) -> dist.ProcessGroup:
+    """A Gloo ``ProcessGroup`` over ``prefix_store``, outside torch.distributed's
+    default world (none needs to exist); ``torch.distributed`` calls take it as
+    ``group=``. ``timeout`` is a timedelta or seconds."""
+    checks.rank(group_rank, "group_rank", group_size)
+    td = datetime.timedelta(seconds=resolve_timeout(timeout))
+    pg = dist.ProcessGroup(prefix_store, group_rank, group_size)
+    backend = dist.ProcessGroupGloo(prefix_store, group_rank, group_size, timeout=td)
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    pg._set_default_backend(gloo)
+    backend._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), gloo, backend)
+    return pg
+
+
+def stateless_init_torch_distributed_process_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    group_name: str | None = None,
+    return_store: bool = False,
+    listen_socket: socket.socket | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> dist.ProcessGroup | tuple[dist.ProcessGroup, dist.Store]:
+    """vLLM's group outside the default world: its own TCPStore at ``host:port``
+    (rank 0 hosts it, on ``listen_socket`` when given) and a Gloo process group
+    over it, so several such groups (an engine's DP groups, say) can coexist.
+    Only ``backend="gloo"``: device tensors go through ``PyNcclCommunicator``."""
+    if backend != "gloo":
+        raise GroupcoordValueError(
+            f"backend={backend!r}: groupcoord builds stateless groups on 'gloo' only; "
+            "for NCCL, bootstrap a PyNcclCommunicator over this group"
+        )
+    checks.rank(rank, "rank", world_size)
+    td = datetime.timedelta(seconds=resolve_timeout(timeout))
+    store = create_tcp_store(
+        host,
+        port,
+        listen_socket if rank == 0 else None,
+        world_size=world_size,
+        is_master=rank == 0,
+        timeout=td,
+    )
+    prefix = dist.PrefixStore(f"groupcoord/stateless/{group_name or f'{host}:{port}'}", store)
+    pg = init_gloo_process_group(prefix, rank, world_size, td)
+    return (pg, store) if return_store else pg
+
+
+def stateless_destroy_torch_distributed_process_group(pg: dist.ProcessGroup) -> None:
+    """Shut a group from :func:`stateless_init_torch_distributed_process_group` down."""
+    pg.shutdown()

@@ -228,3 +228,41 @@ def test_a_reader_idling_on_a_killed_writer_raises_peer_died_within_seconds():
     assert reader["detected_at"] is not None
     assert reader["detected_at"] - killed_at < 5.0
     assert "writer" in reader["message"]
+
+
+def _stateless_groups(rank: int, world: int, ports: list[int]) -> dict:
+    import torch.distributed as dist
+
+    from coordinator.utils import (
+        stateless_destroy_torch_distributed_process_group,
+        stateless_init_torch_distributed_process_group,
+    )
+    from shm_broadcast.errors import GroupcoordValueError
+
+    # No default world at all: two groups side by side, as an engine's DP groups.
+    assert not dist.is_initialized()
+    pg, store = stateless_init_torch_distributed_process_group(
+        "127.0.0.1", ports[0], rank, world, "gloo", return_store=True,
+        timeout=datetime.timedelta(seconds=30),
+    )  # fmt: skip
+    other = stateless_init_torch_distributed_process_group(
+        "127.0.0.1", ports[1], rank, world, "gloo", group_name="dp", timeout=30
+    )
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=pg)
+    u = torch.tensor([rank])
+    dist.all_reduce(u, group=other, op=dist.ReduceOp.MAX)
+    store.set(f"seen{rank}", "yes")
+    with pytest.raises(GroupcoordValueError, match="gloo"):
+        stateless_init_torch_distributed_process_group("127.0.0.1", ports[0], rank, world, "nccl")
+    stateless_destroy_torch_distributed_process_group(other)
+    stateless_destroy_torch_distributed_process_group(pg)
+    return {"sum": t.tolist(), "max": u.item(), "store": store.get(f"seen{rank}").decode()}
+
+
+def test_stateless_torch_process_groups_outside_the_default_world():
+    from coordinator.launch import free_port
+
+    ports = [free_port(), free_port()]
+    for got in run_ranks(_stateless_groups, 2, ports, timeout=60):
+        assert got == {"sum": [3.0] * 4, "max": 1, "store": "yes"}

@@ -48,6 +48,7 @@ NOTES = {
     "parallel_state.get_ep_group": "built always (DP x PCP x TP); all2all only with EP on",
     "parallel_state.get_eplb_group": "the EP group itself",
     "utils.get_pp_indices": "partition= replaces VLLM_PP_LAYER_PARTITION",
+    "utils.stateless_init_torch_distributed_process_group": "backend 'gloo' only",
     "base_device_communicator.All2AllManagerBase.__init__": (
         "talks through the device communicator registered for cpu_group (or communicator=)"
     ),

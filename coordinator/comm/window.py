@@ -54,6 +54,8 @@ from .ops import CommOps
 from .work import Work
 
 _ALIGN = 64
+
+
 class SignalCmpOp(enum.Enum):
     """How ``Window.wait_signal`` compares a signal slot with the value (torchcomms'
     ``SignalCmpOp``); the lower-case names (``"eq"``, ...) are accepted too."""
