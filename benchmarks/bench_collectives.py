@@ -374,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     thread_modes = args.threads.split(",")
     for world in worlds:
         mpi: list[dict] | str = "left out (--no-mpi)" if args.no_mpi else ""
-        if not args.no_mpi:
+        if args.interleave:
+            mpi = "not with --interleave (MPI runs without the interleaved work)"
+        elif not args.no_mpi:
             mpi = mpi_rows(world, sizes, ops, args.quick)
         if isinstance(mpi, str):
             print(f"# world {world}: no MPI column: {mpi}", flush=True)

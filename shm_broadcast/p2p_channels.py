@@ -9,11 +9,10 @@ set up (the ring holds ``P2P_MAX_CHUNKS`` messages before anyone reads), so
 no order of first calls can deadlock; every wait is bounded by the group's
 deadline and a dead peer is named by pid.
 
-Every message fits in one ring chunk: a tensor or a dict's head larger than
-a chunk goes as consecutive pieces, so nothing ever takes the queue's ZeroMQ
-overflow path (which would need a subscription handshake and costs a copy
-through a socket). Decoded tensors own their memory, so the ring is reused
-while the receiver still holds what it got.
+Any size goes as one queue message: the queue spans a message larger than a
+chunk over consecutive chunks and streams one larger than the ring through
+it, always in shared memory. Decoded tensors own their memory, so the ring is
+reused while the receiver still holds what it got.
 
 Memory: ``P2P_MAX_CHUNKS * max(mq_max_chunk_bytes, 16 MiB)`` of /dev/shm
 (64 MiB by default) per ordered pair that actually exchanged a dict,
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .codec import EncodedMessage, dumps, loads, message_bytes
+from .codec import EncodedMessage, dumps, loads
 from .config import get_config
 from .errors import (
     ClosedError,
@@ -62,21 +61,18 @@ __all__ = [
     "P2P_MIN_CHUNK_BYTES",
     "P2PChannels",
     "deliver_pending_sends",
-    "piece_bytes",
 ]
 
-# Ring geometry per pair. Chunks are at least 16 MiB: a tensor that fits in
-# one travels with one copy in and one out, while a split one pays a third
-# copy into its destination. Four chunks let the writer run ahead; measured
-# (world 2 ping-pong, 8 x 8 MiB tensors one way): 4 x 16 MiB 6.2 ms, 2 x 16 MiB
-# 17 ms, 4 x 4 MiB (tensors split) 20 ms, Gloo 20 ms.
+# Ring geometry per pair. Chunks are at least 16 MiB and four of them let the
+# writer run ahead; a message larger than a chunk spans chunks, one larger
+# than the ring streams through it (the queue does both). Measured before
+# spanning existed (world 2 ping-pong, 8 x 8 MiB tensors one way):
+# 4 x 16 MiB 6.2 ms, 2 x 16 MiB 17 ms, 4 x 4 MiB 20 ms, Gloo 20 ms.
 P2P_MAX_CHUNKS = 4
 P2P_MIN_CHUNK_BYTES = 16 * 1024 * 1024
 logger = logging.getLogger("groupcoord.shm_broadcast")
 # Stored instead of a handle when the sender's ring did not fit in /dev/shm.
 _USE_GLOO = b"gloo"
-# Room in a chunk for the queue's and the codec's headers around one piece.
-_HEADROOM = 4096
 # Enqueue waits in slices this long, checking the receiver's pid in between
 # (the queue only watches readers that have attached).
 _SLICE_S = 0.5
@@ -105,11 +101,6 @@ def _hook_exit() -> None:
     _exit_hook_pid = os.getpid()
     atexit.register(deliver_pending_sends)
     multiprocessing.util.Finalize(None, deliver_pending_sends, exitpriority=100)
-
-
-def piece_bytes(max_chunk_bytes: int) -> int:
-    """The largest payload one message of a ring with these chunks carries (both sides agree)."""
-    return max(64, max_chunk_bytes - _HEADROOM)
 
 
 class P2PChannels:
@@ -220,27 +211,13 @@ class P2PChannels:
                 raise PeerDiedError(self.name, operation, [dst], str(exc)) from exc
 
     def send_message(self, dst: int, msg: EncodedMessage, operation: str) -> None:
-        """Send an encoded object (a tensor dict's head); it must not be an int."""
-        mq = self._writers[dst]
-        if msg.nbytes <= piece_bytes(mq.max_chunk_bytes):
-            self._put(mq, msg, dst, operation)
-            return
-        # Too big for one chunk: its length, then its bytes in pieces.
-        payload = message_bytes(msg)
-        self._put(mq, len(payload), dst, operation)
-        self.send_tensor(dst, torch.frombuffer(bytearray(payload), dtype=torch.uint8), operation)
+        """Send an encoded object (a tensor dict's head), whatever its size: the
+        queue spans chunks or streams through its ring as needed."""
+        self._put(self._writers[dst], msg, dst, operation)
 
     def send_tensor(self, dst: int, tensor: torch.Tensor, operation: str) -> None:
-        mq = self._writers[dst]
-        limit = piece_bytes(mq.max_chunk_bytes)
-        if tensor.numel() * tensor.element_size() <= limit:
-            # The codec copies it (strided or not) straight into the chunk.
-            self._put(mq, tensor, dst, operation)
-            return
-        flat = tensor.reshape(-1)
-        step = limit // tensor.element_size()
-        for start in range(0, flat.numel(), step):
-            self._put(mq, flat[start : start + step], dst, operation)
+        # The codec copies it (strided or not) straight into the ring.
+        self._put(self._writers[dst], tensor, dst, operation)
 
     # ---- receiver -----------------------------------------------------------
 
@@ -309,33 +286,26 @@ class P2PChannels:
 
     def recv_message(self, src: int, operation: str) -> Any:
         """The object :meth:`send_message` sent."""
-        mq = self._readers[src]
-        got = self._get(mq, src, operation)
-        if type(got) is not int:
-            return got
-        if got < 0:
-            raise ProtocolError(f"{self.name}: rank {src} announced a message of {got} bytes")
-        return loads(self.recv_tensor(src, torch.uint8, (got,), operation).numpy().data)
+        return self._get(self._readers[src], src, operation)
 
     def recv_tensor(
         self, src: int, dtype: torch.dtype, shape: tuple[int, ...], operation: str
     ) -> torch.Tensor:
-        mq = self._readers[src]
-        limit = piece_bytes(mq.max_chunk_bytes)
+        got = self._get(self._readers[src], src, operation)
         numel = 1
         for s in shape:
             numel *= s
-        if numel * dtype.itemsize <= limit:
-            got = self._get(mq, src, operation)
-            _check_piece(self.name, src, got, dtype, numel)
-            return got.reshape(shape)  # type: ignore[no-any-return]
-        out = torch.empty(numel, dtype=dtype)
-        step = limit // dtype.itemsize
-        for start in range(0, numel, step):
-            piece = self._get(mq, src, operation)
-            _check_piece(self.name, src, piece, dtype, min(step, numel - start))
-            out[start : start + step].copy_(piece)
-        return out.view(shape)
+        if not isinstance(got, torch.Tensor) or got.dtype != dtype or got.numel() != numel:
+            what = (
+                f"{got.dtype}[{got.numel()}]"
+                if isinstance(got, torch.Tensor)
+                else type(got).__name__
+            )
+            raise ProtocolError(
+                f"{self.name}: expected a {dtype} tensor of {numel} elements from rank {src}, "
+                f"got {what}"
+            )
+        return got.reshape(shape)
 
     # ---- both ---------------------------------------------------------------
 
@@ -365,13 +335,3 @@ class P2PChannels:
                     break
                 time.sleep(pause)
                 pause = min(pause * 2, 0.05)
-
-
-def _check_piece(name: str, src: int, got: Any, dtype: torch.dtype, numel: int) -> None:
-    if not isinstance(got, torch.Tensor) or got.dtype != dtype or got.numel() != numel:
-        what = (
-            f"{got.dtype}[{got.numel()}]" if isinstance(got, torch.Tensor) else type(got).__name__
-        )
-        raise ProtocolError(
-            f"{name}: expected a {dtype} piece of {numel} elements from rank {src}, got {what}"
-        )
