@@ -180,6 +180,9 @@ class All2AllManagerBase:
         self.world_size = int(communicator.world_size)
         self.rank = int(communicator.rank_in_group)
         self.buffer_spec: MoEBufferSpec | None = None
+        # Reused receive buffers of managers that keep some, keyed by (trailing
+        # shape, dtype, device); filled by _allocate, dropped by _release.
+        self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
         self._stated_counts: list[int] | None = None
         # Counts of the last dispatch, waiting for their combine.
         self._pending_counts: list[int] | None = None
@@ -339,7 +342,8 @@ class All2AllManagerBase:
         """Hook: reserve buffers for ``spec`` (default: nothing to reserve)."""
 
     def _release(self) -> None:
-        """Hook: drop buffers."""
+        """Drop the reusable buffers."""
+        self._buffers.clear()
 
     # ------------------------------------------------------------------ helpers
     def _gather_tokens(
@@ -424,25 +428,11 @@ class NaiveAll2AllManager(All2AllManagerBase):
 
     name = "naive"
 
-    def __init__(
-        self,
-        cpu_group: Any,
-        tcp_store_group: Any = None,
-        *,
-        communicator: All2AllCommunicator | None = None,
-    ) -> None:
-        super().__init__(cpu_group, tcp_store_group, communicator=communicator)
-        # Reused receive buffers, keyed by (trailing shape, dtype); filled by _allocate.
-        self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
-
     def _allocate(self, spec: MoEBufferSpec) -> None:
         rows = spec.max_tokens_per_rank * self.world_size
         for width in (spec.hidden_size, spec.num_experts):
             key = ((width,), spec.dtype, torch.device("cpu"))
             self._buffers[key] = torch.empty((rows, width), dtype=spec.dtype)
-
-    def _release(self) -> None:
-        self._buffers.clear()
 
     def _receive_buffer(self, like: torch.Tensor, rows: int) -> torch.Tensor:
         key = (tuple(like.shape[1:]), like.dtype, like.device)
