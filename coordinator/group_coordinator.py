@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
 from shm_broadcast.codec import dumps, loads
-from shm_broadcast.config import get_config, override, resolve_timeout
+from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.group_io import all_gather_bytes, broadcast_bytes
 from shm_broadcast.liveness import dead_peers, host_key
 from shm_broadcast.p2p_channels import P2PChannels
@@ -195,15 +195,14 @@ class GroupCoordinator:
     def _build_helpers(self, use_comm: bool, use_mq: bool, use_all2all: bool) -> None:
         if use_comm and self.world_size > 1:
             cls = get_device_communicator_cls(self.device)
-            # Back ends read their deadline from the config when built.
-            with override(timeout_s=self.timeout_s):
-                self.device_communicator = cls(
-                    cpu_group=self.cpu_group,
-                    device=self.device,
-                    device_group=self.device_group,
-                    unique_name=self.unique_name,
-                    use_all2all=use_all2all,
-                )
+            self.device_communicator = cls(
+                cpu_group=self.cpu_group,
+                device=self.device,
+                device_group=self.device_group,
+                unique_name=self.unique_name,
+                use_all2all=use_all2all,
+                timeout_s=self.timeout_s,
+            )
         if use_mq and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.gloo_errors import gloo_errors
 
 from . import checks
@@ -48,7 +49,12 @@ class DeviceCommunicatorBase:
         global_ranks: list[int] | None = None,
         global_world_size: int | None = None,
         use_all2all: bool = False,
+        *,
+        timeout_s: float | None = None,
     ) -> None:
+        # The deadline of this group's waits (GroupCoordinator passes its own);
+        # None: GROUPCOORD_TIMEOUT_S.
+        self.timeout_s = resolve_timeout(timeout_s)
         self.cpu_group = cpu_group
         self.device = device if device is not None else torch.device("cpu")
         self.device_group = device_group if device_group is not None else cpu_group
@@ -78,8 +84,6 @@ class DeviceCommunicatorBase:
                 f"{dist.get_world_size()} ranks"
             )
         if use_all2all:
-            from shm_broadcast.config import get_config
-
             try:
                 self.set_all2all_manager(create_all2all_manager(get_config().all2all_backend, self))
             except BaseException:

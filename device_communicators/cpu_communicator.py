@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shm_broadcast.codec import encode_message, loads, message_bytes
-from shm_broadcast.config import get_config
+from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.p2p_channels import P2PChannels
 
 from . import checks
@@ -43,6 +43,8 @@ class CpuCommunicator(DeviceCommunicatorBase):
         device_group: ProcessGroup | None = None,
         unique_name: str = "",
         use_all2all: bool = False,
+        *,
+        timeout_s: float | None = None,
     ) -> None:
         cfg = get_config()
         # Before the base constructor, whose failure path calls destroy().
@@ -50,14 +52,23 @@ class CpuCommunicator(DeviceCommunicatorBase):
             f"{unique_name or 'CpuCommunicator'}/cpu_communicator",
             dist.get_rank(),
             {},
-            cfg.timeout_s,
+            resolve_timeout(timeout_s),
         )
-        super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
+        super().__init__(
+            cpu_group,
+            device,
+            device_group,
+            unique_name,
+            use_all2all=use_all2all,
+            timeout_s=timeout_s,
+        )
         if not cfg.disable_shm_p2p:
             self._p2p_channels.peers = dict(self.peer_pids)
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
-        self.shm_all_reduce = ShmAllReduce(self.cpu_group, unique_name=self.unique_name)
+        self.shm_all_reduce = ShmAllReduce(
+            self.cpu_group, unique_name=self.unique_name, timeout_s=self.timeout_s
+        )
         return [self.shm_all_reduce]
 
     def _local_peer_pids(self) -> dict[int, int]:

@@ -74,6 +74,8 @@ class CudaCommunicator(DeviceCommunicatorBase):
         global_world_size: int | None = None,
         tcp_store_group: Any = None,
         use_all2all: bool = False,
+        *,
+        timeout_s: float | None = None,
     ) -> None:
         if tcp_store_group is not None:
             raise NotSupportedError.by_groupcoord(
@@ -93,6 +95,7 @@ class CudaCommunicator(DeviceCommunicatorBase):
             global_ranks,
             global_world_size,
             use_all2all,
+            timeout_s=timeout_s,
         )
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:

@@ -24,6 +24,7 @@ import secrets
 import socket
 import struct
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -287,6 +288,7 @@ class MessageQueue:
         self._key = secrets.token_bytes(32)
         self._window = max(16, max_chunks)
         self._ctx = zmq.Context()
+        self._teardown = threading.RLock()
         self._zmq_owned: list[Any] = []  # closed by _close_zmq if the queue is collected open
         self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._zmq_owned)
         self._zmq_finalizer.atexit = False  # the exit hook shuts open queues down first
@@ -374,6 +376,7 @@ class MessageQueue:
         self._key = handle.key
         self._window = handle.window
         self._ctx = zmq.Context()
+        self._teardown = threading.RLock()
         self._zmq_owned = []
         self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._zmq_owned)
         self._zmq_finalizer.atexit = False  # the exit hook shuts open queues down first
@@ -1000,23 +1003,26 @@ class MessageQueue:
         messages already sent; readers then get what is queued and then
         ClosedError. Safe to call more than once.
         """
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self.role == "writer":
-                if self._ring is not None:
-                    self._ring.set_shutdown()
-                if self._tcp_writer is not None:
-                    self._tcp_writer.shutdown()
-            elif self._ring is not None and self._local_index >= 0:
-                self._ring.set_reader_pid(self._local_index, READER_DETACHED)
-                # Wake this reader's own dequeue (another thread) and the writer.
-                self._ring.ring_readers()
-                self._ring.ring_writer()
-        finally:
-            if not self._busy:
-                self._release()
+        # Held while the ring is still used here: a call this wakes on another
+        # thread releases the queue on its way out, and must wait for that.
+        with self._teardown:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self.role == "writer":
+                    if self._ring is not None:
+                        self._ring.set_shutdown()
+                    if self._tcp_writer is not None:
+                        self._tcp_writer.shutdown()
+                elif self._ring is not None and self._local_index >= 0:
+                    self._ring.set_reader_pid(self._local_index, READER_DETACHED)
+                    # Wake this reader's own dequeue (another thread) and the writer.
+                    self._ring.ring_readers()
+                    self._ring.ring_writer()
+            finally:
+                if not self._busy:
+                    self._release()
 
     close = shutdown
 
@@ -1030,6 +1036,10 @@ class MessageQueue:
 
     def _release(self) -> None:
         """Close sockets and unmap (the writer also unlinks its ring); idempotent."""
+        with self._teardown:
+            self._release_now()
+
+    def _release_now(self) -> None:
         if self._released:
             return
         self._released = True
