@@ -23,7 +23,7 @@ from typing import Any
 
 from .config import get_config
 from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError
-from .liveness import process_alive
+from .liveness import dead_peers
 
 __all__ = ["failure_kind", "gloo_errors", "group_timeout_s", "translate_gloo_error"]
 
@@ -62,18 +62,21 @@ def _other_ranks(pg: Any) -> list[int]:
 
 
 def translate_gloo_error(
-    exc: RuntimeError,
+    exc: BaseException,
     what: str,
     operation: str,
     pg: Any,
     peers: Iterable[int] | None = None,
     pids: Mapping[int, int] | None = None,
+    *,
+    timeout_s: float | None = None,
 ) -> GroupcoordError | None:
     """Our error for Gloo's ``exc``, or None when it is neither a timeout nor a lost peer.
 
     ``peers`` (global ranks) are those the call waited on, by default the
     group's other ranks; ``pids`` maps global ranks on this host (same pid
     namespace) to their pids, so the dead among ``peers`` can be named.
+    ``timeout_s``: the call's own deadline, when it had one (else ``pg``'s).
     """
     if isinstance(exc, GroupcoordError):
         return None
@@ -83,14 +86,13 @@ def translate_gloo_error(
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     waited = sorted(peers) if peers is not None else _other_ranks(pg)
-    dead = [r for r in waited if pids and r in pids and not process_alive(pids[r])]
+    dead = dead_peers(pids, waited) if pids else []
     error: GroupcoordError
     if dead:
         error = PeerDiedError(what, operation, dead, detail=first)
     elif kind == "timeout":
-        error = GroupcoordTimeoutError(
-            what, operation, group_timeout_s(pg, exc), waited, detail=first
-        )
+        seconds = group_timeout_s(pg, exc) if timeout_s is None else timeout_s
+        error = GroupcoordTimeoutError(what, operation, seconds, waited, detail=first)
     else:
         if len(waited) > 1:
             first += "; which of these ranks is unknown (no pid on this host shows it dead)"

@@ -10,7 +10,6 @@ depend on these parts, never on ``comm``, so nothing imports in a circle.
 from __future__ import annotations
 
 import datetime
-import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from device_communicators import checks
 from device_communicators.shm_all_reduce import ShmAllReduce
 from shm_broadcast.config import resolve_timeout
-from shm_broadcast.liveness import dead_peers
 
 from ..errors import (
     ClosedError,
@@ -214,7 +212,7 @@ class CommCore:
             return work
         work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
         local_pids = self._local_pids
-        work.find_dead = functools.partial(dead_peers, local_pids)
+        work.local_pids = local_pids
         try:
             c10d_works = launch(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:

@@ -13,17 +13,16 @@ import datetime
 import enum
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from shm_broadcast.gloo_errors import failure_kind
+from shm_broadcast.gloo_errors import translate_gloo_error
 from shm_broadcast.waiting import wait_until
 
 from ..errors import (
     ClosedError,
     GroupcoordError,
     GroupcoordTimeoutError,
-    PeerDiedError,
     ProtocolError,
 )
 
@@ -64,8 +63,9 @@ class Work:
         # How long past the deadline wait() still waits for the work's own error
         # (set by a runner that ends the op by the deadline itself).
         self.settle_grace_s = 0.0
-        # Set by the communicator: which of the given ranks are known dead.
-        self.find_dead: Callable[[Sequence[int]], list[int]] | None = None
+        # Set by the communicator: rank -> pid of the peers on this host, so a
+        # failure can name the dead among them.
+        self.local_pids: Mapping[int, int] | None = None
 
     # -- how a work finishes ------------------------------------------------
     @classmethod
@@ -191,30 +191,17 @@ class Work:
 
 
 def translate_error(work: Work, exc: BaseException) -> BaseException:
-    """Turn a Gloo RuntimeError into our error types, keeping Gloo's text."""
+    """Our error for a failed c10d work (``shm_broadcast.gloo_errors``, the one
+    translation), keeping Gloo's text; anything else is a ``ProtocolError``."""
     if isinstance(exc, GroupcoordError):
         return exc
-    text = str(exc)
-    kind = failure_kind(exc)
-    if kind == "timeout":
+    error: BaseException | None = translate_gloo_error(
+        exc, work._what(), work.op, None, work.peers, work.local_pids, timeout_s=work.timeout_s
+    )
+    if error is None:
+        error = ProtocolError(f"{work._what()}: {work.op} failed: {str(exc).strip()}")
+    elif isinstance(error, GroupcoordTimeoutError):
         work._expire()
-        error: BaseException = GroupcoordTimeoutError(
-            work._what(), work.op, work.timeout_s, missing=work.peers, detail=text.strip()
-        )
-    elif kind == "peer gone":
-        dead = work.find_dead(work.peers) if work.find_dead is not None else []
-        if dead:
-            error = PeerDiedError(work._what(), work.op, dead, detail=text.strip())
-        else:
-            error = PeerDiedError(
-                work._what(),
-                work.op,
-                work.peers,
-                detail="a peer closed its connection; which one is unknown (not on this host), "
-                f"so all of the op's peers are listed: {text.strip()}",
-            )
-    else:
-        error = ProtocolError(f"{work._what()}: {work.op} failed: {text.strip()}")
     error.__cause__ = exc
     return error
 
