@@ -362,7 +362,20 @@ class ShmAllReduce(AllReduceBackend):
     ) -> torch.Tensor:
         """The reduction as a new tensor, or written into contiguous ``out`` of the same
         shape and dtype (``tensor`` itself is fine: each piece is read before written)."""
-        lines = self._start("all_reduce", self.refusal(tensor, op), tensor, op)
+        return self._all_reduce(self.refusal(tensor, op), tensor, op, out)
+
+    def reduce_in_chain(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
+        # The chain took this back end because its refusal was None: not asked again.
+        return self._all_reduce(None, tensor, op, None)
+
+    def _all_reduce(
+        self,
+        reason: str | None,
+        tensor: torch.Tensor,
+        op: ReduceOp.RedOpType,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        lines = self._start("all_reduce", reason, tensor, op)
         if out is None:
             out = empty_output(tensor.shape, tensor.dtype)
         numel = tensor.numel()

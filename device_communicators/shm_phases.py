@@ -58,8 +58,25 @@ _DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}  # 0: another dtype
 _REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 
 
+# Codes already made (every call stamps one; a few kinds of calls repeat).
+_CALL_CODES: dict[tuple[str, torch.dtype, object, int], int] = {}
+
+
 def call_code(operation: str, dtype: torch.dtype, reduce_op: object, root: int) -> int:
     """Operation, dtype, reduce op and root of a call, packed into one int64."""
+    key = (operation, dtype, reduce_op, root)
+    try:
+        code = _CALL_CODES.get(key)
+    except TypeError:  # an operator object that cannot be hashed: not cached
+        return _make_code(operation, dtype, reduce_op, root)
+    if code is None:
+        code = _make_code(operation, dtype, reduce_op, root)
+        if len(_CALL_CODES) < 4096:
+            _CALL_CODES[key] = code
+    return code
+
+
+def _make_code(operation: str, dtype: torch.dtype, reduce_op: object, root: int) -> int:
     op_name = str(reduce_op).rsplit(".", 1)[-1].upper() if reduce_op is not None else ""
     op_code = _REDUCE_OPS.index(op_name) + 1 if op_name in _REDUCE_OPS else 0
     return (
