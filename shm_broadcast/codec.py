@@ -99,6 +99,17 @@ def _type_key(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _init_fields(cls: type) -> tuple[str, ...]:
+    """The names a dataclass's constructor takes, in order (asked once per class)."""
+    names = _INIT_FIELDS.get(cls)
+    if names is None:
+        names = _INIT_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    return names
+
+
 def _is_namedtuple(cls: type) -> bool:
     return issubclass(cls, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make")
 
@@ -250,9 +261,7 @@ class Codec:
         if isinstance(obj, enum.Enum):
             return _Ext(_EXT_ENUM, self._enc.encode([_type_key(t), self._walk(obj.value)]))
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            values = {
-                f.name: self._walk(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init
-            }
+            values = {name: self._walk(getattr(obj, name)) for name in _init_fields(t)}
             return _Ext(_EXT_DATACLASS, self._enc.encode([_type_key(t), values]))
         if isinstance(obj, tuple) and _is_namedtuple(t):
             fields = self._walk_list(list(obj))
