@@ -159,6 +159,8 @@ class GroupCoordinator:
         self._collective_seq = 0
         self._desync_seq = 0  # calls checked by debug_desync
         self.node_count = 1  # hosts among the group's ranks (set by _exchange_pids)
+        # Host identity (liveness.host_key) of each in-group rank (set by _exchange_pids).
+        self.host_keys: list[int] = []
         self._destroyed = False
         self._plain_comm: DeviceCommunicatorBase | None = None
         self.device_communicator: DeviceCommunicatorBase | None = None
@@ -180,12 +182,14 @@ class GroupCoordinator:
 
     def _exchange_pids(self) -> dict[int, int]:
         if self.world_size == 1:
+            self.host_keys = [host_key()]
             return {}
         mine = torch.tensor([os.getpid(), host_key()], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in self.ranks]
         dist.all_gather(everyone, mine, group=self.cpu_group)
         here = int(mine[1])
-        self.node_count = len({int(t[1]) for t in everyone})
+        self.host_keys = [int(t[1]) for t in everyone]
+        self.node_count = len(set(self.host_keys))
         return {
             r: int(t[0])
             for r, t in zip(self.ranks, everyone)

@@ -11,8 +11,10 @@ and the default process group when we created it). Works under ``torchrun``
 Groups, as vLLM builds them (layout in :mod:`coordinator.layout`): world, TP
 (with a message-queue broadcaster), DCP (likewise), PCP, PP, DP, EP (always;
 its all2all manager only with ``enable_expert_parallel=True``), EPLB (the EP
-group itself) and the inner DP world. A group whose parallelism is off has
-one rank per group.
+group itself), ETP, engram DP and the inner DP world. A group whose
+parallelism is off has one rank per group. ``suspend_device_comms`` and the
+checkpoint functions release and re-create the device communicators' fast
+back ends (sleep mode; see docs/coordinator.md).
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ __all__ = [
 
 logger = logging.getLogger("groupcoord.coordinator")
 
-_MODEL_GROUPS = ("tp", "dcp", "pcp", "pp", "dp", "ep", "inner_dp_world")
+# In the order they are built (every rank the same): suspend_device_comms and the
+# checkpoint functions walk them in this order, destroy_model_parallel in reverse.
+_MODEL_GROUPS = ("tp", "dcp", "pcp", "pp", "dp", "ep", "etp", "engram_dp", "inner_dp_world")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +127,8 @@ class ParallelState:
     pp: GroupCoordinator | None = None
     dp: GroupCoordinator | None = None
     ep: GroupCoordinator | None = None
+    etp: GroupCoordinator | None = None  # may be the EP group itself
+    engram_dp: GroupCoordinator | None = None  # may be the DP group itself
     inner_dp_world: GroupCoordinator | None = None
     sizes: ModelParallelSizes | None = None
     local_rank: int = 0
@@ -284,11 +290,13 @@ def initialize_model_parallel(
     )
     backend = backend or _state.backend
 
-    def group(kind: str, **kwargs: Any) -> GroupCoordinator:
-        ranks = [list(g) for g in getattr(layout, kind)]
+    def group_of(ranks: list[list[int]], kind: str, **kwargs: Any) -> GroupCoordinator:
         return init_model_parallel_group(
             ranks, _state.local_rank, backend, group_name=kind, **kwargs
         )
+
+    def group(kind: str, **kwargs: Any) -> GroupCoordinator:
+        return group_of([list(g) for g in getattr(layout, kind)], kind, **kwargs)
 
     try:
         _state.tp = group("tp", use_message_queue_broadcaster=True)
@@ -297,12 +305,32 @@ def initialize_model_parallel(
         _state.pp = group("pp")
         _state.dp = group("dp")
         _state.ep = group("ep", use_all2all=sizes.expert_parallel)
+        _state.etp = (
+            _state.ep
+            if not sizes.expert_parallel
+            else group_of([[r] for r in range(world.world_size)], "etp")
+        )
+        engram = _node_local(layout.dp, world.host_keys)
+        _state.engram_dp = (
+            _state.dp if engram == [list(g) for g in layout.dp] else group_of(engram, "engram_dp")
+        )
         _state.inner_dp_world = group("inner_dp_world", use_device_communicator=False)
         world.barrier()
     except BaseException:
         destroy_model_parallel()
         raise
     _state.sizes = sizes
+
+
+def _node_local(groups: Any, host_keys: list[int]) -> list[list[int]]:
+    """Each group of ``groups`` split by host (world ``host_keys``), order kept."""
+    out: list[list[int]] = []
+    for g in groups:
+        by_host: dict[int, list[int]] = {}
+        for r in g:
+            by_host.setdefault(host_keys[r], []).append(r)
+        out.extend(by_host.values())
+    return out
 
 
 def ensure_model_parallel_initialized(
@@ -385,6 +413,27 @@ def get_ep_group() -> GroupCoordinator:
 def get_eplb_group() -> GroupCoordinator:
     """The EP group: expert load balancing exchanges over the same ranks."""
     return _get(_state.ep, "expert parallel load balancing (call initialize_model_parallel)")
+
+
+def get_etp_group() -> GroupCoordinator:
+    """The expert tensor parallel group: the ranks over which a MoE layer's expert
+    weights are tensor-sharded (vLLM's FusedMoE rule). Without expert parallelism
+    that is the EP group's ranks (DP x PCP x TP, and this returns the EP group);
+    with ``enable_expert_parallel=True`` each rank holds whole experts and its
+    ETP group is itself alone."""
+    return _get(_state.etp, "expert tensor parallel (call initialize_model_parallel)")
+
+
+def get_engram_dp_group() -> GroupCoordinator | None:
+    """This rank's DP peers on its own node (the DP group itself when every DP group
+    lies within one node), or None when that is this rank alone."""
+    group = _get(_state.engram_dp, "engram data parallel (call initialize_model_parallel)")
+    return group if group.world_size > 1 else None
+
+
+def get_engram_dp_size() -> int:
+    group = get_engram_dp_group()
+    return 1 if group is None else group.world_size
 
 
 def get_inner_dp_world_group() -> GroupCoordinator:
@@ -470,6 +519,49 @@ def in_the_same_node_as(pg: Any, source_rank: int = 0) -> list[bool]:
 # ---- teardown ---------------------------------------------------------------------------
 
 
+# ---- sleep mode and checkpoints ---------------------------------------------------------
+
+
+def _device_communicators() -> list[Any]:
+    """The device communicators of every group of this rank, once each, in build order."""
+    seen: set[int] = set()
+    out = []
+    for name in ("world", *_MODEL_GROUPS):
+        group = getattr(_state, name)
+        comm = None if group is None else group.device_communicator
+        if comm is not None and id(comm) not in seen:
+            seen.add(id(comm))
+            out.append(comm)
+    return out
+
+
+def suspend_device_comms() -> None:
+    """Sleep mode: every group's fast back ends release their resources (NCCL
+    communicators, shared-memory all-reduce segments); collectives keep working
+    on torch.distributed until :func:`resume_device_comms`. Every rank calls it."""
+    for comm in _device_communicators():
+        comm.suspend()
+
+
+def resume_device_comms() -> None:
+    """Re-create what :func:`suspend_device_comms` released (every rank calls it)."""
+    for comm in _device_communicators():
+        comm.resume()
+
+
+def checkpoint_prepare_distributed_state() -> None:
+    """Release every group's reclaimable communicator state before a checkpoint
+    (``DeviceCommunicatorBase.checkpoint_prepare``; every rank calls it)."""
+    for comm in _device_communicators():
+        comm.checkpoint_prepare()
+
+
+def checkpoint_restore_distributed_state() -> None:
+    """Undo :func:`checkpoint_prepare_distributed_state` (every rank calls it)."""
+    for comm in _device_communicators():
+        comm.checkpoint_restore()
+
+
 def destroy_model_parallel() -> None:
     """Destroy every model-parallel group (safe to call when there are none)."""
     for name in reversed(_MODEL_GROUPS):
@@ -514,22 +606,6 @@ def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
 
 # ---- names of the contract that groupcoord keeps but does not implement ---------------------
 
-_NO_CONFIG = "a config-driven group whose layout groupcoord does not model"
-get_etp_group = unsupported("get_etp_group", _NO_CONFIG)
-get_engram_dp_group = unsupported("get_engram_dp_group", _NO_CONFIG)
-get_engram_dp_size = unsupported("get_engram_dp_size", _NO_CONFIG)
-suspend_device_comms = unsupported(
-    "suspend_device_comms", "releasing and re-creating NCCL communicators (sleep mode)"
-)
-resume_device_comms = unsupported(
-    "resume_device_comms", "releasing and re-creating NCCL communicators (sleep mode)"
-)
-checkpoint_prepare_distributed_state = unsupported(
-    "checkpoint_prepare_distributed_state", "elastic-EP checkpointing of communicators"
-)
-checkpoint_restore_distributed_state = unsupported(
-    "checkpoint_restore_distributed_state", "elastic-EP checkpointing of communicators"
-)
 patched_fused_scaled_matmul_reduce_scatter = unsupported(
     "patched_fused_scaled_matmul_reduce_scatter", "torch symmetric-memory async-TP kernels"
 )

@@ -34,6 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from shm_broadcast.liveness import dead_peers
+
 from .checks import write_into
 from .errors import (
     ClosedError,
@@ -63,6 +65,8 @@ class All2AllCommunicator(Protocol):
     cpu_group: Any
     world_size: int
     rank_in_group: int
+    ranks: list[int]  # global rank of each in-group rank
+    peer_pids: dict[int, int]  # global rank -> pid of the peers on this host
     unique_name: str
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor: ...
@@ -144,7 +148,10 @@ def register_communicator(communicator: Any) -> None:
     _COMMUNICATORS[id(communicator.cpu_group)] = communicator
 
 
-_ELASTIC_EP = "elastic EP and EP fault tolerance (the EP group is fixed at initialization)"
+_ELASTIC_EP = (
+    "resizing the EP group in place (elastic EP): groupcoord's groups are fixed at "
+    "initialization; call destroy_model_parallel() and initialize_model_parallel() again"
+)
 
 
 class All2AllManagerBase:
@@ -187,6 +194,9 @@ class All2AllManagerBase:
         # Counts of the last dispatch, waiting for their combine.
         self._pending_counts: list[int] | None = None
         self._closed = False
+        self._local_only = False  # inside mask_remote_ranks()
+        # The dead-rank mask at the last recovery point (construction, clean_buffers).
+        self._baseline = self._dead_mask()
 
     # ----------------------------------------------------------------- public API
     def dispatch_router_logits(
@@ -262,6 +272,8 @@ class All2AllManagerBase:
             )
         if sum(counts) == 0:
             out = hidden_states.new_empty(hidden_states.shape)
+        elif self._local_only:
+            out = hidden_states.clone()  # only this rank's rows were dispatched
         else:
             out = self._combine(hidden_states.contiguous(), counts)
         self._pending_counts = None
@@ -309,9 +321,63 @@ class All2AllManagerBase:
         self._closed = True
 
     def clean_buffers(self) -> None:
-        """Drop reusable buffers and a dispatch still waiting for its combine."""
+        """After a fault: drop reusable buffers and a dispatch still waiting for its
+        combine, and record the current dead-rank mask as the new recovery point
+        (what :meth:`query_fault` compares against)."""
         self._release()
         self._pending_counts = None
+        self._baseline = self._dead_mask()
+
+    # ---- fault queries (vLLM's EP fault-tolerance hooks) ---------------------------
+
+    # Whether an engine may run its EP fault-recovery flow over this manager. These
+    # managers see dead peers (query_active_mask) but a dispatch that meets one raises
+    # PeerDiedError naming it instead of skipping it: False, like vLLM's default.
+    support_fault_tolerance = False
+
+    def _dead_mask(self) -> torch.Tensor:
+        comm = self.communicator
+        dead = set(dead_peers(comm.peer_pids))
+        return torch.tensor([int(r in dead) for r in comm.ranks], dtype=torch.int32)
+
+    def query_active_mask(self) -> torch.Tensor:
+        """int32 CPU tensor, one entry per EP rank (vLLM's convention): 1 where the
+        rank is masked, 0 where it is live. A rank is masked when its process on
+        this host is gone, or (every peer) inside :meth:`mask_remote_ranks`. Peers
+        on other hosts count as live: the next collective with a dead one raises
+        naming it. Built on the CPU, as a fault probe must not touch the device."""
+        mask = self._dead_mask()
+        if self._local_only:
+            mask.fill_(1)
+            mask[self.rank] = 0
+        return mask
+
+    def query_fault(self) -> torch.Tensor:
+        """Scalar bool tensor: True when a rank died since the last recovery point."""
+        return torch.tensor(bool(torch.any(self._dead_mask() != self._baseline)))
+
+    @contextlib.contextmanager
+    def mask_remote_ranks(self) -> Iterator[None]:
+        """Run dispatch/combine on this rank alone for a block (a warm-up or dummy
+        run while peers are not taking part): dispatch returns this rank's own
+        tokens, combine its own rows, and nothing is sent. Local, not collective."""
+        previous = self._local_only
+        self._local_only = True
+        try:
+            yield
+        finally:
+            self._local_only = previous
+
+    def checkpoint_prepare(self) -> None:
+        """Drop the reusable buffers before a checkpoint (:meth:`checkpoint_restore`
+        re-allocates them from the model's announced spec)."""
+        self._release()
+        self._pending_counts = None
+
+    def checkpoint_restore(self) -> None:
+        self._check_open("checkpoint_restore")
+        if self.buffer_spec is not None:
+            self._allocate(self.buffer_spec)
 
     def set_num_sms(self, num_sms: int) -> None:
         """Accepted and checked; these managers run no SM-resident kernels to limit."""
@@ -323,13 +389,8 @@ class All2AllManagerBase:
         return None
 
     get_handle = unsupported("get_handle", "handles of vendor all2all kernels (DeepEP, pplx, ...)")
-    query_active_mask = unsupported("query_active_mask", _ELASTIC_EP)
-    query_fault = unsupported("query_fault", _ELASTIC_EP)
-    checkpoint_prepare = unsupported("checkpoint_prepare", _ELASTIC_EP)
-    checkpoint_restore = unsupported("checkpoint_restore", _ELASTIC_EP)
     stage_ep_size = unsupported("stage_ep_size", _ELASTIC_EP)
     commit_ep_size = unsupported("commit_ep_size", _ELASTIC_EP)
-    mask_remote_ranks = unsupported("mask_remote_ranks", _ELASTIC_EP)
 
     # ----------------------------------------------------------- for subclasses
     def _dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
@@ -354,13 +415,19 @@ class All2AllManagerBase:
         self._check_open("dispatch")
         extras = self._check_dispatch_args(named, extra_tensors)
         hidden_states = named[0][1]
-        counts = self._counts_for(hidden_states.shape[0])
         tensors = [t for _, t in named] + extras
-        if sum(counts) == 0:
-            # No rank has a token; every rank knows it, so all skip the collective.
-            gathered = [t.new_empty(t.shape) for t in tensors]
+        if self._local_only:
+            counts = [0] * self.world_size
+            counts[self.rank] = hidden_states.shape[0]
+            gathered = [t.clone() for t in tensors]  # nothing leaves this rank
         else:
-            gathered = self._dispatch(tensors, counts)
+            counts = self._counts_for(hidden_states.shape[0])
+            # No rank has a token: every rank knows it, so all skip the collective.
+            gathered = (
+                [t.new_empty(t.shape) for t in tensors]
+                if sum(counts) == 0
+                else self._dispatch(tensors, counts)
+            )
         self._pending_counts = counts
         fixed = tuple(gathered[: len(named)])
         if extra_tensors is None:

@@ -27,6 +27,9 @@ logger = logging.getLogger("groupcoord.device_communicators")
 # The reduce ops groupcoord's own back ends implement; torch.distributed takes more.
 SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
 
+# The refusal of a back end between ``suspend()`` and ``resume()``.
+SUSPENDED = "suspended (sleep mode) until resume()"
+
 
 class AllReduceBackend(ABC):
     """One way to all-reduce a tensor across a group.
@@ -59,6 +62,17 @@ class AllReduceBackend(ABC):
         ``all_reduce``, unless the back end picks something per call (the custom
         all-reduce registers, rather than copies, an input being graph-captured)."""
         return self.all_reduce(tensor, op=op)
+
+    def suspend(self) -> None:
+        """Sleep mode: release what :meth:`resume` can re-create (shared memory, an
+        NCCL communicator) and refuse tensors until then. Local; the communicator
+        runs a barrier first. Default: nothing to release."""
+        return None
+
+    def resume(self, group: ProcessGroup) -> None:
+        """Re-create what :meth:`suspend` released: collective over ``group`` (the
+        communicator's Gloo group), every rank in the same order. Default: nothing."""
+        return None
 
     def close(self) -> None:
         """Release what the back end holds (idempotent)."""
@@ -133,6 +147,14 @@ class AllReduceChain:
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
         return self.select(tensor, op).reduce_in_chain(tensor, op)
+
+    def suspend(self) -> None:
+        for backend in self.backends:
+            backend.suspend()
+
+    def resume(self, group: ProcessGroup) -> None:
+        for backend in self.backends:
+            backend.resume(group)
 
     def close(self) -> None:
         for backend in self.backends:

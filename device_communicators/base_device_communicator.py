@@ -28,7 +28,7 @@ from shm_broadcast.gloo_errors import gloo_errors
 from . import checks
 from .all2all import All2AllManagerBase, Cache, create_all2all_manager, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
-from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError, unsupported
+from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 
 __all__ = ["All2AllManagerBase", "Cache", "DeviceCommunicatorBase"]
 
@@ -64,6 +64,7 @@ class DeviceCommunicatorBase:
         self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
         self.rank_in_group = self.ranks.index(self.rank)
         self.all2all_manager: Any = None
+        self.suspended = False  # between suspend() and resume()
         register_communicator(self)  # managers built from cpu_group alone find this one
         # Errors start with the group's name, like the coordinator's own errors.
         self.what = unique_name or type(self).__name__
@@ -237,10 +238,40 @@ class DeviceCommunicatorBase:
             for work in dist.batch_isend_irecv(p2p_ops):
                 work.wait()
 
-    suspend = unsupported("suspend", "releasing and re-creating communicators (sleep mode)")
-    resume = unsupported("resume", "releasing and re-creating communicators (sleep mode)")
-    checkpoint_prepare = unsupported("checkpoint_prepare", "elastic-EP checkpointing")
-    checkpoint_restore = unsupported("checkpoint_restore", "elastic-EP checkpointing")
+    # ---- sleep mode and checkpoints ---------------------------------------------
+
+    def suspend(self) -> None:
+        """Sleep mode: the fast back ends release what they hold (the shared-memory
+        all-reduce segment, the NCCL communicator); until :meth:`resume` every
+        collective of this communicator runs on ``torch.distributed`` (correct,
+        slower). Collective: every rank of the group calls it (a barrier first,
+        so a rank that does not raises a timeout naming the group)."""
+        if self.suspended:
+            return
+        with self._gloo("suspend", group=self.cpu_group):
+            dist.barrier(group=self.cpu_group)
+        self.all_reduce_chain.suspend()
+        self.suspended = True
+
+    def resume(self) -> None:
+        """Re-create what :meth:`suspend` released (collective, like the constructor)."""
+        if not self.suspended:
+            return
+        self.all_reduce_chain.resume(self.cpu_group)
+        self.suspended = False
+
+    def checkpoint_prepare(self) -> None:
+        """Release the reclaimable state before a checkpoint: :meth:`suspend`, and the
+        all2all manager's buffers. Collective."""
+        self.suspend()
+        if self.all2all_manager is not None:
+            self.all2all_manager.checkpoint_prepare()
+
+    def checkpoint_restore(self) -> None:
+        """Undo :meth:`checkpoint_prepare` (collective)."""
+        self.resume()
+        if self.all2all_manager is not None:
+            self.all2all_manager.checkpoint_restore()
 
     # ---- transport hooks (subclasses route these through faster paths) ----------
 

@@ -57,6 +57,12 @@ class PyNcclAllReduce(AllReduceBackend):
     ) -> torch.Tensor:
         return self.pynccl.all_reduce(tensor.contiguous(), op=op)
 
+    def suspend(self) -> None:
+        self.pynccl.suspend()
+
+    def resume(self, group: ProcessGroup) -> None:
+        self.pynccl.resume()  # through the group it was built over
+
     def close(self) -> None:
         self.pynccl.destroy()
 

@@ -29,6 +29,7 @@ from shm_broadcast.config import get_config
 from shm_broadcast.group_io import all_gather_bytes, broadcast_bytes, group_rank_and_size
 
 from . import checks
+from .all_reduce_backends import SUSPENDED
 from .errors import (
     BackendUnavailableError,
     ClosedError,
@@ -107,9 +108,13 @@ def _as_device(device: int | str | torch.device) -> torch.device:
     return device
 
 
-defer_comm_warmup_on_rocm = unsupported(
-    "defer_comm_warmup_on_rocm", "ROCm (groupcoord's NCCL path is CUDA only)"
-)
+def defer_comm_warmup_on_rocm() -> bool:
+    """Whether a new communicator skips its warm-up all-reduce until first use (vLLM
+    does on ROCm). groupcoord runs NCCL on CUDA only and always warms up in the
+    constructor, so a failure shows at start-up: False."""
+    return False
+
+
 register_nccl_symmetric_ops = unsupported(
     "register_nccl_symmetric_ops", "NCCL symmetric-memory ops"
 )
@@ -191,6 +196,7 @@ class PyNcclCommunicator:
         self._strict = strict
         self._allow_single_rank = allow_single_rank
         self._closed = False
+        self._suspended = False
 
     def _init_comm(self, unique_id: bytes) -> None:
         assert self.nccl is not None
@@ -587,8 +593,41 @@ class PyNcclCommunicator:
         finally:
             self.group_end()
 
-    suspend = unsupported("suspend", "releasing and re-creating communicators (sleep mode)")
-    resume = unsupported("resume", "releasing and re-creating communicators (sleep mode)")
+    # -- sleep mode ---------------------------------------------------------------
+    def suspend(self) -> None:
+        """Free the NCCL communicator (and the device memory NCCL holds for it) after
+        the work queued on the current stream; until :meth:`resume` the
+        communicator is unavailable and callers fall back (``CudaCommunicator`` to
+        torch.distributed). Every rank calls it."""
+        if self.comm is None or self.nccl is None or self._closed:
+            return
+        if self.group is None:
+            raise GroupcoordValueError(
+                "suspend: a communicator built from_unique_id_bytes has no group to "
+                "re-create itself through on resume; destroy() it and build a new one"
+            )
+        torch.cuda.current_stream(self.device).synchronize()
+        comm, self.comm = self.comm, None
+        self.nccl.comm_destroy(comm)
+        self.available = False
+        self.disabled = True
+        self.reason = SUSPENDED
+        self._suspended = True
+
+    def resume(self) -> None:
+        """Re-create the communicator suspended by :meth:`suspend`: rank 0 makes a new
+        unique id and every rank joins (collective over the group)."""
+        if not self._suspended or self._closed:
+            return
+        self._suspended = False
+        self.reason = ""
+        unique_id = self._make_unique_id() if self.rank == 0 else None
+        unique_id = broadcast_bytes(self.group, unique_id, src=0)
+        if not unique_id:
+            self._disable("rank 0 could not make an NCCL unique id on resume (see its log)")
+            return
+        self._init_comm(unique_id)
+
     register_comm_window = unsupported(
         "register_comm_window", "NCCL symmetric-memory window registration"
     )

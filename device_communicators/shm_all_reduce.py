@@ -47,7 +47,7 @@ from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.gloo_errors import gloo_errors
 from shm_broadcast.segments import ShmSegment
 
-from .all_reduce_backends import AllReduceBackend
+from .all_reduce_backends import SUSPENDED, AllReduceBackend
 from .errors import (
     ClosedError,
     GroupcoordError,
@@ -196,6 +196,7 @@ class ShmAllReduce(AllReduceBackend):
         self.timeout_s = resolve_timeout(timeout_s)
         self.peer_check_interval_s = config.peer_check_interval_s
         self.disabled_reason: str | None = None
+        self._suspended = False
         self.generation = 0
         self._failure: str | None = None
         self._desync_guard = _DesyncGuard(self)
@@ -534,10 +535,34 @@ class ShmAllReduce(AllReduceBackend):
         self._lines.generation = self.generation
         return self.generation
 
+    def suspend(self) -> None:
+        """Sleep mode: unmap the segment (its name is long gone, so the pages are
+        freed once every rank unmapped) and refuse tensors until :meth:`resume`."""
+        if self.disabled_reason is not None:
+            return  # disabled, closed or already suspended: nothing mapped
+        self._release()
+        self.disabled_reason = SUSPENDED
+        self._suspended = True
+
+    def resume(self, group: ProcessGroup) -> None:
+        """Map a fresh segment through ``group`` (collective, like the constructor)."""
+        if not self._suspended:
+            return
+        self._suspended = False
+        self.disabled_reason = None
+        self.generation = 0
+        try:
+            self._set_up(group, self._local_refusal(get_config().disable_shm_all_reduce))
+        except BaseException:
+            self._release()
+            self.disabled_reason = "set-up failed on resume"
+            raise
+
     def close(self) -> None:
         """Unmap (not collective). Call it only when no call is in progress: a wait in
         another thread must end first (``abandon``)."""
         self.disabled_reason = self.disabled_reason or "closed"
+        self._suspended = False
         self._release()
 
     def abandon(self, reason: str) -> None:

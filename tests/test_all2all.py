@@ -285,9 +285,25 @@ def _vllm_style_manager_rank(rank: int, world_size: int) -> dict:
     manager.set_num_sms(16)
     with pytest.raises(GroupcoordValueError, match="num_sms"):
         manager.set_num_sms(0)
-    for name in ("query_active_mask", "stage_ep_size", "mask_remote_ranks", "get_handle"):
+    for name in ("stage_ep_size", "commit_ep_size", "get_handle"):
         with pytest.raises(NotSupportedError, match="not supported by groupcoord"):
             getattr(manager, name)() if name != "get_handle" else manager.get_handle({})
+    # Fault queries: every peer lives, nothing changed since the recovery point.
+    result["mask"] = manager.query_active_mask().tolist()
+    result["fault"] = bool(manager.query_fault())
+    result["support_fault_tolerance"] = manager.support_fault_tolerance
+    # A warm-up alone: only this rank's tokens, nothing sent (peers do no dispatch).
+    with manager.mask_remote_ranks():
+        result["masked"] = manager.query_active_mask().tolist()
+        alone_hidden, alone_weights, _ = manager.dispatch(hidden, weights, ids)
+        alone = manager.combine(alone_hidden * 2)
+    result["alone_ok"] = torch.equal(alone_hidden, hidden) and torch.equal(alone, hidden * 2)
+    result["alone_weights_ok"] = torch.equal(alone_weights, weights)
+    # Checkpoints: buffers go and come back; the manager then works as before.
+    manager.checkpoint_prepare()
+    manager.checkpoint_restore()
+    again, _, _ = manager.dispatch(hidden, weights, ids)
+    result["after_checkpoint_ok"] = torch.allclose(manager.combine(again), hidden * world_size)
     manager.dispatch(hidden, weights, ids)
     manager.clean_buffers()  # drops the dispatch waiting for its combine
     with pytest.raises(GroupcoordValueError, match="token counts"):
@@ -307,10 +323,53 @@ def _vllm_style_manager_rank(rank: int, world_size: int) -> dict:
 
 def test_a_manager_built_the_vllm_way_from_its_cpu_group():
     results = run_ranks(_vllm_style_manager_rank, 2, timeout=60)
+    # Inside mask_remote_ranks every peer is masked, never the rank itself.
+    assert [r.pop("masked") for r in results] == [[0, 1], [1, 0]]
     for r in results:
         assert r == {
             "gathered_rows": 1 + 2,
             "combine_ok": True,
             "max_sms_used": None,
             "cache_reused": True,
+            "mask": [0, 0],
+            "fault": False,
+            "support_fault_tolerance": False,
+            "alone_ok": True,
+            "alone_weights_ok": True,
+            "after_checkpoint_ok": True,
         }
+
+
+def _fault_query_rank(rank: int, world_size: int) -> dict:
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from device_communicators.all2all import AgRsAll2AllManager
+    from device_communicators.cpu_communicator import CpuCommunicator
+
+    init_gloo(rank, world_size)
+    # The CPU communicator's shared-memory set-up learns the peers' pids.
+    communicator = CpuCommunicator(dist.group.WORLD, unique_name="ep")
+    manager = AgRsAll2AllManager(communicator.cpu_group)
+    dist.barrier()
+    if rank == 2:
+        os._exit(0)  # dies without a word
+    deadline = time.monotonic() + 10
+    while manager.query_active_mask()[2] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen = {"mask": manager.query_active_mask().tolist(), "fault": bool(manager.query_fault())}
+    manager.clean_buffers()  # the recovery point now includes the dead rank
+    seen["fault_after_clean"] = bool(manager.query_fault())
+    manager.destroy()
+    communicator.destroy()
+    return seen
+
+
+def test_fault_queries_see_a_dead_peer_until_the_next_recovery_point():
+    from coordinator.launch import start_ranks
+
+    results = start_ranks(_fault_query_rank, 3, timeout=60).collect(killed=[2])
+    for r in results[:2]:
+        assert r == {"mask": [0, 0, 1], "fault": True, "fault_after_clean": False}

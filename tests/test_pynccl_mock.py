@@ -356,13 +356,18 @@ def world1_vllm_methods(rank: int, world: int) -> dict[str, Any]:
             comm.batch_isend_irecv([("send", a, 0)])
         except ValueError as exc:
             seen["bad_op"] = str(exc)
-        for name in ("suspend", "resume", "register_comm_window_raw"):
-            try:
-                getattr(
-                    comm, name
-                )() if name != "register_comm_window_raw" else comm.register_comm_window_raw(0, 8)
-            except NotSupportedError as exc:
-                seen[name] = str(exc)
+        try:
+            comm.register_comm_window_raw(0, 8)
+        except NotSupportedError as exc:
+            seen["register_comm_window_raw"] = str(exc)
+        # Sleep mode: the NCCL communicator is destroyed, then made again from a new id.
+        inits = len(mock.named("ncclCommInitRank"))
+        comm.suspend()
+        seen["suspended"] = (comm.available, comm.reason, mock.calls[-1].name)
+        comm.suspend()  # a second suspend does nothing
+        comm.resume()
+        seen["resumed"] = (comm.available, len(mock.named("ncclCommInitRank")) - inits)
+        seen["resumed_works"] = torch.equal(comm.all_reduce(src), src)
         # vLLM's group-less start: the same library, an id made beforehand.
         uid = comm.nccl.get_unique_id()
         other = PyNcclCommunicator.from_unique_id_bytes(uid, 0, 1, "cuda:0", library_path=LIB)
@@ -384,8 +389,12 @@ def test_reduce_scatter_batch_isend_irecv_and_from_unique_id_bytes():
     assert seen["batch"] == ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]
     assert seen["batch_data"]
     assert "p2p_ops[0]" in seen["bad_op"]
-    for name in ("suspend", "resume", "register_comm_window_raw"):
-        assert "not supported by groupcoord" in seen[name]
+    assert "not supported by groupcoord" in seen["register_comm_window_raw"]
+    available, reason, last_call = seen["suspended"]
+    assert (available, last_call) == (False, "ncclCommDestroy")
+    assert "suspended" in reason
+    assert seen["resumed"] == (True, 1)
+    assert seen["resumed_works"]
     assert seen["from_id"] == (True, None, 1)
     assert seen["from_id_init"] == b"mock-id"
     assert seen["from_id_works"]

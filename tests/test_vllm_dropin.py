@@ -48,6 +48,10 @@ def _worker_start_up(rank: int, world: int) -> dict:
                 )
             ],
             "ep_all2all": ps.get_ep_group().device_communicator.all2all_manager is not None,
+            # No EP: expert weights are sharded over the EP group's ranks, so ETP is it.
+            "etp_is_ep": ps.get_etp_group() is ps.get_ep_group(),
+            # No DP: this rank has no DP peer on its node.
+            "engram": (ps.get_engram_dp_group(), ps.get_engram_dp_size()),
         }
         if got["gather"] is not None:
             got["gather"] = got["gather"].shape[0]
@@ -71,6 +75,8 @@ def test_worker_start_up_and_model_layer_collectives(world):
         assert got["dict"] == {"ids": [7, 8], "n": 2}
         assert got["sizes"] == [world, 1, 1, 1, world]
         assert got["ep_all2all"] is False  # positional (tp, pp, pcp, dcp): EP stays off
+        assert got["etp_is_ep"] is True
+        assert got["engram"] == (None, 1)
 
 
 def _moe_round(rank: int, world: int, counts: list[int]) -> dict:
@@ -96,6 +102,11 @@ def _moe_round(rank: int, world: int, counts: list[int]) -> dict:
             "weights": all_weights[:, 0].tolist(),
             "ids": all_ids.tolist(),
             "combined_ok": returned is result and torch.equal(result, hidden),
+            # EP on: each rank holds whole experts, its ETP group is itself alone.
+            "etp": (ps.get_etp_group().world_size, ps.get_etp_group().ranks),
+            # One node: the engram DP group is the DP group.
+            "engram_is_dp": ps.get_engram_dp_group() is ps.get_dp_group(),
+            "engram_size": ps.get_engram_dp_size(),
         }
     finally:
         ps.destroy_distributed_environment()
@@ -114,11 +125,77 @@ def test_moe_dispatch_returns_vllm_0_33_triple_and_combine_restores_tokens(count
         ]
     ).tolist()
     want_weights = [r + 0.5 for r, c in enumerate(counts) for _ in range(c)]
-    for got in results:
+    for rank, got in enumerate(results):
         assert got["hidden"] == want_hidden
         assert got["weights"] == want_weights
         assert len(got["ids"]) == sum(counts)
         assert got["combined_ok"]
+        assert got["etp"] == (1, [rank])
+        assert got["engram_is_dp"] and got["engram_size"] == world
+
+
+def _our_mappings() -> set[str]:
+    """Names of this process's mapped shared-memory all-reduce segments."""
+    with open("/proc/self/maps") as fh:
+        return {
+            line.split()[5].rsplit("/", 1)[-1]
+            for line in fh
+            if "_allreduce_" in line and len(line.split()) > 5
+        }
+
+
+def _sleep_mode(rank: int, world: int) -> dict:
+    method = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"
+    ps.init_distributed_environment(world, rank, method, rank, "gloo")
+    ps.initialize_model_parallel(world, 1, 1, 1)
+    try:
+        tp = ps.get_tp_group()
+        comm = tp.device_communicator
+        x = torch.arange(4096.0) * (rank + 1)
+        want = torch.arange(4096.0) * sum(range(1, world + 1))
+
+        def state() -> dict:
+            return {
+                "backend": comm.all_reduce_chain.select(x).name,
+                "mapped": len(_our_mappings()) > 0,
+                "all_reduce_ok": torch.equal(tp.all_reduce(x), want),
+                "all_gather_ok": tp.all_gather(x.view(1, -1), dim=0).shape == (world, 4096),
+            }
+
+        got = {"before": state(), "names_before": _our_mappings()}
+        ps.suspend_device_comms()
+        ps.suspend_device_comms()  # a second suspend does nothing
+        got["suspended"] = state()
+        ps.resume_device_comms()
+        got["resumed"] = state()
+        got["fresh_segment"] = not (_our_mappings() & got.pop("names_before"))
+        ps.checkpoint_prepare_distributed_state()
+        got["checkpointed"] = state()
+        ps.checkpoint_restore_distributed_state()
+        got["restored"] = state()
+        return got
+    finally:
+        ps.destroy_distributed_environment()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sleep_mode_releases_shared_memory_and_collectives_stay_correct(world):
+    up = {"backend": "shm", "mapped": True, "all_reduce_ok": True, "all_gather_ok": True}
+    asleep = {
+        "backend": "torch.distributed(gloo)",
+        "mapped": False,
+        "all_reduce_ok": True,
+        "all_gather_ok": True,
+    }
+    for got in run_ranks(_sleep_mode, world, timeout=90):
+        assert got == {
+            "before": up,
+            "suspended": asleep,
+            "resumed": up,
+            "fresh_segment": True,
+            "checkpointed": asleep,
+            "restored": up,
+        }
 
 
 def test_utils_as_vllm():

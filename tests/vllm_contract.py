@@ -66,6 +66,27 @@ NOTES = {
     "shm_broadcast.SpinCondition": "works; our MessageQueue sleeps on a futex in the ring instead",
     "shm_broadcast.MessageQueue.acquire_write": "local readers only (raw bytes in the ring)",
     "all2all.AgRsAll2AllManager": "AllGatherReduceScatterAll2AllManager",
+    "parallel_state.get_etp_group": (
+        "the ranks sharding expert weights: the EP group with EP off, the rank alone with EP on"
+    ),
+    "parallel_state.get_engram_dp_group": "this rank's DP peers on its node; None when alone",
+    "parallel_state.suspend_device_comms": (
+        "frees NCCL communicators and shm all-reduce segments; collectives run on "
+        "torch.distributed until resume"
+    ),
+    "parallel_state.checkpoint_prepare_distributed_state": (
+        "suspend + all2all buffers released, per group"
+    ),
+    "base_device_communicator.All2AllManagerBase.query_active_mask": (
+        "1 = dead (pid gone, this host) or masked"
+    ),
+    "base_device_communicator.All2AllManagerBase.query_fault": (
+        "a rank died since the last clean_buffers()"
+    ),
+    "base_device_communicator.All2AllManagerBase.mask_remote_ranks": (
+        "dispatch/combine stay on this rank"
+    ),
+    "pynccl.defer_comm_warmup_on_rocm": "False: CUDA only, warm-up at construction",
 }
 
 
