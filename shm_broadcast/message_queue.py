@@ -19,29 +19,21 @@ import datetime
 import logging
 import math
 import os
-import re
 import secrets
 import socket
-import struct
-import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgspec
 import zmq
 
+from . import mq_groups
 from .codec import (
-    MESSAGE_PREFIX,
     Codec,
     EncodedMessage,
-    dumps,
     frames_as_buffers,
-    loads,
-    read_message,
-    write_message,
 )
 from .config import get_config, resolve_timeout
 from .errors import (
@@ -52,133 +44,20 @@ from .errors import (
     PeerDiedError,
     ProtocolError,
 )
-from .group_io import all_gather_bytes, broadcast_bytes, group_rank_and_size
+from .mq_handle import Handle, cleanup_stale_ipc_files, default_ip, ipc_path, remove_ipc_file
 from .ring import READER_DETACHED, ShmRingBuffer, pid_namespace, process_alive
+from .ring_messages import RingCursor
 from .segments import unlink_segment
 from .tcp_channel import KIND_READY, TcpReader, TcpWriter
-from .topology import in_the_same_node_as
 from .waiting import wait_until
 
 __all__ = ["Handle", "MessageQueue", "cleanup_stale_ipc_files"]
 
 logger = logging.getLogger("groupcoord.shm_broadcast")
 
-# First byte of a chunk: what the chunk holds. The message itself starts
-# _MSG_OFFSET bytes in, so its frames are 64-byte aligned.
-_INLINE = 1
-# A message larger than the ring: its bytes stream through the chunks in
-# order, each chunk filled and published as the writer gets to it (readers
-# copy each out as it comes). The first chunk holds the stream's length (u64
-# after the kind byte); the stream is [u32 parts][u64 length per part][parts],
-# the parts being the codec's header and frames.
-_STREAM = 2
-_RAW = 3  # bytes written through acquire_write
-# A message larger than a chunk that fits the ring: it starts at its first
-# chunk's _MSG_OFFSET and runs on through the next chunks (contiguous in the
-# segment); the first chunk says how many (uint32 after the kind byte). Only
-# the first chunk has a kind byte: the others are message bytes throughout.
-_SPAN = 4
-# Chunks at the ring's end that a span skipped to start contiguous at chunk 0.
-_PAD = 5
-_SPAN_COUNT = struct.Struct("<I")
-_STREAM_LEN = struct.Struct("<Q")
-_MSG_OFFSET = 64
 _READY = b"READY"
-_IPC_PREFIX = "groupcoord_mq_"
-_IPC_RE = re.compile(r"^groupcoord_mq_groupcoord_(\d+)_ring_[0-9a-f]+\.sock$")
 # An unbounded enqueue/dequeue (timeout=None) logs that it still waits this often.
 _IDLE_NOTICE_S = 60.0
-
-
-class Handle(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a reader needs to join a queue (plain data; travels without pickle)."""
-
-    name: str
-    n_reader: int
-    local_reader_ranks: list[int]
-    writer_rank: int
-    writer_pid: int
-    writer_host: str
-    max_chunk_bytes: int
-    max_chunks: int
-    buffer_name: str | None
-    local_address: str | None
-    remote_address: str | None
-    key: bytes
-    window: int
-    allow_pickle: bool
-
-    # vLLM 0.33's field names, read from ours.
-    @property
-    def buffer_handle(self) -> tuple[int, int, int, str] | None:
-        """(local readers, chunk bytes, chunks, ring name), or None without local readers."""
-        if self.buffer_name is None:
-            return None
-        return (
-            len(self.local_reader_ranks),
-            self.max_chunk_bytes,
-            self.max_chunks,
-            self.buffer_name,
-        )
-
-    @property
-    def local_subscribe_addr(self) -> str | None:
-        return self.local_address
-
-    @property
-    def remote_subscribe_addr(self) -> str | None:
-        return self.remote_address
-
-    @property
-    def remote_addr_ipv6(self) -> bool:
-        return self.remote_address is not None and "[" in self.remote_address
-
-    @property
-    def local_notify_addr(self) -> str | None:
-        """None: local readers are woken through the ring, not a notify socket."""
-        return None
-
-    @property
-    def tensor_arena_handle(self) -> None:
-        """None: there is no separate tensor arena (see ``enable_shm_tensor_arena``)."""
-        return None
-
-
-def _default_ip() -> str:
-    """This host's outward interface address (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
-
-
-def _ipc_path(ring_name: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"{_IPC_PREFIX}{ring_name}.sock")
-
-
-def _remove_ipc_file(address: str | None) -> None:
-    if address and address.startswith("ipc://"):
-        try:
-            os.unlink(address[len("ipc://") :])
-        except FileNotFoundError:
-            return
-
-
-def cleanup_stale_ipc_files() -> list[str]:
-    """Remove handshake socket files whose creating process is gone (named after its ring)."""
-    removed = []
-    folder = tempfile.gettempdir()
-    for entry in os.listdir(folder):
-        match = _IPC_RE.match(entry)
-        if match and not process_alive(int(match.group(1))):
-            try:
-                os.unlink(os.path.join(folder, entry))
-            except FileNotFoundError:
-                continue
-            removed.append(entry)
-    return removed
 
 
 def _close_zmq(ctx: zmq.Context, owned: list[Any]) -> None:
@@ -222,6 +101,15 @@ def _check_int(name: str, value: Any, low: int) -> int:
 
 class MessageQueue:
     """Single-writer multi-reader broadcast queue (vLLM-compatible API)."""
+
+    # What an end may hold (set up empty by _set_up, filled by the constructors).
+    _ring: ShmRingBuffer | None
+    _cursor: RingCursor | None  # this end's place in the ring
+    _local_sock: zmq.Socket | None
+    _local_address: str | None
+    _tcp_writer: TcpWriter | None
+    _tcp_reader: TcpReader | None
+    _handle: Handle | None  # the handle a reader joined with
 
     def __init__(
         self,
@@ -269,54 +157,35 @@ class MessageQueue:
         )
         if connect_ip in ("*", "0.0.0.0", "::"):
             raise GroupcoordValueError(f"connect_ip must name one interface, got {connect_ip!r}")
-        self.name = name or f"mq{secrets.token_hex(3)}"
-        self.what = f"MessageQueue {self.name}"
-        self.n_reader = n_reader
-        self.n_local_reader = n_local_reader
-        self.local_reader_ranks = list(local_reader_ranks)
-        self.max_chunk_bytes = max_chunk_bytes
-        self.max_chunks = max_chunks
-        self.allow_pickle = allow_pickle
-        self.writer_rank = writer_rank
-        self.role = "writer"
-        self.rank = writer_rank
-        self._codec = Codec(allow_pickle=allow_pickle)
-        self._closed = False
-        self._released = False
-        self._busy = False
-        self._notice: str | None = None  # the operation of an unbounded wait, for its log
-        self._key = secrets.token_bytes(32)
-        self._window = max(16, max_chunks)
-        self._ctx = zmq.Context()
-        self._teardown = threading.RLock()
-        self._zmq_owned: list[Any] = []  # closed by _close_zmq if the queue is collected open
-        self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._zmq_owned)
-        self._zmq_finalizer.atexit = False  # the exit hook shuts open queues down first
-        self._ring: ShmRingBuffer | None = None
-        self._local_sock: zmq.Socket | None = None
-        self._local_address: str | None = None
-        self._tcp_writer: TcpWriter | None = None
-        self._tcp_reader: TcpReader | None = None
-        self._idx = 0
-        self._local_index = -1
-        self._handle: Handle | None = None
-        self._owner_pid = os.getpid()
-        _live_queues.add(self)
+        self._set_up(
+            name or f"mq{secrets.token_hex(3)}",
+            n_reader,
+            local_reader_ranks,
+            max_chunk_bytes,
+            max_chunks,
+            allow_pickle,
+            writer_rank,
+            role="writer",
+            rank=writer_rank,
+            key=secrets.token_bytes(32),
+            window=max(16, max_chunks),
+        )
         try:
             if n_local_reader:
                 self._ring = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)
+                self._cursor = RingCursor(self._ring, self._codec, self.what)
                 self._local_sock = self._ctx.socket(zmq.XPUB)
                 self._zmq_owned.append(self._local_sock)
                 self._local_sock.setsockopt(zmq.XPUB_VERBOSE, 1)
                 self._local_sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the ring instead
                 self._local_sock.setsockopt(zmq.LINGER, 2000)
                 cleanup_stale_ipc_files()
-                self._local_address = f"ipc://{_ipc_path(self._ring.name)}"
+                self._local_address = f"ipc://{ipc_path(self._ring.name)}"
                 self._local_sock.bind(self._local_address)
             if n_reader > n_local_reader:
                 self._tcp_writer = TcpWriter(
                     self._ctx,
-                    connect_ip or _default_ip(),
+                    connect_ip or default_ip(),
                     self._key,
                     n_reader - n_local_reader,
                     self._window,
@@ -327,7 +196,56 @@ class MessageQueue:
         except BaseException:
             self._abandon()
             raise
-        self._capacity = max_chunk_bytes - _MSG_OFFSET
+
+    def _set_up(
+        self,
+        name: str,
+        n_reader: int,
+        local_reader_ranks: list[int],
+        max_chunk_bytes: int,
+        max_chunks: int,
+        allow_pickle: bool,
+        writer_rank: int,
+        *,
+        role: str,
+        rank: int,
+        key: bytes,
+        window: int,
+    ) -> None:
+        """The state both ends start from (the writer's constructor, a reader's join)."""
+        self.name = name
+        self.what = f"MessageQueue {name}"
+        self.n_reader = n_reader
+        self.n_local_reader = len(local_reader_ranks)
+        self.local_reader_ranks = list(local_reader_ranks)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunks = max_chunks
+        self.allow_pickle = allow_pickle
+        self.writer_rank = writer_rank
+        self.role = role
+        self.rank = rank
+        self._codec = Codec(allow_pickle=allow_pickle)
+        self._closed = False
+        self._released = False
+        self._busy = False
+        self._notice: str | None = None  # the operation of an unbounded wait, for its log
+        self._key = key
+        self._window = window
+        self._ctx = zmq.Context()
+        self._teardown = threading.RLock()
+        self._zmq_owned: list[Any] = []  # closed by _close_zmq if the queue is collected open
+        self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._zmq_owned)
+        self._zmq_finalizer.atexit = False  # the exit hook shuts open queues down first
+        self._ring = None
+        self._cursor = None
+        self._local_sock = None
+        self._local_address = None
+        self._tcp_writer = None
+        self._tcp_reader = None
+        self._local_index = -1
+        self._handle = None
+        self._owner_pid = os.getpid()
+        _live_queues.add(self)
 
     # -- construction -------------------------------------------------------
 
@@ -358,45 +276,29 @@ class MessageQueue:
         if not isinstance(handle, Handle):
             raise GroupcoordValueError(f"handle must be a Handle, got {type(handle).__qualname__}")
         self = MessageQueue.__new__(MessageQueue)
-        self.name = handle.name
-        self.what = f"MessageQueue {handle.name}"
-        self.n_reader = handle.n_reader
-        self.n_local_reader = len(handle.local_reader_ranks)
-        self.local_reader_ranks = list(handle.local_reader_ranks)
-        self.max_chunk_bytes = handle.max_chunk_bytes
-        self.max_chunks = handle.max_chunks
-        self.allow_pickle = handle.allow_pickle
-        self.writer_rank = handle.writer_rank
-        self.rank = rank
-        self._codec = Codec(allow_pickle=handle.allow_pickle)
-        self._closed = False
-        self._released = False
-        self._busy = False
-        self._notice = None
-        self._key = handle.key
-        self._window = handle.window
-        self._ctx = zmq.Context()
-        self._teardown = threading.RLock()
-        self._zmq_owned = []
-        self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._zmq_owned)
-        self._zmq_finalizer.atexit = False  # the exit hook shuts open queues down first
-        self._ring = None
-        self._local_sock = None
+        local = rank in handle.local_reader_ranks
+        self._set_up(
+            handle.name,
+            handle.n_reader,
+            handle.local_reader_ranks,
+            handle.max_chunk_bytes,
+            handle.max_chunks,
+            handle.allow_pickle,
+            handle.writer_rank,
+            role="local reader" if local else "remote reader",
+            rank=rank,
+            key=handle.key,
+            window=handle.window,
+        )
         self._local_address = handle.local_address
-        self._tcp_writer = None
-        self._tcp_reader = None
-        self._idx = 0
         self._handle = handle
-        self._capacity = handle.max_chunk_bytes - _MSG_OFFSET
-        self._owner_pid = os.getpid()
-        _live_queues.add(self)
         try:
-            if rank in handle.local_reader_ranks:
-                self.role = "local reader"
+            if local:
                 self._local_index = handle.local_reader_ranks.index(rank)
                 if handle.buffer_name is None or handle.local_address is None:
                     raise ProtocolError(f"{self.what}: handle has local readers but no ring")
                 self._ring = ShmRingBuffer.attach(handle.buffer_name)
+                self._cursor = RingCursor(self._ring, self._codec, self.what)
                 self._ring.set_reader_pid(self._local_index, os.getpid())
                 self._local_sock = self._ctx.socket(zmq.SUB)
                 self._zmq_owned.append(self._local_sock)
@@ -405,8 +307,6 @@ class MessageQueue:
                 self._local_sock.setsockopt(zmq.SUBSCRIBE, b"")
                 self._local_sock.connect(handle.local_address)
             else:
-                self.role = "remote reader"
-                self._local_index = -1
                 if handle.remote_address is None:
                     raise GroupcoordValueError(
                         f"{self.what}: rank {rank} is not a local reader "
@@ -514,27 +414,15 @@ class MessageQueue:
         self._busy = True
         try:
             body: list[Any] | None = None
-            ring = self._ring
-            if ring is not None and msg.nbytes > self._capacity:
-                if not self._write_span(ring, msg, deadline, timeout_s):
-                    body = frames_as_buffers(msg)
-                    self._write_stream(ring, body, deadline, timeout_s)
-            elif ring is not None:
-                idx = self._idx
-                if not ring.chunk_free(idx):
+            cursor = self._cursor
+            if cursor is not None:
+
+                def wait_free(idx: int) -> None:
                     self._writer_wait_chunk(idx, deadline, timeout_s)
-                buf = ring.begin_write(idx)
-                at = ring.chunk_at[idx]
-                buf[at] = _INLINE
-                if msg.frames:
-                    write_message(msg, buf, at + _MSG_OFFSET)
-                else:
-                    header = msg.header
-                    pos = at + _MSG_OFFSET
-                    MESSAGE_PREFIX.pack_into(buf, pos, len(header), 0)
-                    buf[pos + 8 : pos + 8 + len(header)] = header
-                ring.publish(idx)
-                self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+
+                if not cursor.write(msg, wait_free):
+                    body = frames_as_buffers(msg)
+                    cursor.write_stream(body, wait_free)
             if self._tcp_writer is not None:
                 if body is None:
                     body = frames_as_buffers(msg)
@@ -542,91 +430,7 @@ class MessageQueue:
                     body, msg.nbytes, deadline, timeout_s, self._check_open
                 )
         finally:
-            self._busy = False
-            if self._closed:
-                self._release()
-
-    def _write_span(
-        self, ring: ShmRingBuffer, msg: EncodedMessage, deadline: float, timeout_s: float
-    ) -> bool:
-        """A message larger than a chunk, written across consecutive chunks (their
-        memory is contiguous) so readers decode it in place; False when it is
-        larger than the whole ring."""
-        count = -(-(msg.nbytes + _MSG_OFFSET) // ring.chunk_stride)
-        if count > ring.max_chunks:
-            return False
-        idx = self._idx
-        if idx + count > ring.max_chunks:
-            # Not enough chunks before the ring wraps: pad them, start at chunk 0.
-            for pad in range(idx, ring.max_chunks):
-                if not ring.chunk_free(pad):
-                    self._writer_wait_chunk(pad, deadline, timeout_s)
-                ring.begin_write(pad)[ring.chunk_at[pad]] = _PAD
-                ring.publish(pad)
-            idx = self._idx = 0
-        for j in range(idx, idx + count):
-            if not ring.chunk_free(j):
-                self._writer_wait_chunk(j, deadline, timeout_s)
-        for j in range(idx, idx + count):
-            buf = ring.begin_write(j)
-        at = ring.chunk_at[idx]
-        write_message(msg, buf, at + _MSG_OFFSET)
-        buf[at] = _SPAN
-        _SPAN_COUNT.pack_into(buf, at + 1, count)
-        # The first chunk last: a reader that sees it written finds the rest written.
-        for j in range(idx + 1, idx + count):
-            ring.publish(j)
-        ring.publish(idx)
-        self._idx = (idx + count) % ring.max_chunks
-        return True
-
-    def _write_stream(
-        self, ring: ShmRingBuffer, parts: list[Any], deadline: float, timeout_s: float
-    ) -> None:
-        """A message larger than the ring, streamed through it chunk by chunk. A
-        failure half-way (a timeout, a dead reader) shuts the queue down: the
-        readers could not find the next message's start."""
-        views = [memoryview(p).cast("B") for p in parts]
-        table = struct.pack(f"<I{len(views)}Q", len(views), *(len(v) for v in views))
-        # Each part starts 64-byte aligned in the stream (tensors are built on it).
-        segments = []
-        total = 0
-        for v in [memoryview(table), *views]:
-            pad = -total % 64
-            if pad:
-                segments.append(memoryview(bytes(pad)))
-            segments.append(v)
-            total += pad + len(v)
-        capacity = self._capacity
-        idx = self._idx
-        first = True
-        try:
-            while segments:
-                if not ring.chunk_free(idx):
-                    self._writer_wait_chunk(idx, deadline, timeout_s)
-                buf = ring.begin_write(idx)
-                at = ring.chunk_at[idx]
-                pos = at + _MSG_OFFSET
-                end = pos + capacity
-                if first:
-                    buf[at] = _STREAM
-                    _STREAM_LEN.pack_into(buf, at + 8, total)
-                    first = False
-                while segments and pos < end:
-                    n = min(len(segments[0]), end - pos)
-                    buf[pos : pos + n] = segments[0][:n]
-                    pos += n
-                    segments[0] = segments[0][n:]
-                    if not segments[0]:
-                        segments.pop(0)
-                ring.publish(idx)
-                idx = idx + 1 if idx + 1 < ring.max_chunks else 0
-                self._idx = idx
-        except BaseException:
-            if not first:
-                ring.set_shutdown()
-                self._closed = True
-            raise
+            self._end_call()
 
     @contextlib.contextmanager
     def acquire_write(
@@ -636,25 +440,17 @@ class MessageQueue:
         (``max_chunk_bytes - 64`` bytes), published to the local readers when the
         block ends (not when it raises). Waits for the chunk as ``enqueue`` does.
         Raw bytes reach local readers only: a queue with remote readers refuses."""
-        ring = self._raw_ring("acquire_write", "writer")
+        cursor = self._raw_cursor("acquire_write", "writer")
         timeout_s, deadline = _deadline(timeout)
         self._notice = None if timeout is not None else "acquire_write"
         self._busy = True
         try:
-            idx = self._idx
-            if not ring.chunk_free(idx):
-                self._writer_wait_chunk(idx, deadline, timeout_s, "acquire_write")
-            buf = ring.begin_write(idx)
-            at = ring.chunk_at[idx]
-            buf[at] = _RAW
-            with buf[at + _MSG_OFFSET : at + ring.max_chunk_bytes] as view:
+            with cursor.raw_write(
+                lambda idx: self._writer_wait_chunk(idx, deadline, timeout_s, "acquire_write")
+            ) as view:
                 yield view
-            ring.publish(idx)
-            self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
         finally:
-            self._busy = False
-            if self._closed:
-                self._release()
+            self._end_call()
 
     @contextlib.contextmanager
     def acquire_read(
@@ -662,45 +458,43 @@ class MessageQueue:
     ) -> Iterator[memoryview]:
         """vLLM's raw read: a view of the next chunk's payload, released to the
         writer when the block ends. Waits as ``dequeue`` does (``timeout=None``:
-        as long as the writer lives). A message ``enqueue`` sent over ZeroMQ
-        (larger than a chunk) is refused here and left for ``dequeue``."""
-        ring = self._raw_ring("acquire_read", "local reader")
+        as long as the writer lives). A message larger than a chunk (sent by
+        ``enqueue``) is refused here and left for ``dequeue``."""
+        cursor = self._raw_cursor("acquire_read", "local reader")
         timeout_s, deadline = _deadline(timeout)
         self._notice = None if indefinite or timeout is not None else "acquire_read"
         self._busy = True
         try:
-            me = self._local_index
-            idx = self._next_message_chunk(ring, me, deadline, timeout_s, "acquire_read")
-            at = ring.chunk_at[idx]
-            if ring.buf[at] in (_STREAM, _SPAN):
-                raise ProtocolError(
-                    f"{self.what}: chunk {idx} starts a message larger than a chunk "
-                    "(sent by enqueue): read it with dequeue"
-                )
-            try:
-                with ring.buf[at + _MSG_OFFSET : at + ring.max_chunk_bytes] as view:
-                    yield view
-            finally:
-                ring.release(idx, me)
-                self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+            with cursor.raw_read(
+                self._local_index,
+                lambda idx: self._reader_wait_chunk(idx, deadline, timeout_s, "acquire_read"),
+            ) as view:
+                yield view
         finally:
-            self._busy = False
-            if self._closed:
-                self._release()
+            self._end_call()
 
-    def _raw_ring(self, operation: str, role: str) -> ShmRingBuffer:
+    def _end_call(self) -> None:
+        """After every enqueue/dequeue/acquire: a stream broken half-way closes the
+        queue, and a shutdown from another thread during the call releases it now."""
+        self._busy = False
+        if self._cursor is not None and self._cursor.broken:
+            self._closed = True
+        if self._closed:
+            self._release()
+
+    def _raw_cursor(self, operation: str, role: str) -> RingCursor:
         self._check_open()
         if self.role != role:
             raise GroupcoordValueError(
                 f"{self.what}: {operation} on a {self.role} (rank {self.rank}); "
                 f"it is for the {role}"
             )
-        if self._ring is None or self._tcp_writer is not None:
+        if self._cursor is None or self._tcp_writer is not None:
             raise GroupcoordValueError(
                 f"{self.what}: {operation} moves raw bytes through the shared-memory ring, "
                 "which this queue's remote readers do not map; use enqueue/dequeue"
             )
-        return self._ring
+        return self._cursor
 
     def all_read(self) -> bool:
         """Writer: whether every local reader has read everything sent so far (a
@@ -774,59 +568,13 @@ class MessageQueue:
                 return self._dequeue_remote(deadline, timeout_s)
             raise GroupcoordValueError(f"{self.what}: dequeue on the writer (rank {self.rank})")
         finally:
-            self._busy = False
-            if self._closed:
-                self._release()
+            self._end_call()
 
     def _dequeue_local(self, deadline: float, timeout_s: float) -> Any:
-        ring = self._ring
-        assert ring is not None
-        me = self._local_index
-        idx = self._next_message_chunk(ring, me, deadline, timeout_s, "dequeue")
-        at = ring.chunk_at[idx]
-        buf = ring.buf
-        kind = buf[at]
-        count = 1
-        if kind == _INLINE:
-            pos = at + _MSG_OFFSET
-            header_len, n_frames = MESSAGE_PREFIX.unpack_from(buf, pos)
-            if n_frames == 0:
-                try:
-                    return self._codec.decode_header_only(buf[pos + 8 : pos + 8 + header_len])
-                finally:
-                    ring.release(idx, me)
-                    self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
-        elif kind == _SPAN:
-            count = _SPAN_COUNT.unpack_from(buf, at + 1)[0]
-        elif kind == _STREAM:
-            return self._read_stream(ring, me, deadline, timeout_s)
-        try:
-            if kind == _INLINE or kind == _SPAN:
-                return read_message(self._codec, ring.buf, at + _MSG_OFFSET)
-            if kind == _RAW:
-                raise ProtocolError(
-                    f"{self.what}: chunk {idx} holds raw bytes written with acquire_write: "
-                    "read them with acquire_read"
-                )
-            raise ProtocolError(f"{self.what}: chunk {idx} has unknown kind {kind}")
-        finally:
-            # Released even when decoding failed, so the queue stays usable.
-            for j in range(idx, idx + count):
-                ring.release(j, me)
-            self._idx = (idx + count) % ring.max_chunks
-
-    def _next_message_chunk(
-        self, ring: ShmRingBuffer, me: int, deadline: float, timeout_s: float, operation: str
-    ) -> int:
-        """Wait for the next chunk that starts a message, releasing pad chunks."""
-        while True:
-            idx = self._idx
-            if not ring.ready(idx, me):
-                self._reader_wait_chunk(idx, deadline, timeout_s, operation)
-            if ring.buf[ring.chunk_at[idx]] != _PAD:
-                return idx
-            ring.release(idx, me)
-            self._idx = idx + 1 if idx + 1 < ring.max_chunks else 0
+        assert self._cursor is not None
+        return self._cursor.read(
+            self._local_index, lambda idx: self._reader_wait_chunk(idx, deadline, timeout_s)
+        )
 
     def _reader_wait_chunk(
         self, idx: int, deadline: float, timeout_s: float, operation: str = "dequeue"
@@ -850,43 +598,6 @@ class MessageQueue:
             ),
             sleep=lambda at_most_s: ring.reader_sleep(idx, me, at_most_s),
         )
-
-    def _read_stream(self, ring: ShmRingBuffer, me: int, deadline: float, timeout_s: float) -> Any:
-        """Copy a streamed message out chunk by chunk (releasing each), then decode it.
-        A failure half-way closes this reader: the next message's start is lost."""
-        import torch  # the buffer comes from torch's allocator: no fresh-page faults
-
-        idx = self._idx
-        total = _STREAM_LEN.unpack_from(ring.buf, ring.chunk_at[idx] + 8)[0]
-        view = torch.empty(total, dtype=torch.uint8).numpy().data
-        got = 0
-        capacity = self._capacity
-        try:
-            while got < total:
-                if not ring.ready(idx, me):
-                    self._reader_wait_chunk(idx, deadline, timeout_s)
-                n = min(capacity, total - got)
-                pos = ring.chunk_at[idx] + _MSG_OFFSET
-                view[got : got + n] = ring.buf[pos : pos + n]
-                got += n
-                ring.release(idx, me)
-                idx = idx + 1 if idx + 1 < ring.max_chunks else 0
-                self._idx = idx
-        except BaseException:
-            self._closed = True
-            raise
-        (count,) = struct.unpack_from("<I", view, 0)
-        lens = struct.unpack_from(f"<{count}Q", view, 4)
-        offset = 4 + 8 * count
-        parts = []
-        for n in lens:
-            offset += -offset % 64
-            parts.append(view[offset : offset + n])
-            offset += n
-        if offset != total or not parts:
-            raise ProtocolError(f"{self.what}: a streamed message's parts do not add up")
-        # The buffer is this message's own: tensors are built on it, not copied.
-        return self._codec.decode(parts[0], parts[1:], owned=True)
 
     def _dequeue_remote(self, deadline: float, timeout_s: float) -> Any:
         tcp = self._tcp_reader
@@ -956,7 +667,7 @@ class MessageQueue:
         """The writer cannot unlink its ring any more: do it for it."""
         assert self._ring is not None
         unlink_segment(self._ring.name)
-        _remove_ipc_file(self._local_address)
+        remove_ipc_file(self._local_address)
 
     # -- both --------------------------------------------------------------
 
@@ -1056,7 +767,7 @@ class MessageQueue:
             self._local_sock.close()
             self._local_sock = None
             if self.role == "writer":
-                _remove_ipc_file(self._local_address)
+                remove_ipc_file(self._local_address)
         if self._ring is not None:
             self._ring.close()
             if self.role == "writer":
@@ -1076,7 +787,7 @@ class MessageQueue:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # -- group constructors ---------------------------------------------------
+    # -- group constructors (collective; in mq_groups) -------------------------
 
     @staticmethod
     def create_from_process_group(
@@ -1090,51 +801,19 @@ class MessageQueue:
         allow_pickle: bool = False,
         connect_ip: str | None = None,
     ) -> MessageQueue:
-        """Collective over ``pg``: ``writer_rank`` (in-group) writes, every other rank reads.
-
-        Ranks that share /dev/shm with the writer read the ring; the rest use
-        TCP. With ``external_writer_handle`` every rank joins that queue as a
-        reader instead.
-        """
-        rank, world_size = group_rank_and_size(pg)
-        if not 0 <= writer_rank < world_size:
-            raise GroupcoordValueError(
-                f"writer_rank={writer_rank} is not in a group of {world_size}"
-            )
-        # Errors of the set-up collectives name this call (the queue has no name yet).
-        names = {"what": "MessageQueue", "operation": "create_from_process_group"}
-        same_node = in_the_same_node_as(pg, writer_rank, **names)
-        mq: MessageQueue | None = None
-        data: bytes | None = None
-        if rank == writer_rank:
-            if external_writer_handle is not None:
-                mq = MessageQueue.create_from_handle(external_writer_handle, rank)
-                handle = external_writer_handle
-            else:
-                local = [r for r in range(world_size) if same_node[r] and r != writer_rank]
-                mq = MessageQueue(
-                    world_size - 1,
-                    len(local),
-                    local,
-                    max_chunk_bytes,
-                    max_chunks,
-                    connect_ip,
-                    allow_pickle=allow_pickle,
-                    writer_rank=writer_rank,
-                )
-                handle = mq.export_handle()
-            data = dumps(handle)
-        try:
-            handle = loads(broadcast_bytes(pg, data, writer_rank, **names))
-        except BaseException:
-            if mq is not None:
-                mq.shutdown()  # the writer's ring must not outlive a failed set-up
-            raise
-        if mq is None:
-            mq = MessageQueue.create_from_handle(handle, rank)
-        if blocking:
-            mq.wait_until_ready()
-        return mq
+        """Collective over ``pg``: ``writer_rank`` (in-group) writes, every other rank
+        reads (:func:`.mq_groups.create_from_process_group`)."""
+        return mq_groups.create_from_process_group(
+            MessageQueue,
+            pg,
+            max_chunk_bytes,
+            max_chunks,
+            writer_rank,
+            external_writer_handle,
+            blocking,
+            allow_pickle=allow_pickle,
+            connect_ip=connect_ip,
+        )
 
     @staticmethod
     def create_from_process_group_single_reader(
@@ -1147,42 +826,18 @@ class MessageQueue:
         allow_pickle: bool = False,
         connect_ip: str | None = None,
     ) -> tuple[MessageQueue, list[Handle]]:
-        """Collective: every rank writes its own one-reader queue read by ``reader_rank``.
-
-        Returns ``(my queue, handles)``; ``handles`` (one per rank, in group
-        order) is filled only on ``reader_rank``, which joins each with
-        ``MessageQueue.create_from_handle(handle, reader_rank)``. Then every
-        writer calls ``wait_until_ready()`` and the reader does so on each
-        joined queue. Keep ``blocking=False`` (the default) unless the reader
-        joins from another thread: a writer waiting here waits for a reader
-        that can only join after this call returns (bounded by the timeout).
-        """
-        rank, world_size = group_rank_and_size(pg)
-        if not 0 <= reader_rank < world_size:
-            raise GroupcoordValueError(
-                f"reader_rank={reader_rank} is not in a group of {world_size}"
-            )
-        names = {"what": "MessageQueue", "operation": "create_from_process_group_single_reader"}
-        same_node = in_the_same_node_as(pg, reader_rank, **names)
-        mq = MessageQueue(
-            1,
-            1 if same_node[rank] else 0,
-            [reader_rank] if same_node[rank] else [],
+        """Collective: every rank writes its own queue that ``reader_rank`` reads
+        (:func:`.mq_groups.create_from_process_group_single_reader`)."""
+        return mq_groups.create_from_process_group_single_reader(
+            MessageQueue,
+            pg,
             max_chunk_bytes,
             max_chunks,
-            connect_ip,
+            reader_rank,
+            blocking,
             allow_pickle=allow_pickle,
-            writer_rank=rank,
+            connect_ip=connect_ip,
         )
-        try:
-            gathered = all_gather_bytes(pg, dumps(mq.export_handle()), **names)
-            handles = [loads(g) for g in gathered] if rank == reader_rank else []
-            if blocking:
-                mq.wait_until_ready()
-        except BaseException:
-            mq.shutdown()
-            raise
-        return mq, handles
 
 
 def _deadline(timeout: float | datetime.timedelta | None) -> tuple[float, float]:

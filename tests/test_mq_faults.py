@@ -335,3 +335,39 @@ def test_queues_collected_without_shutdown_do_not_hang_the_collector():
         env={**os.environ, "PYTHONPATH": root},
     )
     assert done.returncode == 0 and "collected" in done.stdout, done.stderr
+
+
+def test_handshake_socket_files_of_dead_writers_are_swept():
+    import subprocess
+    import sys
+
+    from shm_broadcast.liveness import pid_namespace
+    from shm_broadcast.mq_handle import cleanup_stale_ipc_files, ipc_path
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead_pid = int(gone.stdout)
+    ns = pid_namespace()
+    names = {
+        "dead": f"groupcoord_{dead_pid}_ring_0badc0ffee00n{ns}",
+        "alive": f"groupcoord_{os.getpid()}_ring_0badc0ffee01n{ns}",
+        "other_namespace": f"groupcoord_{dead_pid}_ring_0badc0ffee02n{ns + 1}",
+    }
+    paths = {k: ipc_path(v) for k, v in names.items()}
+    assert all(os.path.dirname(p) == tempfile.gettempdir() for p in paths.values())
+    try:
+        for p in paths.values():
+            open(p, "w").close()
+        removed = cleanup_stale_ipc_files()
+        assert os.path.basename(paths["dead"]) in removed
+        assert not os.path.exists(paths["dead"])
+        assert os.path.exists(paths["alive"])  # its writer (this process) lives
+        assert os.path.exists(paths["other_namespace"])  # cannot be judged from here
+    finally:
+        for p in paths.values():
+            if os.path.exists(p):
+                os.unlink(p)

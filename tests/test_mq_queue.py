@@ -563,14 +563,15 @@ def _spanning_rank(rank, world_size, count):
     mq = make_queue(rank, world_size, 2, max_chunk_bytes=1 << 12, max_chunks=4)
     result = 0
     if rank == 0:
-        stream = mq._write_stream
+        cursor = mq._cursor  # the writer's place in the ring
+        stream = cursor.write_stream
         streamed = []
 
         def counting(*args):
             streamed.append(1)
             return stream(*args)
 
-        mq._write_stream = counting
+        cursor.write_stream = counting
         for i in range(count):
             mq.enqueue(_span_message(i), timeout=60)
         result = len(streamed)
