@@ -78,12 +78,7 @@ class RingCursor:
         larger than the whole ring: then :meth:`write_stream` it."""
         if msg.nbytes > self.capacity:
             return self._write_span(msg, wait_free)
-        ring = self.ring
-        idx = self.idx
-        self._free(idx, wait_free)
-        buf = ring.begin_write(idx)
-        at = ring.chunk_at[idx]
-        buf[at] = INLINE
+        buf, at, idx = self._begin(INLINE, wait_free)
         if msg.frames:
             write_message(msg, buf, at + MSG_OFFSET)
         else:
@@ -91,9 +86,19 @@ class RingCursor:
             pos = at + MSG_OFFSET
             MESSAGE_PREFIX.pack_into(buf, pos, len(header), 0)
             buf[pos + 8 : pos + 8 + len(header)] = header
-        ring.publish(idx)
+        self.ring.publish(idx)
         self._advance()
         return True
+
+    def _begin(self, kind: int, wait_free: WaitFor) -> tuple[memoryview, int, int]:
+        """Open the next chunk for writing, once free, marked ``kind``: (the ring's
+        buffer, the chunk's offset in it, its index)."""
+        idx = self.idx
+        self._free(idx, wait_free)
+        buf = self.ring.begin_write(idx)
+        at = self.ring.chunk_at[idx]
+        buf[at] = kind
+        return buf, at, idx
 
     def _write_span(self, msg: EncodedMessage, wait_free: WaitFor) -> bool:
         ring = self.ring
@@ -169,15 +174,10 @@ class RingCursor:
     def raw_write(self, wait_free: WaitFor) -> Iterator[memoryview]:
         """A writable view of the next chunk's payload, published when the block ends
         (not when it raises)."""
-        ring = self.ring
-        idx = self.idx
-        self._free(idx, wait_free)
-        buf = ring.begin_write(idx)
-        at = ring.chunk_at[idx]
-        buf[at] = RAW
-        with buf[at + MSG_OFFSET : at + ring.max_chunk_bytes] as view:
+        buf, at, idx = self._begin(RAW, wait_free)
+        with buf[at + MSG_OFFSET : at + self.ring.max_chunk_bytes] as view:
             yield view
-        ring.publish(idx)
+        self.ring.publish(idx)
         self._advance()
 
     # ---- reader ----------------------------------------------------------------
