@@ -289,3 +289,53 @@ def test_decoded_arrays_and_tensors_are_writable_and_own_their_memory():
     arr[0, 0] = 42.0
     ten[0, 0] = 42
     assert arr[0, 0] == 42.0 and ten[0, 0].item() == 42
+
+
+def test_tensors_in_every_container_keep_their_own_frames():
+    # The walk leaves tensors to the encoder's callback, which numbers frames in
+    # the order msgpack meets them: nested in tuples, sets' neighbours, pairs, Structs.
+    ts = [torch.full((i + 1,), float(i)) for i in range(7)]
+    obj = {
+        "t": (ts[0], [ts[1], (ts[2],)]),
+        (1, "k"): ts[3],
+        "s": Point(1, 2.0, (ts[4],)),
+        "m": Meta(name="m", tensor=ts[5], inner=Point(2, 3.0, (ts[6], 2**70))),
+        "set": {1, 2},
+    }
+    _same(loads(dumps(obj)), obj)
+
+
+def test_tensor_subclasses_and_autograd_tensors_travel_as_plain_tensors():
+    param = torch.nn.Parameter(torch.arange(4.0))
+    grad = torch.arange(3.0, requires_grad=True) * 2
+    back = loads(dumps([param, grad, param]))
+    assert [type(t) for t in back] == [torch.Tensor] * 3
+    assert back[0].tolist() == [0.0, 1.0, 2.0, 3.0] and back[1].tolist() == [0.0, 2.0, 4.0]
+    assert not any(t.requires_grad for t in back)
+
+
+def test_conjugate_and_negative_views_are_resolved_before_sending():
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    conj, imag_of_conj = z.conj(), z.conj().imag
+    assert conj.is_conj() and imag_of_conj.is_neg()
+    back = loads(dumps([conj, imag_of_conj]))
+    assert back[0].tolist() == [1 - 2j, 3 + 4j] and back[1].tolist() == [-2.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.ones(2, 2).to_sparse(), "layout"),
+        (lambda: np.array([object()], dtype=object), "object"),
+    ],
+    ids=["quantized", "sparse", "numpy-object"],
+)
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_tensors_that_are_not_plain_bytes_are_refused(bad, words):
+    bad = bad()
+    codec = Codec()
+    for _ in range(2):  # the class is remembered; the refusal is not
+        with pytest.raises(GroupcoordTypeError, match=words):
+            codec.encode({"x": [bad]})
+    assert loads(dumps([torch.ones(1)]))[0].item() == 1.0

@@ -1,0 +1,186 @@
+"""The wire layout of one encoded message: a msgpack header plus raw frames.
+
+Layout (``write_message`` / ``read_message``; ``message_bytes`` makes the same
+layout as one ``bytes``)::
+
+    u32 header_len | u32 n_frames | u64 frame_len * n_frames | header | pad | frame0 | pad | frame1 ...
+
+Frames start at multiples of :data:`FRAME_ALIGN` from the message start, so a
+frame in a page-aligned chunk is aligned for every dtype. A frame is copied
+straight from the tensor's memory into the destination (a shared-memory
+chunk, say), with no intermediate buffer.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .errors import ProtocolError
+
+__all__ = [
+    "FRAME_ALIGN",
+    "MESSAGE_PREFIX",
+    "EncodedMessage",
+    "frames_as_buffers",
+    "message_bytes",
+    "read_message",
+    "write_message",
+]
+
+FRAME_ALIGN = 64
+
+# Ext type codes (msgpack allows 0..127 for applications).
+EXT_TUPLE = 1
+EXT_STRUCT = 2
+EXT_TENSOR = 3
+EXT_NDARRAY = 4
+EXT_NPSCALAR = 5
+EXT_BIGINT = 6
+EXT_PAIRS = 7  # a dict whose keys msgpack maps cannot hold directly (tuples ...)
+EXT_BYTES_FRAME = 8
+EXT_TORCH_DTYPE = 9
+EXT_TORCH_DEVICE = 10
+EXT_TORCH_SIZE = 11
+EXT_PICKLE = 12
+EXT_DATACLASS = 13
+EXT_ENUM = 14
+EXT_SET = 15
+EXT_FROZENSET = 16
+EXT_NAMEDTUPLE = 17
+
+_PREFIX = struct.Struct("<II")
+MESSAGE_PREFIX = _PREFIX  # u32 header_len, u32 n_frames: starts every written message
+_FRAME_LEN = struct.Struct("<Q")
+
+
+def _align(n: int) -> int:
+    return (n + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+
+
+class EncodedMessage:
+    """Header plus frames of one encoded object; ``nbytes`` is its wire size."""
+
+    __slots__ = ("header", "frames", "frame_lens", "nbytes", "keepalive")
+
+    def __init__(
+        self, header: bytes, frames: list[Any], frame_lens: list[int], keepalive: list[Any]
+    ) -> None:
+        self.header = header
+        # The tensors whose memory the frames point into, kept alive with them.
+        self.keepalive = keepalive
+        # Each frame is a contiguous uint8 memoryview, or a (non-contiguous)
+        # tensor / ndarray that write_message copies strided into place.
+        self.frames = frames
+        self.frame_lens = frame_lens
+        size = _PREFIX.size + _FRAME_LEN.size * len(frames) + len(header)
+        for n in frame_lens:
+            size = _align(size) + n
+        self.nbytes = size
+
+
+def write_message(msg: EncodedMessage, dest: memoryview, offset: int = 0) -> int:
+    """Write ``msg`` at ``dest[offset:]`` (room for ``msg.nbytes`` needed); return bytes written."""
+    frames = msg.frames
+    header = msg.header
+    lens = msg.frame_lens
+    _PREFIX.pack_into(dest, offset, len(header), len(frames))
+    pos = offset + _PREFIX.size
+    if lens:
+        struct.pack_into(f"<{len(lens)}Q", dest, pos, *lens)
+        pos += _FRAME_LEN.size * len(lens)
+    end = pos + len(header)
+    dest[pos:end] = header
+    for frame, n in zip(frames, lens):
+        start = offset + _align(end - offset)
+        end = start + n
+        if n == 0:
+            continue
+        if type(frame) is memoryview:
+            dest[start:end] = frame
+        else:
+            _copy_strided(frame, dest[start:end])
+    return end - offset
+
+
+def _copy_strided(src: Any, dest: memoryview) -> None:
+    """Copy a non-contiguous tensor/array straight into ``dest`` (no temporary)."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(src, np.ndarray):
+        np.ndarray(src.shape, dtype=src.dtype, buffer=dest)[...] = src
+        return
+    import torch
+
+    target = torch.frombuffer(dest, dtype=torch.uint8).view(src.dtype).view(src.shape)
+    target.copy_(src)
+
+
+class HeaderDecoder(Protocol):
+    """What :func:`read_message` decodes with (a ``Codec``)."""
+
+    def decode(self, header: memoryview, frames: Sequence[memoryview] = ()) -> Any: ...
+
+
+def read_message(codec: HeaderDecoder, src: memoryview, offset: int = 0) -> Any:
+    """Decode a message written by :func:`write_message` at ``src[offset:]``."""
+    try:
+        header_len, n_frames = _PREFIX.unpack_from(src, offset)
+        pos = offset + _PREFIX.size
+        if pos + _FRAME_LEN.size * n_frames > len(src):
+            raise ProtocolError(f"message of {n_frames} frames runs past the buffer")
+        lens = struct.unpack_from(f"<{n_frames}Q", src, pos) if n_frames else ()
+    except struct.error as exc:
+        raise ProtocolError(f"truncated message prefix: {exc}") from exc
+    pos += _FRAME_LEN.size * n_frames
+    end = pos + header_len
+    if end > len(src):
+        raise ProtocolError(f"message header runs past the buffer ({end} > {len(src)})")
+    header = src[pos:end]
+    frames = []
+    for n in lens:
+        start = offset + _align(end - offset)
+        end = start + n
+        if end > len(src):
+            raise ProtocolError(f"message frame runs past the buffer ({end} > {len(src)})")
+        frames.append(src[start:end])
+    try:
+        return codec.decode(header, frames)
+    finally:
+        header.release()
+        for f in frames:
+            f.release()
+
+
+def frames_as_buffers(msg: EncodedMessage) -> list[Any]:
+    """``[header, frame0, ...]`` as contiguous buffers, for transports that keep frame
+    boundaries themselves (ZeroMQ multipart); decode with ``codec.decode(parts[0], parts[1:])``."""
+    return [msg.header] + [
+        f if isinstance(f, (memoryview, bytes)) else _contiguous_bytes(f) for f in msg.frames
+    ]
+
+
+def message_bytes(msg: EncodedMessage) -> bytes:
+    """An encoded message as one ``bytes``, the form ``codec.loads`` reads."""
+    if not msg.frames:
+        return _PREFIX.pack(len(msg.header), 0) + msg.header
+    parts: list[Any] = [_PREFIX.pack(len(msg.header), len(msg.frames))]
+    parts.extend(_FRAME_LEN.pack(n) for n in msg.frame_lens)
+    parts.append(msg.header)
+    pos = _PREFIX.size + _FRAME_LEN.size * len(msg.frames) + len(msg.header)
+    for frame, n in zip(msg.frames, msg.frame_lens):
+        parts.append(bytes(_align(pos) - pos))
+        parts.append(frame if isinstance(frame, (memoryview, bytes)) else _contiguous_bytes(frame))
+        pos = _align(pos) + n
+    # One copy of each frame, into the joined result.
+    return b"".join(parts)
+
+
+def _contiguous_bytes(src: Any) -> memoryview:
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(src, np.ndarray):
+        return np.ascontiguousarray(src).reshape(-1).view(np.uint8).data
+    import torch
+
+    return memoryview(src.contiguous().reshape(-1).view(torch.uint8).numpy())

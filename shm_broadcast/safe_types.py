@@ -1,0 +1,95 @@
+"""Which classes a message may name, and how the codec finds them again.
+
+A receiver rebuilds a dataclass, enum or NamedTuple only when its process
+declared the class with :func:`add_safe_types` (named after
+``torch.serialization.add_safe_globals``); a msgspec Struct only when its
+class is already imported. Nothing here ever imports a module a message names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from .errors import GroupcoordTypeError, ProtocolError, UndeclaredTypeError
+
+__all__ = ["add_safe_types"]
+
+# Classes a receiver may rebuild from a message, keyed by module:qualname.
+_SAFE_TYPES: dict[str, type] = {}
+_SAFE_LOCK = threading.Lock()
+
+
+def type_key(cls: type) -> str:
+    """A class's name on the wire."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def is_namedtuple(cls: type) -> bool:
+    return issubclass(cls, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make")
+
+
+def init_fields(cls: type) -> tuple[str, ...]:
+    """The names a dataclass's constructor takes, in order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+def add_safe_types(types: Sequence[type]) -> None:
+    """Declare classes this process may rebuild when it decodes a message: dataclasses
+    (frozen, slots, nested, with defaults), ``enum.Enum``/``IntEnum``/``Flag`` and
+    ``typing.NamedTuple`` classes (named after ``torch.serialization.add_safe_globals``).
+
+    Decoding calls nothing but a declared class's constructor (or, for an enum, its
+    value lookup) and never imports a module. Sending needs no declaration; an
+    undeclared class in a received message raises ``GroupcoordTypeError`` naming it.
+    msgspec Structs, sets and frozensets need none.
+    """
+    checked = []
+    for cls in types:
+        if not isinstance(cls, type) or not (
+            dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum) or is_namedtuple(cls)
+        ):
+            raise GroupcoordTypeError(
+                f"add_safe_types: {cls!r} is not a dataclass, enum or NamedTuple class"
+            )
+        checked.append(cls)
+    with _SAFE_LOCK:
+        for cls in checked:
+            _SAFE_TYPES[type_key(cls)] = cls
+
+
+def safe_type(key: str, kind: str) -> Any:
+    """The declared class a message names by ``key``; raises naming it and the fix."""
+    cls = _SAFE_TYPES.get(key)
+    if cls is None:
+        module, _, qualname = key.partition(":")
+        raise UndeclaredTypeError(
+            f"the message holds {kind} {module}.{qualname}, which this process has not "
+            f"declared safe to rebuild: call shm_broadcast.add_safe_types([{qualname}]) "
+            "on the receiving side first"
+        )
+    return cls
+
+
+def imported_struct(module: str, qualname: str, values: list[Any]) -> Any:
+    """Rebuild a msgspec Struct whose class this process has already imported."""
+    mod = sys.modules.get(module)
+    cls: Any = mod
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        raise ProtocolError(
+            f"message holds msgspec Struct {module}.{qualname}, which is not imported here"
+        )
+    fields = cls.__struct_fields__
+    if len(fields) != len(values):
+        raise ProtocolError(
+            f"Struct {module}.{qualname}: {len(values)} values for {len(fields)} fields"
+        )
+    return cls(**dict(zip(fields, values)))
