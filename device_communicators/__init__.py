@@ -6,14 +6,12 @@ The CUDA classes import without a GPU or CuPy (CuPy and NCCL load on first use).
 from __future__ import annotations
 
 from .all2all import (
-    All2AllManagerBase,
     AllGatherReduceScatterAll2AllManager,
-    HasMoEBufferSpec,
-    MoEBufferSpec,
     NaiveAll2AllManager,
     create_all2all_manager,
     known_all2all_backends,
 )
+from .all2all_base import All2AllManagerBase, HasMoEBufferSpec, MoEBufferSpec
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .base_device_communicator import DeviceCommunicatorBase
 from .cpu_communicator import CpuCommunicator

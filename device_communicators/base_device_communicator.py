@@ -26,7 +26,8 @@ from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.gloo_errors import gloo_errors
 
 from . import checks
-from .all2all import All2AllManagerBase, Cache, create_all2all_manager, register_communicator
+from .all2all import create_all2all_manager
+from .all2all_base import All2AllManagerBase, Cache, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 

@@ -48,7 +48,8 @@ from .mq_handle import Handle, cleanup_stale_ipc_files, default_ip, ipc_path, re
 from .ring import READER_DETACHED, ShmRingBuffer, pid_namespace, process_alive
 from .ring_messages import RingCursor
 from .segments import unlink_segment
-from .tcp_channel import KIND_READY, TcpReader, TcpWriter
+from .tcp_channel import TcpReader, TcpWriter
+from .tcp_frames import KIND_READY
 from .waiting import wait_until
 
 __all__ = ["Handle", "MessageQueue", "cleanup_stale_ipc_files"]

@@ -28,11 +28,7 @@ taken as dead.
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import logging
-import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,66 +38,27 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .config import get_config
 from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError, ProtocolError
+from .tcp_frames import (
+    KIND_ACK,
+    KIND_BEAT,
+    KIND_HELLO,
+    KIND_MESSAGE,
+    KIND_READY,
+    KIND_SHUTDOWN,
+    RANK,
+    HeartbeatThread,
+    pack_frames,
+    unpack_frames,
+)
 
-__all__ = ["TcpReader", "TcpWriter", "frame_mac", "pack_frames", "unpack_frames"]
+__all__ = ["TcpReader", "TcpWriter"]
 
 logger = logging.getLogger("groupcoord.shm_broadcast")
 
-KIND_MESSAGE = b"M"
-KIND_HELLO = b"H"
-KIND_READY = b"R"
-KIND_ACK = b"A"
-KIND_SHUTDOWN = b"S"
-KIND_BEAT = b"B"
-_SEQ = struct.Struct("<Q")
-_RANK = struct.Struct("<QQ")  # rank, pid
-MAC_BYTES = 16
 # How long one poll may block inside a wait loop, ms: bounds how late a
 # deadline or a shutdown is noticed.
 _POLL_MS = 50
 _ZERO_COPY_MIN = 64 * 1024
-
-
-def frame_mac(key: bytes, kind: bytes, seq: bytes, body: Sequence[Any]) -> bytes:
-    """MAC over kind, sequence number and each body frame (length-prefixed)."""
-    mac = hmac.new(key, kind, hashlib.sha256)
-    mac.update(seq)
-    for part in body:
-        view = memoryview(part)
-        mac.update(_SEQ.pack(view.nbytes))
-        mac.update(view)
-    return mac.digest()[:MAC_BYTES]
-
-
-_ENVELOPE = 1 + _SEQ.size + MAC_BYTES
-
-
-def pack_frames(key: bytes, kind: bytes, seq: int, body: Sequence[Any]) -> list[Any]:
-    """Wire frames of one message: ``kind|seq|mac|body[0]`` in one frame, then ``body[1:]``.
-
-    Few frames matter: each ZeroMQ frame costs microseconds in Python.
-    """
-    seq_bytes = _SEQ.pack(seq)
-    mac = frame_mac(key, kind, seq_bytes, body)
-    first = body[0] if body else b""
-    return [b"".join((kind, seq_bytes, mac, first)), *body[1:]]
-
-
-def unpack_frames(key: bytes, parts: Sequence[Any]) -> tuple[bytes, int, list[memoryview]] | None:
-    """``(kind, seq, body)`` of verified frames, or None when the MAC (or shape) is wrong."""
-    if not parts:
-        return None
-    envelope = memoryview(parts[0])
-    if envelope.nbytes < _ENVELOPE:
-        return None
-    kind = bytes(envelope[:1])
-    seq_bytes = bytes(envelope[1 : 1 + _SEQ.size])
-    body = [envelope[_ENVELOPE:], *(memoryview(p) for p in parts[1:])]
-    if not hmac.compare_digest(
-        frame_mac(key, kind, seq_bytes, body), envelope[1 + _SEQ.size : _ENVELOPE]
-    ):
-        return None
-    return kind, _SEQ.unpack(seq_bytes)[0], body
 
 
 def _tcp_options(sock: zmq.Socket) -> None:
@@ -194,10 +151,10 @@ class TcpWriter:
                 self.bad.drop("MAC mismatch or malformed")
                 continue
             kind, n, (body,) = verified[0], verified[1], verified[2][:1]
-            if len(verified[2]) != 1 or body.nbytes != _RANK.size:
+            if len(verified[2]) != 1 or body.nbytes != RANK.size:
                 self.bad.drop("bad body size")
                 continue
-            rank, _pid = _RANK.unpack(body)
+            rank, _pid = RANK.unpack(body)
             if kind == KIND_BEAT:
                 self.last_beat[rank] = time.monotonic()
             elif kind == KIND_HELLO:
@@ -390,12 +347,12 @@ class TcpReader:
         self.consumed_count = 0
         self.acked = 0
         self.bad = _BadFrames(what)
-        self._body = _RANK.pack(rank, 0)
+        self._body = RANK.pack(rank, 0)
         self._send(KIND_HELLO, 0, [self._body])
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self.monitor, zmq.POLLIN)
-        self._beat = _HeartbeatThread(ctx, address, key, self._body, what)
+        self._beat = HeartbeatThread(ctx, address, key, self._body, what)
         self._beat.start()
 
     @property
@@ -500,40 +457,3 @@ class TcpReader:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
-
-
-class _HeartbeatThread(threading.Thread):
-    """Sends this reader's MAC'd heartbeat to the writer on its own socket."""
-
-    def __init__(self, ctx: zmq.Context, address: str, key: bytes, body: bytes, what: str):
-        super().__init__(name=f"groupcoord-heartbeat {what}", daemon=True)
-        self._ctx = ctx
-        self._address = address
-        self._key = key
-        self._body = body
-        self._stop_event = threading.Event()
-        self._interval = get_config().peer_check_interval_s
-
-    def run(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)  # used by this thread only
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 4)  # a stale beat is worthless: drop, never queue
-        sock.connect(self._address)
-        seq = 0
-        try:
-            while True:
-                seq += 1
-                try:
-                    sock.send_multipart(
-                        pack_frames(self._key, KIND_BEAT, seq, [self._body]), zmq.NOBLOCK
-                    )
-                except zmq.Again:
-                    pass  # writer not reachable right now; the next beat retries
-                if self._stop_event.wait(self._interval):
-                    return
-        finally:
-            sock.close(linger=0)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=5)

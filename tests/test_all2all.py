@@ -170,7 +170,8 @@ def test_bad_calls_raise_and_leave_manager_usable(backend):
 
 
 def _prepared_rank(rank: int, world_size: int):
-    from device_communicators.all2all import MoEBufferSpec, create_all2all_manager
+    from device_communicators.all2all import create_all2all_manager
+    from device_communicators.all2all_base import MoEBufferSpec
 
     class TinyMoE(torch.nn.Module):
         def moe_buffer_spec(self) -> MoEBufferSpec:

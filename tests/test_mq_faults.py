@@ -16,7 +16,7 @@ from shm_broadcast.codec import Codec, frames_as_buffers
 from shm_broadcast.errors import GroupcoordTimeoutError, PeerDiedError
 from shm_broadcast.message_queue import Handle, MessageQueue
 from shm_broadcast.segments import list_segments
-from shm_broadcast.tcp_channel import KIND_MESSAGE, pack_frames
+from shm_broadcast.tcp_frames import KIND_MESSAGE, pack_frames
 
 SHORT_HEARTBEAT = 2.0
 

@@ -35,7 +35,7 @@ def attack_writer(rank: int, world: int, examples: int) -> dict[str, int]:
     from shm_broadcast.codec import dumps, loads
     from shm_broadcast.group_io import broadcast_bytes
     from shm_broadcast.message_queue import MessageQueue
-    from shm_broadcast.tcp_channel import KIND_ACK, pack_frames
+    from shm_broadcast.tcp_frames import KIND_ACK, pack_frames
 
     init_gloo(rank, world)
     pg = dist.group.WORLD
@@ -104,7 +104,7 @@ def attack_writer(rank: int, world: int, examples: int) -> dict[str, int]:
 
 
 def _hostile(rng: random.Random, key: bytes, seq: int, last_valid: list[Any]) -> list[Any]:
-    from shm_broadcast.tcp_channel import KIND_MESSAGE, pack_frames
+    from shm_broadcast.tcp_frames import KIND_MESSAGE, pack_frames
 
     kind = rng.randrange(5)
     if kind == 0:  # malformed: random frames
@@ -126,7 +126,7 @@ def fake_writer_to_reader(rank: int, world: int, n_events: int, seed: int, path:
     from shm_broadcast.codec import Codec, dumps, frames_as_buffers, loads
     from shm_broadcast.group_io import broadcast_bytes
     from shm_broadcast.message_queue import MessageQueue
-    from shm_broadcast.tcp_channel import (
+    from shm_broadcast.tcp_frames import (
         KIND_HELLO,
         KIND_MESSAGE,
         KIND_READY,

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from device_communicators.all2all import MoEBufferSpec
+from device_communicators.all2all_base import MoEBufferSpec
 from device_communicators.errors import GroupcoordValueError
 
 # Relative and absolute tolerance of the float32 check: sharded matmuls and
