@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 import subprocess
 import sys
@@ -339,3 +340,33 @@ def test_tensors_that_are_not_plain_bytes_are_refused(bad, words):
         with pytest.raises(GroupcoordTypeError, match=words):
             codec.encode({"x": [bad]})
     assert loads(dumps([torch.ones(1)]))[0].item() == 1.0
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="this kernel has no transparent huge pages",
+)
+def test_large_decoded_tensors_land_on_memory_advised_for_huge_pages():
+    # A fresh 64 MiB block faulted in 4 KiB pages costs ~3x the copy itself.
+    from shm_broadcast.array_frames import receive_buffer
+
+    big = torch.arange(2 << 20, dtype=torch.float32)  # 8 MiB
+    back = loads(dumps(big))
+    assert torch.equal(back, big)
+    assert "hg" in _vma_flags(back.data_ptr() + (4 << 20))
+    buffer = receive_buffer(8 << 20)
+    assert "hg" in _vma_flags(buffer.data_ptr() + (4 << 20))
