@@ -45,6 +45,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.gloo_errors import gloo_errors
+from shm_broadcast.host_memory import empty_output
 from shm_broadcast.segments import ShmSegment
 
 from .all_reduce_backends import SUSPENDED, AllReduceBackend
@@ -55,7 +56,6 @@ from .errors import (
     GroupcoordValueError,
     PeerDiedError,
 )
-from .host_alloc import empty_output
 from .shm_phases import LINE, PhaseLines, call_code
 
 logger = logging.getLogger("groupcoord.device_communicators")

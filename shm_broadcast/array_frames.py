@@ -8,7 +8,6 @@ pure-Python scheduler can use the codec without paying for torch.
 from __future__ import annotations
 
 import ctypes
-import sys
 from typing import Any
 
 from .errors import GroupcoordTypeError, ProtocolError
@@ -22,12 +21,6 @@ _QUANTIZED = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
 
 # Decoded tensors at least this big get their memory from torch, not a bytearray.
 _LARGE_DECODE_BYTES = 64 * 1024
-# Receive buffers at least this big ask for transparent huge pages (below it
-# glibc recycles freed blocks, so their pages are already there).
-_HUGE_PAGE = 2 << 20
-_HUGE_ADVICE_BYTES = 4 << 20
-_MADV_HUGEPAGE = 14
-_libc: Any = None
 
 
 def dtype_name(dtype: Any) -> str:
@@ -77,30 +70,6 @@ def memory_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def receive_buffer(nbytes: int) -> Any:
-    """A fresh uint8 tensor of ``nbytes`` to copy a received message into.
-
-    Blocks of more than 32 MiB are always new mappings from glibc, so without
-    help each one page-faults once per 4 KiB page as the copy first touches it
-    (64 MiB: 30-35 ms measured here, against 7-10 ms on 2 MiB pages). The
-    kernel's huge-page advice is best effort: where transparent huge pages are
-    off it is refused and the buffer simply keeps 4 KiB pages.
-    """
-    import torch
-
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes >= _HUGE_ADVICE_BYTES and sys.platform == "linux":
-        global _libc
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        start = -buffer.data_ptr() % _HUGE_PAGE + buffer.data_ptr()
-        end = (buffer.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            _libc.madvise(start, end - start, _MADV_HUGEPAGE)  # advice: the result may be ignored
-    return buffer
-
-
 def decode_tensor(name: str, shape: list[int], frame: memoryview, owned: bool = False) -> Any:
     """The tensor a frame holds: one copy out of ``frame``, or none when ``owned``
     (the frame is a buffer made for this message, which the tensor then keeps)."""
@@ -125,7 +94,9 @@ def decode_tensor(name: str, shape: list[int], frame: memoryview, owned: bool = 
         # 23 ms as bytearrays, 2 ms as torch.empty).
         import numpy as np
 
-        raw = receive_buffer(nbytes)
+        from .host_memory import empty_output
+
+        raw = empty_output((nbytes,), torch.uint8)
         raw.numpy()[:] = np.frombuffer(frame, dtype=np.uint8)
         flat = raw.view(dtype)
     else:

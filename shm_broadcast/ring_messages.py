@@ -30,7 +30,6 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .array_frames import receive_buffer
 from .codec import MESSAGE_PREFIX, Codec, EncodedMessage, read_message, write_message
 from .errors import ProtocolError
 from .ring import ShmRingBuffer
@@ -233,9 +232,13 @@ class RingCursor:
 
     def _read_stream(self, me: int, wait_ready: WaitFor) -> Any:
         """Copy a streamed message out chunk by chunk (releasing each), then decode it."""
+        import torch
+
+        from .host_memory import empty_output  # imports torch: only when a stream arrives
+
         ring = self.ring
         total = _STREAM_LEN.unpack_from(ring.buf, ring.chunk_at[self.idx] + 8)[0]
-        view = receive_buffer(total).numpy().data
+        view = empty_output((total,), torch.uint8).numpy().data
         got = 0
         try:
             while got < total:

@@ -362,11 +362,11 @@ def _vma_flags(address: int) -> list[str]:
 )
 def test_large_decoded_tensors_land_on_memory_advised_for_huge_pages():
     # A fresh 64 MiB block faulted in 4 KiB pages costs ~3x the copy itself.
-    from shm_broadcast.array_frames import receive_buffer
+    from shm_broadcast.host_memory import empty_output
 
     big = torch.arange(2 << 20, dtype=torch.float32)  # 8 MiB
     back = loads(dumps(big))
     assert torch.equal(back, big)
     assert "hg" in _vma_flags(back.data_ptr() + (4 << 20))
-    buffer = receive_buffer(8 << 20)
+    buffer = empty_output((8 << 20,), torch.uint8)
     assert "hg" in _vma_flags(buffer.data_ptr() + (4 << 20))

@@ -378,7 +378,7 @@ def test_all_gather_and_broadcast_through_the_slots_any_dtype_in_pieces(world: i
 
 
 def test_empty_output_is_a_plain_fresh_tensor_of_any_size() -> None:
-    from device_communicators.host_alloc import HUGE_PAGE_MIN_BYTES, empty_output
+    from shm_broadcast.host_memory import HUGE_PAGE_MIN_BYTES, empty_output
 
     for shape, dtype in (((3, 5), torch.float16), ((HUGE_PAGE_MIN_BYTES // 4 + 7,), torch.float32)):
         out = empty_output(shape, dtype)

@@ -1,11 +1,13 @@
-"""Fresh CPU result tensors that fault in fast: transparent huge pages for big ones.
+"""Fresh CPU tensors that fault in fast: transparent huge pages for big ones.
 
-An out-of-place collective returns a new tensor, and a big new tensor is
-fresh memory from the kernel: on a VM every 4 KiB page costs a fault, which
-made a 64 MiB all-reduce result cost ~30 ms before any byte moved. Asking for
-transparent huge pages (``madvise(MADV_HUGEPAGE)``, honoured when THP is in
-``madvise`` or ``always`` mode) cuts that to ~7 ms here. It is only a hint:
-when the kernel ignores it nothing changes but speed.
+An out-of-place collective returns a new tensor, and a reader copies a large
+message into a new buffer; a big new tensor is fresh memory from the kernel
+(glibc maps every block over 32 MiB afresh), and on a VM every 4 KiB page
+costs a fault: a 64 MiB all-reduce result cost ~30 ms before any byte moved,
+a 64 MiB decode 32 ms. Asking for transparent huge pages
+(``madvise(MADV_HUGEPAGE)``, honoured when THP is in ``madvise`` or
+``always`` mode) cuts that to ~7-12 ms here. It is only a hint: when the
+kernel ignores it nothing changes but speed.
 """
 
 from __future__ import annotations
