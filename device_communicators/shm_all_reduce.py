@@ -23,7 +23,8 @@ call g-2, reads included. So nobody writes a set while a slow peer still
 reads it, and back-to-back calls never wait on a peer's copy-out.
 
 Control lines, publishing a phase, bounded waits (yield, then a futex
-sleep) and peer liveness live in ``shm_phases``. Memory ordering: this runs
+sleep) and peer liveness live in ``shm_phases``; creating, attaching and
+mapping the segment in ``shm_slots``. Memory ordering: this runs
 only on x86-64 (refused elsewhere), where stores reach other cores in
 program order and loads are not reordered with older loads. Data is written
 with torch copies (regular stores; glibc ends any non-temporal memcpy loop
@@ -35,34 +36,27 @@ from __future__ import annotations
 
 import logging
 import platform
-import secrets
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import BroadcastOptions
 from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config, resolve_timeout
-from shm_broadcast.gloo_errors import gloo_errors
 from shm_broadcast.host_memory import empty_output
-from shm_broadcast.segments import ShmSegment
 
 from .all_reduce_backends import SUSPENDED, AllReduceBackend
 from .errors import (
     ClosedError,
-    GroupcoordError,
     GroupcoordTimeoutError,
     GroupcoordValueError,
     PeerDiedError,
 )
 from .shm_phases import LINE, PhaseLines, call_code
+from .shm_slots import SlotSegment, align_up, open_slot_segment
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
-_PAGE = 4096
-_VIEW_CACHE_ENTRIES = 512
-_HANDLE_BYTES = 256  # fixed-size name+token broadcast at set-up
 # Pieces up to this size are reduced by every rank (one barrier); larger ones
 # are split so each rank reduces 1/world of them (two barriers, less work each).
 # Measured on a 2-core EPYC VM: equal at 32 KiB, two-shot clearly ahead by 512 KiB.
@@ -87,10 +81,6 @@ _OP_NAMES = {
     ReduceOp.MIN: "min",
     ReduceOp.MAX: "max",
 }
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -192,7 +182,7 @@ class ShmAllReduce(AllReduceBackend):
         if cap <= 0:
             raise GroupcoordValueError(f"max_bytes must be positive, got {cap}")
         # One slot holds one piece; the configured cap can only make pieces smaller.
-        self.max_bytes = _align(min(cap, PIPELINE_PIECE_BYTES), LINE)
+        self.max_bytes = align_up(min(cap, PIPELINE_PIECE_BYTES), LINE)
         self.timeout_s = resolve_timeout(timeout_s)
         self.peer_check_interval_s = config.peer_check_interval_s
         self.disabled_reason: str | None = None
@@ -200,16 +190,9 @@ class ShmAllReduce(AllReduceBackend):
         self.generation = 0
         self._failure: str | None = None
         self._desync_guard = _DesyncGuard(self)
-        self._segment: ShmSegment | None = None
-        self._lines: PhaseLines | None = None
-        self._slot_bytes: list[list[torch.Tensor]] = []
-        self._typed: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
-        try:
-            self._set_up(cpu_group, self._local_refusal(config.disable_shm_all_reduce))
-        except BaseException:
-            # A peer that vanished mid set-up (Gloo raises): never keep the segment.
-            self._release()
-            raise
+        self._slots: SlotSegment | None = None
+        self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
+        self._set_up(cpu_group, self._local_refusal(config.disable_shm_all_reduce))
         logger.info(
             "%s: %s", self.what, "enabled" if self.disabled_reason is None else self.disabled_reason
         )
@@ -226,100 +209,19 @@ class ShmAllReduce(AllReduceBackend):
             return f"needs x86-64 memory ordering, this is {platform.machine()}"
         return None
 
-    @property
-    def _ctrl_bytes(self) -> int:
-        # One line per rank, then one for rank 0's token.
-        return _align((self.world_size + 1) * LINE, _PAGE)
-
     def _set_up(self, group: ProcessGroup, local_reason: str | None) -> None:
-        """Rank 0 creates the segment; everyone attaches; all agree or all disable.
-
-        The same three small collectives run on every rank whatever happens
-        locally, so a rank that cannot take part never leaves the others waiting.
-        The group is not kept: a reference here could make its (Gloo) destructor
-        run late, at interpreter exit, on whatever thread frees this object.
-        """
-        handle = torch.zeros(_HANDLE_BYTES, dtype=torch.uint8)
-        if self.rank_in_group == 0 and local_reason is None:
-            try:
-                self._segment = ShmSegment.create(
-                    self._ctrl_bytes + 2 * self.world_size * self.max_bytes, tag="allreduce"
-                )
-                token = secrets.token_hex(8)
-                self._segment.buf[self.world_size * LINE : self.world_size * LINE + 16] = (
-                    token.encode()
-                )
-                payload = f"{self._segment.name}|{token}".encode()
-                handle[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            except (OSError, GroupcoordError) as exc:
-                local_reason = f"rank 0 could not create the segment: {exc}"
-        # The group's own methods: they work whether or not torch registered it.
-        others = [r for i, r in enumerate(self.ranks) if i != self.rank_in_group]
-        with gloo_errors(self.what, "shm all-reduce set-up", group, peers=others):
-            options = BroadcastOptions()
-            options.rootRank = 0
-            group.broadcast([handle], options).wait()
-        text = bytes(handle.tolist()).rstrip(b"\0").decode()
-        if local_reason is None and self.rank_in_group != 0:
-            local_reason = self._attach(text)
-        if local_reason is None:
-            assert self._segment is not None
-            self._lines = PhaseLines(
-                self._segment.buf[: PhaseLines.nbytes(self.world_size)],
-                self.ranks,
-                self.rank_in_group,
-                self.what,
-                self.timeout_s,
-                self.peer_check_interval_s,
-            )
-            self._lines.register_self()
-        ok = torch.tensor([0 if local_reason is None else 1], dtype=torch.int32)
-        everyone = [torch.empty_like(ok) for _ in self.ranks]
-        with gloo_errors(self.what, "shm all-reduce set-up", group, peers=others):
-            group.allgather([everyone], [ok]).wait()
-        if self.rank_in_group == 0 and self._segment is not None:
-            # Every rank has mapped it (or given up): drop the name now, so no
-            # crash of anyone can leave it behind; the pages live until unmapped.
-            self._segment.unlink()
-        declined = [self.ranks[i] for i, t in enumerate(everyone) if int(t.item())]
-        if declined:
-            self.disabled_reason = local_reason or f"ranks {declined} cannot use it"
-            self._release()
-            return
-        assert self._lines is not None
-        self._lines.read_peers()
-        self._map_views()
-
-    def _attach(self, text: str) -> str | None:
-        if not text:
-            return "rank 0 made no segment"
-        name, _, token = text.partition("|")
-        try:
-            segment = ShmSegment.attach(name)
-        except (OSError, GroupcoordError) as exc:
-            return f"cannot attach {name} (not on rank 0's node?): {exc}"
-        start = self.world_size * LINE
-        if bytes(segment.buf[start : start + 16]) != token.encode():
-            segment.close()
-            return f"{name} here is not rank 0's segment (a different shm namespace)"
-        self._segment = segment
-        return None
-
-    def _map_views(self) -> None:
-        assert self._segment is not None
-        buf = self._segment.buf
-        self._slot_bytes = [
-            [
-                torch.frombuffer(
-                    buf,
-                    dtype=torch.uint8,
-                    count=self.max_bytes,
-                    offset=self._ctrl_bytes + (s * self.world_size + r) * self.max_bytes,
-                )
-                for r in range(self.world_size)
-            ]
-            for s in range(2)
-        ]
+        self._slots, reason = open_slot_segment(
+            group,
+            self.ranks,
+            self.rank_in_group,
+            self.what,
+            self.max_bytes,
+            self.timeout_s,
+            self.peer_check_interval_s,
+            local_reason,
+        )
+        self.disabled_reason = reason
+        self._lines = None if self._slots is None else self._slots.lines
 
     # ---- the back-end interface -------------------------------------------------
 
@@ -554,7 +456,6 @@ class ShmAllReduce(AllReduceBackend):
         try:
             self._set_up(group, self._local_refusal(get_config().disable_shm_all_reduce))
         except BaseException:
-            self._release()
             self.disabled_reason = "set-up failed on resume"
             raise
 
@@ -575,18 +476,8 @@ class ShmAllReduce(AllReduceBackend):
     # ---- one piece --------------------------------------------------------------
 
     def _view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``.
-
-        Cached: making a tensor view costs about a microsecond, and a small
-        call makes several; real workloads repeat a handful of sizes.
-        """
-        key = (s, r, dtype, n)
-        view = self._typed.get(key)
-        if view is None:
-            if len(self._typed) >= _VIEW_CACHE_ENTRIES:
-                self._typed.clear()
-            view = self._typed[key] = self._slot_bytes[s][r].view(dtype)[:n]
-        return view
+        assert self._slots is not None  # enabled means mapped
+        return self._slots.view(s, r, dtype, n)
 
     def _reduce_piece(
         self, lines: PhaseLines, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp.RedOpType
@@ -601,7 +492,7 @@ class ShmAllReduce(AllReduceBackend):
         if n * src.element_size() <= ONE_SHOT_MAX_BYTES:
             self._combine_slots(s, src.dtype, 0, n, dst, op)
             return
-        chunk = _align(-(-n // self.world_size), 16)
+        chunk = align_up(-(-n // self.world_size), 16)
         lo, hi = min(me * chunk, n), min((me + 1) * chunk, n)
         if hi > lo:
             self._combine_slots(s, src.dtype, lo, hi, self._view(s, 0, src.dtype, n)[lo:hi], op)
@@ -635,14 +526,7 @@ class ShmAllReduce(AllReduceBackend):
             combine(out, part, out=out)
 
     def _release(self) -> None:
-        # Views into the mapping must go before it can be unmapped.
-        self._typed.clear()
-        self._slot_bytes = []
-        if self._lines is not None:
-            self._lines.release()
-            self._lines = None
-        if self._segment is not None:
-            self._segment.close()
-            if self._segment.created:
-                self._segment.unlink()
-            self._segment = None
+        self._lines = None
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None

@@ -249,8 +249,8 @@ def _segment_unlinked_early(rank: int, world: int) -> bool:
     init_gloo(rank, world)
     shm = make_shm()
     try:
-        assert shm._segment is not None
-        name = shm._segment.name
+        assert shm._slots is not None
+        name = shm._slots.segment.name
         # Rank 0 drops the name before its constructor returns; the others
         # know it is gone once a collective with rank 0 has completed.
         assert torch.equal(shm.all_reduce(torch.ones(3)), torch.full((3,), float(world)))
@@ -417,7 +417,7 @@ def test_reduce_range_is_the_matching_slice_of_the_all_reduce(world: int) -> Non
 def _other_node(rank: int, world: int) -> str | None:
     import torch.distributed as dist
 
-    import device_communicators.shm_all_reduce as mod
+    import device_communicators.shm_slots as mod
     from device_communicators import CpuCommunicator
 
     init_gloo(rank, world)

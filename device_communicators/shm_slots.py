@@ -1,0 +1,187 @@
+"""The segment one shared-memory all-reduce group shares, from creation to unmapping.
+
+Layout: a control line per rank (``shm_phases.PhaseLines``) and one more for
+rank 0's token, page-aligned; then two sets of data slots, one slot of
+``max_bytes`` per rank in each. Rank 0 creates it and drops its name as soon
+as every rank has mapped it (or given up), so no crash of anyone can leave it
+behind; the pages live until the last rank unmaps them.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+from torch._C._distributed_c10d import BroadcastOptions
+from torch.distributed import ProcessGroup
+
+from shm_broadcast.gloo_errors import gloo_errors
+from shm_broadcast.segments import ShmSegment
+
+from .errors import GroupcoordError
+from .shm_phases import LINE, PhaseLines
+
+__all__ = ["SlotSegment", "open_slot_segment"]
+
+_PAGE = 4096
+_HANDLE_BYTES = 256  # fixed-size name+token broadcast at set-up
+_VIEW_CACHE_ENTRIES = 512
+
+
+def align_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return (n + to - 1) // to * to
+
+
+class SlotSegment:
+    """A mapped segment: its control lines and typed views of its data slots."""
+
+    def __init__(self, segment: ShmSegment, lines: PhaseLines, world_size: int, max_bytes: int):
+        self.segment = segment
+        self.lines = lines
+        ctrl = control_bytes(world_size)
+        self._slot_bytes = [
+            [
+                torch.frombuffer(
+                    segment.buf,
+                    dtype=torch.uint8,
+                    count=max_bytes,
+                    offset=ctrl + (s * world_size + r) * max_bytes,
+                )
+                for r in range(world_size)
+            ]
+            for s in range(2)
+        ]
+        self._typed: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
+
+    def view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``.
+
+        Cached: making a tensor view costs about a microsecond, and a small
+        call makes several; real workloads repeat a handful of sizes.
+        """
+        key = (s, r, dtype, n)
+        view = self._typed.get(key)
+        if view is None:
+            if len(self._typed) >= _VIEW_CACHE_ENTRIES:
+                self._typed.clear()
+            view = self._typed[key] = self._slot_bytes[s][r].view(dtype)[:n]
+        return view
+
+    def close(self) -> None:
+        """Unmap (and unlink, if this rank made it and the name is still there)."""
+        # Views into the mapping must go before it can be unmapped.
+        self._typed.clear()
+        self._slot_bytes = []
+        self.lines.release()
+        _close_segment(self.segment)
+
+
+def control_bytes(world_size: int) -> int:
+    """The control lines' share of the segment: one line per rank, then rank 0's token."""
+    return align_up((world_size + 1) * LINE, _PAGE)
+
+
+def _close_segment(segment: ShmSegment) -> None:
+    segment.close()
+    if segment.created:
+        segment.unlink()
+
+
+def open_slot_segment(
+    group: ProcessGroup,
+    ranks: list[int],
+    rank_in_group: int,
+    what: str,
+    max_bytes: int,
+    timeout_s: float,
+    peer_check_interval_s: float,
+    local_reason: str | None,
+) -> tuple[SlotSegment | None, str | None]:
+    """Rank 0 creates the segment; everyone attaches; all agree or all disable.
+
+    Returns the mapped segment, or None and why this group cannot use one.
+    The same three small collectives run on every rank whatever happens
+    locally, so a rank that cannot take part never leaves the others waiting.
+    The group is not kept: a reference here could make its (Gloo) destructor
+    run late, at interpreter exit, on whatever thread frees this object.
+    """
+    world_size = len(ranks)
+    segment: ShmSegment | None = None
+    lines: PhaseLines | None = None
+    try:
+        handle = torch.zeros(_HANDLE_BYTES, dtype=torch.uint8)
+        if rank_in_group == 0 and local_reason is None:
+            try:
+                segment = ShmSegment.create(
+                    control_bytes(world_size) + 2 * world_size * max_bytes, tag="allreduce"
+                )
+                token = secrets.token_hex(8)
+                segment.buf[world_size * LINE : world_size * LINE + 16] = token.encode()
+                payload = f"{segment.name}|{token}".encode()
+                handle[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            except (OSError, GroupcoordError) as exc:
+                local_reason = f"rank 0 could not create the segment: {exc}"
+        # The group's own methods: they work whether or not torch registered it.
+        others = [r for i, r in enumerate(ranks) if i != rank_in_group]
+        with gloo_errors(what, "shm all-reduce set-up", group, peers=others):
+            options = BroadcastOptions()
+            options.rootRank = 0
+            group.broadcast([handle], options).wait()
+        text = bytes(handle.tolist()).rstrip(b"\0").decode()
+        if local_reason is None and rank_in_group != 0:
+            segment, local_reason = _attach(text, world_size)
+        if local_reason is None:
+            assert segment is not None
+            lines = PhaseLines(
+                segment.buf[: PhaseLines.nbytes(world_size)],
+                ranks,
+                rank_in_group,
+                what,
+                timeout_s,
+                peer_check_interval_s,
+            )
+            lines.register_self()
+        ok = torch.tensor([0 if local_reason is None else 1], dtype=torch.int32)
+        everyone = [torch.empty_like(ok) for _ in ranks]
+        with gloo_errors(what, "shm all-reduce set-up", group, peers=others):
+            group.allgather([everyone], [ok]).wait()
+        if rank_in_group == 0 and segment is not None:
+            # Every rank has mapped it (or given up): drop the name now.
+            segment.unlink()
+        declined = [ranks[i] for i, t in enumerate(everyone) if int(t.item())]
+        if declined:
+            raise _Declined(local_reason or f"ranks {declined} cannot use it")
+        assert segment is not None and lines is not None
+        lines.read_peers()
+        return SlotSegment(segment, lines, world_size, max_bytes), None
+    except BaseException as exc:
+        # A peer that vanished mid set-up (Gloo raises), or a refusal: never keep the segment.
+        if lines is not None:
+            lines.release()
+        if segment is not None:
+            _close_segment(segment)
+        if isinstance(exc, _Declined):
+            return None, exc.reason
+        raise
+
+
+class _Declined(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _attach(text: str, world_size: int) -> tuple[ShmSegment | None, str | None]:
+    if not text:
+        return None, "rank 0 made no segment"
+    name, _, token = text.partition("|")
+    try:
+        segment = ShmSegment.attach(name)
+    except (OSError, GroupcoordError) as exc:
+        return None, f"cannot attach {name} (not on rank 0's node?): {exc}"
+    start = world_size * LINE
+    if bytes(segment.buf[start : start + 16]) != token.encode():
+        segment.close()
+        return None, f"{name} here is not rank 0's segment (a different shm namespace)"
+    return segment, None
