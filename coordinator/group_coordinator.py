@@ -317,12 +317,12 @@ class GroupCoordinator:
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's equally shaped ``input_`` concatenated along ``dim``."""
+        if self.world_size > 1 and not torch.compiler.is_compiling():
+            return self._all_gather_eager(input_, dim)  # the communicator checks the arguments
         dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
-        if torch.compiler.is_compiling():
-            return torch.ops.groupcoord.all_gather(input_, dim, self.world_size, self.unique_name)
-        return self._all_gather_eager(input_, dim)
+        return torch.ops.groupcoord.all_gather(input_, dim, self.world_size, self.unique_name)
 
     def all_gatherv(
         self,
@@ -349,14 +349,12 @@ class GroupCoordinator:
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal slice along ``dim``."""
+        if self.world_size > 1 and not torch.compiler.is_compiling():
+            return self._reduce_scatter_eager(input_, dim)  # the communicator checks the arguments
         dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
-        if torch.compiler.is_compiling():
-            return torch.ops.groupcoord.reduce_scatter(
-                input_, dim, self.world_size, self.unique_name
-            )
-        return self._reduce_scatter_eager(input_, dim)
+        return torch.ops.groupcoord.reduce_scatter(input_, dim, self.world_size, self.unique_name)
 
     def reduce_scatterv(
         self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
@@ -837,7 +835,9 @@ class GroupCoordinator:
         return classify(self.unique_name, operation, self.timeout_s, missing, exc, known_dead=dead)
 
 
-def _shape_of(tensor: torch.Tensor) -> str:
+def _shape_of(tensor: Any) -> str:
+    if not isinstance(tensor, torch.Tensor):  # checked later, by the communicator
+        return type(tensor).__name__
     return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
 
 

@@ -127,6 +127,8 @@ class DeviceCommunicatorBase:
         # (world, ..., n_dim, ...) -> (..., world * n_dim, ...), rank-major along dim.
         shape = list(input_.shape)
         shape[dim] *= self.world_size
+        if dim == 0:
+            return stacked.reshape(shape)  # already rank-major: a view, no copy
         return stacked.movedim(0, dim).reshape(shape)
 
     def all_gatherv(

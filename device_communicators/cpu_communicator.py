@@ -96,11 +96,14 @@ class CpuCommunicator(DeviceCommunicatorBase):
         # reduce_scatter(v): each rank reduces only its own rows, in shared memory.
         if self.shm_all_reduce.refusal(input_) is not None:
             return super()._reduce_then_slice(input_, dim, start, length)
-        moved = input_.movedim(dim, 0)
+        if dim == 0 and input_.dim() == 1 and input_.is_contiguous():
+            return self.shm_all_reduce.reduce_range(input_, start, start + length)
+        moved = input_.movedim(dim, 0) if dim else input_
         inner = math.prod(moved.shape[1:])
         flat = moved.contiguous().view(-1)
         part = self.shm_all_reduce.reduce_range(flat, start * inner, (start + length) * inner)
-        return part.view(length, *moved.shape[1:]).movedim(0, dim).contiguous()
+        part = part.view(length, *moved.shape[1:])
+        return part.movedim(0, dim).contiguous() if dim else part
 
     def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
         if self.shm_all_reduce.copy_refusal(input_) is None:

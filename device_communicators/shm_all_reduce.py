@@ -88,6 +88,26 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _combine(
+    parts: list[torch.Tensor], out: torch.Tensor | None, op: ReduceOp.RedOpType
+) -> torch.Tensor:
+    """parts[0] op parts[1] op ..., in that order, into ``out`` or a new tensor (fp16
+    and bf16 sums and products accumulate in fp32): every rank gets identical bits."""
+    combine = _COMBINE[op]
+    if parts[0].dtype in _HALF and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
+        acc = parts[0].float()
+        for part in parts[1:]:
+            combine(acc, part, out=acc)
+        if out is None:
+            return acc.to(parts[0].dtype)
+        return out.copy_(acc)
+    # Letting the first op allocate the result is 2 us cheaper than torch.empty first.
+    out = combine(parts[0], parts[1]) if out is None else combine(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        combine(out, part, out=out)
+    return out
+
+
 class _DesyncGuard:
     """Marks the owner unusable when a wait fails: peers no longer agree on the generation.
 
@@ -239,7 +259,7 @@ class ShmAllReduce(AllReduceBackend):
     def refusal(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> str | None:
         if self.disabled_reason is not None:
             return self.disabled_reason
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             return f"tensor is on {tensor.device}, not the CPU"
         if tensor.dtype not in SHM_DTYPES:
             return f"dtype {tensor.dtype} is not one of {[str(d) for d in SHM_DTYPES]}"
@@ -279,9 +299,24 @@ class ShmAllReduce(AllReduceBackend):
         out: torch.Tensor | None,
     ) -> torch.Tensor:
         lines = self._start("all_reduce", reason, tensor, op)
+        numel = tensor.numel()
+        nbytes = numel * tensor.element_size()
+        if 0 < nbytes <= ONE_SHOT_MAX_BYTES and nbytes <= self.max_bytes:
+            # The common small call: one piece on views shaped like the tensor
+            # (no flattening, no slicing; copy_ takes any strides).
+            slots = self._slots
+            assert slots is not None  # enabled means mapped
+            shape, dtype = tensor.shape, tensor.dtype
+            with self._desync_guard, _OneTorchThread(nbytes):
+                gen = self._next_generation()
+                s = gen & 1
+                slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
+                lines.publish(2 * gen - 1)
+                lines.wait_all(2 * gen - 1)
+                parts = [slots.shaped(s, r, dtype, shape) for r in range(self.world_size)]
+                return _combine(parts, out, op)
         if out is None:
             out = empty_output(tensor.shape, tensor.dtype)
-        numel = tensor.numel()
         if numel == 0:
             self._empty_barrier(lines)
             return out
@@ -328,6 +363,15 @@ class ShmAllReduce(AllReduceBackend):
         piece = self.max_bytes // flat.element_size()
         me = self.rank_in_group
         with self._desync_guard, _OneTorchThread(n * flat.element_size()):
+            if n <= piece:  # one piece: cached views, no slicing
+                gen = self._next_generation()
+                s = gen & 1
+                self._view(s, me, flat.dtype, n).copy_(flat)
+                lines.publish(2 * gen - 1)
+                lines.wait_all(2 * gen - 1)
+                if hi > lo:
+                    self._combine_slots(s, flat.dtype, lo, hi, out, op)
+                return out
             for a in range(0, n, piece):
                 b = min(a + piece, n)
                 gen = self._next_generation()
@@ -348,7 +392,7 @@ class ShmAllReduce(AllReduceBackend):
         """Like ``refusal``, for ``all_gather``/``broadcast_`` (bytes are copied, any dtype)."""
         if self.disabled_reason is not None:
             return self.disabled_reason
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             return f"tensor is on {tensor.device}, not the CPU"
         return None
 
@@ -360,6 +404,21 @@ class ShmAllReduce(AllReduceBackend):
             out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
         if tensor.numel() == 0:
             self._empty_barrier(lines)
+            return out
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= self.max_bytes:
+            # One piece: the whole set of slots is one (world, *shape) view.
+            slots = self._slots
+            assert slots is not None  # enabled means mapped
+            shape, dtype = tensor.shape, tensor.dtype
+            with self._desync_guard, _OneTorchThread(nbytes):
+                gen = self._next_generation()
+                s = gen & 1
+                slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
+                lines.publish(2 * gen - 1)
+                lines.wait_all(2 * gen - 1)
+                target = out if out.shape[1:] == shape else out.view(self.world_size, *shape)
+                target.copy_(slots.stacked(s, dtype, shape))
             return out
         src = _bytes_of(tensor.contiguous())
         dst = out.view(self.world_size, -1).view(torch.uint8)
@@ -510,20 +569,9 @@ class ShmAllReduce(AllReduceBackend):
         op: ReduceOp.RedOpType,
     ) -> None:
         """out = slot0 op slot1 op ... over [lo, hi), always in slot order."""
-        combine = _COMBINE[op]
-        if lo == 0:
-            parts = [self._view(s, r, dtype, hi) for r in range(self.world_size)]
-        else:
-            parts = [self._view(s, r, dtype, hi)[lo:] for r in range(self.world_size)]
-        if dtype in _HALF and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
-            acc = parts[0].float()
-            for part in parts[1:]:
-                combine(acc, part, out=acc)
-            out.copy_(acc)
-            return
-        combine(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            combine(out, part, out=out)
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        _combine([slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)], out, op)
 
     def _release(self) -> None:
         self._lines = None

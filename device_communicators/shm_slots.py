@@ -10,6 +10,8 @@ behind; the pages live until the last rank unmaps them.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._C._distributed_c10d import BroadcastOptions
@@ -39,40 +41,68 @@ class SlotSegment:
     def __init__(self, segment: ShmSegment, lines: PhaseLines, world_size: int, max_bytes: int):
         self.segment = segment
         self.lines = lines
+        self.world_size = world_size
+        self.max_bytes = max_bytes
         ctrl = control_bytes(world_size)
-        self._slot_bytes = [
-            [
-                torch.frombuffer(
-                    segment.buf,
-                    dtype=torch.uint8,
-                    count=max_bytes,
-                    offset=ctrl + (s * world_size + r) * max_bytes,
-                )
-                for r in range(world_size)
-            ]
+        # One uint8 tensor per set of slots (slot r at r * max_bytes), so a view
+        # may span every slot of a set.
+        self._sets = [
+            torch.frombuffer(
+                segment.buf,
+                dtype=torch.uint8,
+                count=world_size * max_bytes,
+                offset=ctrl + s * world_size * max_bytes,
+            )
             for s in range(2)
         ]
-        self._typed: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    # Views are cached: making a tensor view (or slice) costs about a microsecond,
+    # a small call makes several, and real workloads repeat a handful of shapes.
+
+    def _cached(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _VIEW_CACHE_ENTRIES:
+                self._views.clear()
+            view = self._views[key] = make()
+        return view
+
+    def _rows(self, s: int, dtype: torch.dtype) -> torch.Tensor:
+        """Set ``s`` as a (world, slot elements) matrix of ``dtype``: row r is slot r."""
+        return self._cached(
+            (s, dtype),
+            lambda: (
+                self._sets[s].view(dtype).view(self.world_size, self.max_bytes // dtype.itemsize)
+            ),
+        )
 
     def view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``.
+        """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``."""
+        return self._cached((s, r, dtype, n), lambda: self._rows(s, dtype)[r, :n])
 
-        Cached: making a tensor view costs about a microsecond, and a small
-        call makes several; real workloads repeat a handful of sizes.
-        """
-        key = (s, r, dtype, n)
-        view = self._typed.get(key)
-        if view is None:
-            if len(self._typed) >= _VIEW_CACHE_ENTRIES:
-                self._typed.clear()
-            view = self._typed[key] = self._slot_bytes[s][r].view(dtype)[:n]
-        return view
+    def span(self, s: int, r: int, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of slot ``r`` of set ``s`` as ``dtype``."""
+        return self._cached((s, r, dtype, lo, hi), lambda: self._rows(s, dtype)[r, lo:hi])
+
+    def shaped(self, s: int, r: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """The start of slot ``r`` of set ``s`` as a contiguous ``dtype`` tensor of ``shape``."""
+        return self._cached(
+            (s, r, dtype, shape), lambda: self.view(s, r, dtype, shape.numel()).view(shape)
+        )
+
+    def stacked(self, s: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """Every slot of set ``s`` at once, as ``(world, *shape)`` (row r: slot r's start)."""
+        return self._cached(
+            (s, dtype, shape),
+            lambda: self._rows(s, dtype)[:, : shape.numel()].view(self.world_size, *shape),
+        )
 
     def close(self) -> None:
         """Unmap (and unlink, if this rank made it and the name is still there)."""
         # Views into the mapping must go before it can be unmapped.
-        self._typed.clear()
-        self._slot_bytes = []
+        self._views.clear()
+        self._sets = []
         self.lines.release()
         _close_segment(self.segment)
 

@@ -466,3 +466,43 @@ def _foreign_pid_namespace(rank: int, world: int) -> bool:
 
 def test_peer_pids_are_not_judged_across_pid_namespaces() -> None:
     assert run_ranks(_foreign_pid_namespace, 2, timeout=60) == [False, False]
+
+
+def _small_calls_on_shaped_views(rank: int, world: int) -> bool:
+    # The one-piece paths copy through views shaped like the tensor: strided
+    # inputs, 0-d tensors and caller-given outputs must all come out right.
+    init_gloo(rank, world)
+    shm = make_shm()
+    try:
+        total = float(sum(range(1, world + 1)))
+        for x in (
+            torch.full((6, 4), float(rank + 1)).t(),  # non-contiguous
+            torch.tensor(float(rank + 1)),  # 0-d
+            torch.full((3, 5), float(rank + 1), dtype=torch.bfloat16)[:, ::2],
+        ):
+            before = x.clone()
+            got = shm.all_reduce(x)
+            assert got.shape == x.shape and got.dtype == x.dtype and got.is_contiguous()
+            assert torch.equal(got, torch.full_like(before, total)), got
+            assert torch.equal(x, before), "input was modified"
+            out = torch.empty(x.shape, dtype=x.dtype)
+            assert shm.all_reduce(x, out=out) is out and torch.equal(out, got)
+        inplace = torch.full((8,), float(rank + 1))
+        assert shm.all_reduce(inplace, out=inplace) is inplace
+        assert torch.equal(inplace, torch.full((8,), total))
+        mine = (torch.arange(12.0).reshape(3, 4) + 100 * rank).t()  # non-contiguous
+        want = torch.stack([(torch.arange(12.0).reshape(3, 4) + 100 * r).t() for r in range(world)])
+        assert torch.equal(shm.all_gather(mine), want)
+        flat = torch.empty(world * 12)
+        assert shm.all_gather(mine, out=flat) is flat
+        assert torch.equal(flat.view(world, 4, 3), want)
+        # The same shapes again: the cached views serve the second round.
+        assert torch.equal(shm.all_gather(mine), want)
+        return True
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_calls_take_strided_and_zero_dim_tensors_and_given_outputs(world: int) -> None:
+    assert run_ranks(_small_calls_on_shaped_views, world, timeout=60) == [True] * world
