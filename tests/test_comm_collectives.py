@@ -211,6 +211,20 @@ def _bad_input_leaves_comm_usable(comm: Comm) -> None:
     assert t.tolist() == [w, w]
 
 
+def _reduce_scatter_both_paths(comm: Comm) -> None:
+    # float32 takes the shared-memory path, int8 (not a shm dtype) Gloo's; both
+    # with multi-dimensional outputs, which each path flattens its own way.
+    r, w = comm.get_rank(), comm.get_size()
+    for dtype in (torch.float32, torch.int8):
+        ins = [torch.full((2, 3), r + 10 * i, dtype=dtype) for i in range(w)]
+        res = torch.empty((2, 3), dtype=dtype)
+        comm.reduce_scatter(res, ins, ReduceOp.SUM)
+        assert res.tolist() == [[sum(range(w)) + 10 * w * r] * 3] * 2, dtype
+        single = torch.empty((2, 3), dtype=dtype)
+        comm.reduce_scatter_single(single, torch.cat(ins).reshape(w * 2, 3), ReduceOp.SUM)
+        assert torch.equal(single, res), dtype
+
+
 def _every_op(rank: int, world_size: int) -> str:
     comm = new_comm("gloo", "cpu", "ops", timeout=30, hints={"purpose": "test"})
     assert (comm.get_rank(), comm.get_size(), comm.get_name()) == (rank, world_size, "ops")
@@ -219,6 +233,7 @@ def _every_op(rank: int, world_size: int) -> str:
     _collectives(comm, async_op=False)
     _collectives(comm, async_op=True)
     _reduce_ops(comm)
+    _reduce_scatter_both_paths(comm)
     _bad_input_leaves_comm_usable(comm)
     for _ in range(3):  # later barriers also clean up the keys of earlier ones
         comm.monitored_barrier(timeout=20)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -102,31 +102,32 @@ class Reductions(CommCore):
         self,
         name: str,
         output: torch.Tensor,
-        inputs: list[torch.Tensor],
+        inputs: Callable[[], list[torch.Tensor]],
         op: ReduceOp,
         async_op: bool,
         hints: Mapping[str, str] | None,
         timeout: float | datetime.timedelta | None,
-        joined: torch.Tensor | None = None,
+        joined: Callable[[], torch.Tensor],
+        lo: int,
     ) -> Work:
-        """``joined`` (when given) is ``inputs`` as one flat tensor, for the shm path."""
+        """``inputs()``: the per-rank parts (the Gloo path); ``joined()``: them as one
+        flat tensor in rank order, of which this rank's result is ``[lo, lo + numel)``
+        (the shared-memory path). Each path builds only what it uses."""
+        flat_out = output if output.dim() == 1 else output.view(-1)
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            sent = [op.premultiply(t) for t in inputs]  # copies for PREMUL_SUM only
+            sent = [op.premultiply(t) for t in inputs()]  # copies for PREMUL_SUM only
             opts = ReduceScatterOptions()
             opts.reduceOp = op.c10d_op()
             opts.timeout = td
-            return [self._pg.reduce_scatter([output], [sent], opts)]
+            return [self._pg.reduce_scatter([flat_out], [sent], opts)]
 
-        finish = functools.partial(op.finish, output, self._size)
-        rank = self._rank
+        finish = functools.partial(op.finish, flat_out, self._size)
 
         def fast(shm: ShmAllReduce) -> None:
-            # Every rank's parts, flat and in rank order; this rank reduces only its own.
-            flat = torch.cat([t.reshape(-1) for t in inputs]) if joined is None else joined
-            flat = op.premultiply(flat)
-            lo = sum(t.numel() for t in inputs[:rank])
-            shm.reduce_range(flat, lo, lo + output.numel(), op.c10d_op(), out=output.view(-1))
+            shm.reduce_range(
+                op.premultiply(joined()), lo, lo + output.numel(), op.c10d_op(), out=flat_out
+            )
             finish()
 
         return self._run(
@@ -155,7 +156,17 @@ class Reductions(CommCore):
         checks.same_dtype(output, inputs, "input_list")
         checks.same_shape(inputs, output, "input_list")
         op = self._op(op, output.dtype, "output")
-        return self._reduce_scatter("reduce_scatter", output, inputs, op, async_op, hints, timeout)
+        return self._reduce_scatter(
+            "reduce_scatter",
+            output,
+            lambda: [t.reshape(-1) for t in inputs],
+            op,
+            async_op,
+            hints,
+            timeout,
+            joined=lambda: torch.cat([t.reshape(-1) for t in inputs]),
+            lo=self._rank * output.numel(),
+        )
 
     def reduce_scatter_single(
         self,
@@ -171,16 +182,17 @@ class Reductions(CommCore):
         checks.dtype_match(output, input, "output", "input")
         checks.numel(input, self._size * output.numel(), "input", "size * output.numel()")
         op = self._op(op, output.dtype, "output")
-        inputs = list(input.view(self._size, output.numel()).unbind(0))
+        n = output.numel()
         return self._reduce_scatter(
             "reduce_scatter_single",
-            output.view(-1),
-            inputs,
+            output,
+            lambda: list(input.view(self._size, n).unbind(0)),
             op,
             async_op,
             hints,
             timeout,
-            joined=input.view(-1),
+            joined=lambda: input if input.dim() == 1 else input.reshape(-1),
+            lo=self._rank * n,
         )
 
     def reduce_scatter_v(
@@ -202,7 +214,15 @@ class Reductions(CommCore):
         op = self._op(op, output.dtype, "output")
         flat = [t.view(-1) for t in inputs]
         return self._reduce_scatter(
-            "reduce_scatter_v", output.view(-1), flat, op, async_op, hints, timeout
+            "reduce_scatter_v",
+            output,
+            lambda: flat,
+            op,
+            async_op,
+            hints,
+            timeout,
+            joined=lambda: torch.cat(flat),
+            lo=sum(t.numel() for t in flat[: self._rank]),
         )
 
     def barrier(
