@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import platform
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,6 +52,7 @@ from .errors import (
     PeerDiedError,
 )
 from .shm_phases import LINE, PhaseLines, call_code
+from .shm_reduce import SHM_DTYPES, OneTorchThread, combine, refused_op
 from .shm_slots import SlotSegment, align_up, open_slot_segment
 
 logger = logging.getLogger("groupcoord.device_communicators")
@@ -66,46 +66,11 @@ ONE_SHOT_MAX_BYTES = 64 * 1024
 # with a barrier per piece (16 MiB at world 2: 4.2 ms with 1 MiB pieces against
 # 4.7-9 ms with one 16 MiB piece).
 PIPELINE_PIECE_BYTES = 1024 * 1024
-SHM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64)
-_HALF = (torch.float16, torch.bfloat16)
-
-_COMBINE: dict[object, Callable[..., torch.Tensor]] = {
-    ReduceOp.SUM: torch.add,
-    ReduceOp.PRODUCT: torch.mul,
-    ReduceOp.MIN: torch.minimum,
-    ReduceOp.MAX: torch.maximum,
-}
-_OP_NAMES = {
-    ReduceOp.SUM: "sum",
-    ReduceOp.PRODUCT: "product",
-    ReduceOp.MIN: "min",
-    ReduceOp.MAX: "max",
-}
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (0-dim included)."""
     return tensor.reshape(-1).view(torch.uint8)
-
-
-def _combine(
-    parts: list[torch.Tensor], out: torch.Tensor | None, op: ReduceOp.RedOpType
-) -> torch.Tensor:
-    """parts[0] op parts[1] op ..., in that order, into ``out`` or a new tensor (fp16
-    and bf16 sums and products accumulate in fp32): every rank gets identical bits."""
-    combine = _COMBINE[op]
-    if parts[0].dtype in _HALF and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
-        acc = parts[0].float()
-        for part in parts[1:]:
-            combine(acc, part, out=acc)
-        if out is None:
-            return acc.to(parts[0].dtype)
-        return out.copy_(acc)
-    # Letting the first op allocate the result is 2 us cheaper than torch.empty first.
-    out = combine(parts[0], parts[1]) if out is None else combine(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        combine(out, part, out=out)
-    return out
 
 
 class _DesyncGuard:
@@ -126,41 +91,6 @@ class _DesyncGuard:
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, (GroupcoordTimeoutError, PeerDiedError)):
             self.owner._failure = str(exc)
-
-
-# torch splits an elementwise op over its intra-op pool from 32768 elements
-# (at::internal::GRAIN_SIZE); below this many bytes nothing is split anyway.
-PARALLEL_MIN_BYTES = 32 * 1024
-
-
-class _OneTorchThread:
-    """Torch's intra-op pool at one thread for the block (when ``active``).
-
-    The copies and sums of the shared-memory path are memory-bound. Split over
-    torch's OpenMP pool they fight the peer ranks for the cores (each rank's
-    pool wants every core), and the pool's idle threads spin on a core a peer
-    needs to arrive. Measured on 2 cores, world 2, torch's default threads:
-    16 MiB all_reduce 122 ms -> 4.3 ms, all_gather 50 ms -> 8.6 ms. Switching
-    costs about 0.3 us, so small calls (which torch does not split) skip it.
-    Process-wide while it lasts: another Python thread's torch ops run on one
-    thread meanwhile.
-    """
-
-    __slots__ = ("active", "saved")
-
-    def __init__(self, nbytes: int) -> None:
-        self.active = nbytes >= PARALLEL_MIN_BYTES
-        self.saved = 1
-
-    def __enter__(self) -> None:
-        if self.active:
-            self.saved = torch.get_num_threads()
-            if self.saved != 1:
-                torch.set_num_threads(1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.active and self.saved != 1:
-            torch.set_num_threads(self.saved)
 
 
 class ShmAllReduce(AllReduceBackend):
@@ -263,8 +193,9 @@ class ShmAllReduce(AllReduceBackend):
             return f"tensor is on {tensor.device}, not the CPU"
         if tensor.dtype not in SHM_DTYPES:
             return f"dtype {tensor.dtype} is not one of {[str(d) for d in SHM_DTYPES]}"
-        if op not in _COMBINE:
-            return f"reduce op {op} is not one of {sorted(_OP_NAMES.values())}"
+        reason = refused_op(op)
+        if reason is not None:
+            return reason
         return None
 
     def set_timeout(self, timeout_s: float, deadline: float | None = None) -> None:
@@ -307,14 +238,14 @@ class ShmAllReduce(AllReduceBackend):
             slots = self._slots
             assert slots is not None  # enabled means mapped
             shape, dtype = tensor.shape, tensor.dtype
-            with self._desync_guard, _OneTorchThread(nbytes):
+            with self._desync_guard, OneTorchThread(nbytes):
                 gen = self._next_generation()
                 s = gen & 1
                 slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
                 lines.publish(2 * gen - 1)
                 lines.wait_all(2 * gen - 1)
                 parts = [slots.shaped(s, r, dtype, shape) for r in range(self.world_size)]
-                return _combine(parts, out, op)
+                return combine(parts, out, op)
         if out is None:
             out = empty_output(tensor.shape, tensor.dtype)
         if numel == 0:
@@ -323,7 +254,7 @@ class ShmAllReduce(AllReduceBackend):
         src = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         flat_out = out.view(-1)
         piece = self.max_bytes // tensor.element_size()
-        with self._desync_guard, _OneTorchThread(numel * tensor.element_size()):
+        with self._desync_guard, OneTorchThread(numel * tensor.element_size()):
             if numel <= piece:  # the common case: no slicing at all
                 self._reduce_piece(lines, src, flat_out, op)
                 return out
@@ -362,7 +293,7 @@ class ShmAllReduce(AllReduceBackend):
             return out
         piece = self.max_bytes // flat.element_size()
         me = self.rank_in_group
-        with self._desync_guard, _OneTorchThread(n * flat.element_size()):
+        with self._desync_guard, OneTorchThread(n * flat.element_size()):
             if n <= piece:  # one piece: cached views, no slicing
                 gen = self._next_generation()
                 s = gen & 1
@@ -411,7 +342,7 @@ class ShmAllReduce(AllReduceBackend):
             slots = self._slots
             assert slots is not None  # enabled means mapped
             shape, dtype = tensor.shape, tensor.dtype
-            with self._desync_guard, _OneTorchThread(nbytes):
+            with self._desync_guard, OneTorchThread(nbytes):
                 gen = self._next_generation()
                 s = gen & 1
                 slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
@@ -422,7 +353,7 @@ class ShmAllReduce(AllReduceBackend):
             return out
         src = _bytes_of(tensor.contiguous())
         dst = out.view(self.world_size, -1).view(torch.uint8)
-        with self._desync_guard, _OneTorchThread(src.numel()):
+        with self._desync_guard, OneTorchThread(src.numel()):
             for start in range(0, src.numel(), self.max_bytes):
                 stop = min(start + self.max_bytes, src.numel())
                 gen = self._next_generation()
@@ -443,7 +374,7 @@ class ShmAllReduce(AllReduceBackend):
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         data = _bytes_of(work)
         sender = self.rank_in_group == src
-        with self._desync_guard, _OneTorchThread(data.numel()):
+        with self._desync_guard, OneTorchThread(data.numel()):
             for start in range(0, data.numel(), self.max_bytes):
                 stop = min(start + self.max_bytes, data.numel())
                 gen = self._next_generation()
@@ -571,7 +502,7 @@ class ShmAllReduce(AllReduceBackend):
         """out = slot0 op slot1 op ... over [lo, hi), always in slot order."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
-        _combine([slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)], out, op)
+        combine([slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)], out, op)
 
     def _release(self) -> None:
         self._lines = None
