@@ -164,6 +164,8 @@ class GroupCoordinator:
         self._destroyed = False
         self._plain_comm: DeviceCommunicatorBase | None = None
         self.device_communicator: DeviceCommunicatorBase | None = None
+        # The device communicator's lean path for small sums (AllReduceBackend.small_sum).
+        self._small_sum: Callable[[torch.Tensor], torch.Tensor | None] | None = None
         self.mq_broadcaster: Any = None
         # Peers on this host, rank -> pid: a failed call names a dead one at once.
         self._local_pids: dict[int, int] = {}
@@ -207,6 +209,8 @@ class GroupCoordinator:
                 use_all2all=use_all2all,
                 timeout_s=self.timeout_s,
             )
+        if self.device_communicator is not None:
+            self._small_sum = self.device_communicator.all_reduce_chain.small_sum
         if use_mq and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
 
@@ -313,6 +317,13 @@ class GroupCoordinator:
             return input_
         if torch.compiler.is_compiling():
             return torch.ops.groupcoord.all_reduce(input_, self.unique_name)
+        small_sum = self._small_sum
+        if small_sum is not None and not get_config().debug_desync:
+            # An engine's most common call: the communicator's lean path, one call deep.
+            out = small_sum(input_)
+            if out is not None:
+                self._collective_seq += 1
+                return out
         return self._all_reduce_eager(input_)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -761,6 +772,7 @@ class GroupCoordinator:
             if comm is not None:
                 comm.destroy()
         self.device_communicator = None
+        self._small_sum = None
         self._plain_comm = None
         if dist.is_initialized():
             if self.device_group is not self.cpu_group:

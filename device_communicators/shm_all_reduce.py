@@ -52,7 +52,7 @@ from .errors import (
     PeerDiedError,
 )
 from .shm_phases import LINE, PhaseLines, call_code
-from .shm_reduce import SHM_DTYPES, OneTorchThread, combine, refused_op
+from .shm_reduce import PARALLEL_MIN_BYTES, SHM_DTYPES, OneTorchThread, combine, refused_op
 from .shm_slots import SlotSegment, align_up, open_slot_segment
 
 logger = logging.getLogger("groupcoord.device_communicators")
@@ -66,6 +66,9 @@ ONE_SHOT_MAX_BYTES = 64 * 1024
 # with a barrier per piece (16 MiB at world 2: 4.2 ms with 1 MiB pieces against
 # 4.7-9 ms with one 16 MiB piece).
 PIPELINE_PIECE_BYTES = 1024 * 1024
+
+
+_SHM_DTYPE_SET = frozenset(SHM_DTYPES)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -217,6 +220,42 @@ class ShmAllReduce(AllReduceBackend):
         """The reduction as a new tensor, or written into contiguous ``out`` of the same
         shape and dtype (``tensor`` itself is fine: each piece is read before written)."""
         return self._all_reduce(self.refusal(tensor, op), tensor, op, out)
+
+    def small_sum(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A SUM all-reduce of a dense CPU tensor under 32 KiB as one flat call (what an
+        engine's per-layer all-reduce is): the same protocol and fingerprint as
+        :meth:`all_reduce`, without its layers. None: not such a call (or not enabled)."""
+        if (
+            self.disabled_reason is not None
+            or type(tensor) is not torch.Tensor
+            or not tensor.is_cpu
+            or tensor.layout is not torch.strided
+            or tensor.dtype not in _SHM_DTYPE_SET
+        ):
+            return None
+        numel = tensor.numel()
+        if not 0 < numel * tensor.element_size() < PARALLEL_MIN_BYTES:
+            return None
+        if self._failure is not None:
+            raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
+        lines = self._lines
+        slots = self._slots
+        assert lines is not None and slots is not None  # enabled means mapped
+        shape, dtype = tensor.shape, tensor.dtype
+        lines.operation = "all_reduce"
+        lines.stamp(call_code("all_reduce", dtype, ReduceOp.SUM, 0), numel)
+        gen = self.generation = self.generation + 1
+        lines.generation = gen
+        s = gen & 1
+        slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
+        try:
+            lines.publish(2 * gen - 1)
+            lines.wait_all(2 * gen - 1)
+        except (GroupcoordTimeoutError, PeerDiedError) as exc:
+            self._failure = str(exc)  # the peers no longer agree on the generation
+            raise
+        parts = [slots.shaped(s, r, dtype, shape) for r in range(self.world_size)]
+        return combine(parts, None, ReduceOp.SUM)
 
     def reduce_in_chain(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
         # The chain took this back end because its refusal was None: not asked again.

@@ -506,3 +506,46 @@ def _small_calls_on_shaped_views(rank: int, world: int) -> bool:
 @pytest.mark.parametrize("world", [2, 3])
 def test_small_calls_take_strided_and_zero_dim_tensors_and_given_outputs(world: int) -> None:
     assert run_ranks(_small_calls_on_shaped_views, world, timeout=60) == [True] * world
+
+
+def _lean_small_sums(rank: int, world: int) -> bool:
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="lean")
+    try:
+        shm = group.device_communicator.shm_all_reduce
+
+        def general_path(*args: object) -> None:
+            raise AssertionError("a small sum left the lean path")
+
+        eager, group._all_reduce_eager = group._all_reduce_eager, general_path
+        total = sum(range(1, world + 1))
+        for x in (
+            torch.full((1024,), rank + 1.0),
+            torch.full((3, 4), rank + 1, dtype=torch.int64).t(),
+            torch.tensor(rank + 1.0, dtype=torch.bfloat16),
+            torch.full((7,), rank + 1.0, dtype=torch.float64),
+        ):
+            before = shm.generation
+            got = group.all_reduce(x)
+            assert shm.generation == before + 1, "one generation, one barrier"
+            assert torch.equal(got, torch.full_like(x, total)) and got.shape == x.shape
+        # Not small, not a plain tensor, or not a shm dtype: the general path.
+        group._all_reduce_eager = eager
+        big = group.all_reduce(torch.ones(16384))  # 64 KiB
+        assert torch.equal(big, torch.full((16384,), float(world)))
+        assert torch.equal(
+            group.all_reduce(torch.ones(4, dtype=torch.int8)),
+            torch.full((4,), world, dtype=torch.int8),
+        )
+        with pytest.raises(TypeError, match="input_ must be a torch.Tensor"):
+            group.all_reduce([1.0, 2.0])
+        return True
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_sums_take_the_lean_path_and_others_the_general_one(world: int) -> None:
+    assert run_ranks(_lean_small_sums, world, timeout=60) == [True] * world
