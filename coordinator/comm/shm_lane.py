@@ -121,7 +121,7 @@ class ShmLane:
             with self._lock:
                 queued = list(self._queued)
             for work in queued:
-                work._done.wait(max(0.0, work.deadline - time.monotonic()) + 1.0)
+                work._wait_done(max(0.0, work.deadline - time.monotonic()) + 1.0)
         with self._lock:
             queued = list(self._queued)
             self._close_when_idle = True

@@ -31,6 +31,10 @@ from ..errors import (
 _COMPLETER_GRACE_S = 2.0
 
 
+# Guards the finish of every Work against a waiter making its event at that moment.
+_EVENT_LOCK = threading.Lock()
+
+
 class WorkStatus(enum.Enum):
     INPROGRESS = "inprogress"
     COMPLETED = "completed"
@@ -56,7 +60,10 @@ class Work:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self._on_timeout = on_timeout
-        self._done = threading.Event()
+        # Done flag; the event a waiter blocks on is made only when someone has to wait
+        # (most works finish inline, and an Event costs ~2 us to make).
+        self._finished = False
+        self._event: threading.Event | None = None
         self._error: BaseException | None = None
         self._status = WorkStatus.INPROGRESS
         self._poll: Callable[[], bool] | None = None
@@ -89,16 +96,32 @@ class Work:
         return work
 
     def _finish(self, error: BaseException | None) -> None:
-        if self._done.is_set():
-            return
-        self._error = error
-        if self._status is WorkStatus.INPROGRESS:
-            self._status = WorkStatus.COMPLETED if error is None else WorkStatus.ERROR
-        self._done.set()
+        with _EVENT_LOCK:
+            if self._finished:
+                return
+            self._error = error
+            if self._status is WorkStatus.INPROGRESS:
+                self._status = WorkStatus.COMPLETED if error is None else WorkStatus.ERROR
+            self._finished = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def _wait_done(self, seconds: float) -> bool:
+        """Block until finished or ``seconds`` passed; True when finished."""
+        if self._finished:
+            return True
+        with _EVENT_LOCK:
+            if self._finished:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(seconds)
 
     def abort(self) -> None:
         """Mark an unfinished work ABORTED (its communicator was aborted)."""
-        if self._done.is_set():
+        if self._finished:
             return
         if self.status is WorkStatus.TIMED_OUT:
             self._finish(self.timeout_error())  # stays TIMED_OUT: that is what happened
@@ -109,9 +132,9 @@ class Work:
     # -- what callers see ---------------------------------------------------
     @property
     def status(self) -> WorkStatus:
-        if not self._done.is_set():
+        if not self._finished:
             self._check_poll()
-        if not self._done.is_set() and time.monotonic() >= self.deadline:
+        if not self._finished and time.monotonic() >= self.deadline:
             self._expire()
         return self._status
 
@@ -125,7 +148,7 @@ class Work:
     def is_completed(self) -> bool:
         """True once the results are final (or the work failed)."""
         self._check_poll()
-        return self._done.is_set()
+        return self._finished
 
     def wait_blocking(self, timeout: float | datetime.timedelta | None = None) -> bool:
         """Block the calling thread until done (torchcomms' name; on CPU, where no
@@ -150,8 +173,8 @@ class Work:
         if self._poll is not None:
             self._spin(deadline)
         else:
-            self._done.wait(max(0.0, deadline - time.monotonic()))
-        if not self._done.is_set():
+            self._wait_done(max(0.0, deadline - time.monotonic()))
+        if not self._finished:
             if time.monotonic() < self.deadline:
                 raise GroupcoordTimeoutError(
                     self._what(),
@@ -179,11 +202,11 @@ class Work:
         return f"communicator {self.comm_name!r}"
 
     def _check_poll(self) -> None:
-        if self._poll is not None and not self._done.is_set() and self._poll():
+        if self._poll is not None and not self._finished and self._poll():
             self._finish(None)
 
     def _spin(self, deadline: float) -> None:
-        wait_until(lambda: self._done.is_set() or bool(self._poll and self._poll()), deadline)
+        wait_until(lambda: self._finished or bool(self._poll and self._poll()), deadline)
         self._check_poll()
 
     def __repr__(self) -> str:
@@ -311,4 +334,4 @@ class Completer:
         with self._lock:
             outstanding = list(self._outstanding)
         for work in outstanding:
-            work._done.wait(max(0.0, work.deadline - time.monotonic()) + _COMPLETER_GRACE_S)
+            work._wait_done(max(0.0, work.deadline - time.monotonic()) + _COMPLETER_GRACE_S)
