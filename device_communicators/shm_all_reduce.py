@@ -370,13 +370,8 @@ class ShmAllReduce(AllReduceBackend):
         """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``,
         new or written into contiguous ``out`` of as many elements and ``tensor``'s dtype."""
         lines = self._start("all_gather", self.copy_refusal(tensor), tensor)
-        if out is None:
-            out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
-        if tensor.numel() == 0:
-            self._empty_barrier(lines)
-            return out
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes <= self.max_bytes:
+        if 0 < nbytes <= self.max_bytes:
             # One piece: the whole set of slots is one (world, *shape) view.
             slots = self._slots
             assert slots is not None  # enabled means mapped
@@ -387,8 +382,15 @@ class ShmAllReduce(AllReduceBackend):
                 slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
                 lines.publish(2 * gen - 1)
                 lines.wait_all(2 * gen - 1)
-                target = out if out.shape[1:] == shape else out.view(self.world_size, *shape)
-                target.copy_(slots.stacked(s, dtype, shape))
+                every = slots.stacked(s, dtype, shape)
+                if out is None:  # allocate and copy in one op
+                    return every.clone(memory_format=torch.contiguous_format)
+                out.view(self.world_size, *shape).copy_(every)
+            return out
+        if out is None:
+            out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
+        if nbytes == 0:
+            self._empty_barrier(lines)
             return out
         src = _bytes_of(tensor.contiguous())
         dst = out.view(self.world_size, -1).view(torch.uint8)
