@@ -239,21 +239,12 @@ class ShmAllReduce(AllReduceBackend):
         if self._failure is not None:
             raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
         lines = self._lines
-        slots = self._slots
-        assert lines is not None and slots is not None  # enabled means mapped
+        assert lines is not None  # enabled means mapped
         shape, dtype = tensor.shape, tensor.dtype
         lines.operation = "all_reduce"
         lines.stamp(call_code("all_reduce", dtype, ReduceOp.SUM, 0), numel)
-        gen = self.generation = self.generation + 1
-        lines.generation = gen
-        s = gen & 1
-        slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
-        try:
-            lines.publish(2 * gen - 1)
-            lines.wait_all(2 * gen - 1)
-        except (GroupcoordTimeoutError, PeerDiedError) as exc:
-            self._failure = str(exc)  # the peers no longer agree on the generation
-            raise
+        with self._desync_guard:
+            slots, s = self._one_piece(lines, tensor)
         parts = [slots.shaped(s, r, dtype, shape) for r in range(self.world_size)]
         return combine(parts, None, ReduceOp.SUM)
 
@@ -274,15 +265,9 @@ class ShmAllReduce(AllReduceBackend):
         if 0 < nbytes <= ONE_SHOT_MAX_BYTES and nbytes <= self.max_bytes:
             # The common small call: one piece on views shaped like the tensor
             # (no flattening, no slicing; copy_ takes any strides).
-            slots = self._slots
-            assert slots is not None  # enabled means mapped
             shape, dtype = tensor.shape, tensor.dtype
             with self._desync_guard, OneTorchThread(nbytes):
-                gen = self._next_generation()
-                s = gen & 1
-                slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
-                lines.publish(2 * gen - 1)
-                lines.wait_all(2 * gen - 1)
+                slots, s = self._one_piece(lines, tensor)
                 parts = [slots.shaped(s, r, dtype, shape) for r in range(self.world_size)]
                 return combine(parts, out, op)
         if out is None:
@@ -373,15 +358,9 @@ class ShmAllReduce(AllReduceBackend):
         nbytes = tensor.numel() * tensor.element_size()
         if 0 < nbytes <= self.max_bytes:
             # One piece: the whole set of slots is one (world, *shape) view.
-            slots = self._slots
-            assert slots is not None  # enabled means mapped
             shape, dtype = tensor.shape, tensor.dtype
             with self._desync_guard, OneTorchThread(nbytes):
-                gen = self._next_generation()
-                s = gen & 1
-                slots.shaped(s, self.rank_in_group, dtype, shape).copy_(tensor)
-                lines.publish(2 * gen - 1)
-                lines.wait_all(2 * gen - 1)
+                slots, s = self._one_piece(lines, tensor)
                 every = slots.stacked(s, dtype, shape)
                 if out is None:  # allocate and copy in one op
                     return every.clone(memory_format=torch.contiguous_format)
@@ -453,6 +432,18 @@ class ShmAllReduce(AllReduceBackend):
         lines.operation = operation
         lines.stamp(call_code(operation, tensor.dtype, op, root), tensor.numel())
         return lines
+
+    def _one_piece(self, lines: PhaseLines, tensor: torch.Tensor) -> tuple[SlotSegment, int]:
+        """Copy ``tensor`` (one piece, any strides) into this rank's slot of the next
+        set, publish, wait for every rank: returns the slots and the set now readable."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        gen = self._next_generation()
+        s = gen & 1
+        slots.shaped(s, self.rank_in_group, tensor.dtype, tensor.shape).copy_(tensor)
+        lines.publish(2 * gen - 1)
+        lines.wait_all(2 * gen - 1)
+        return slots, s
 
     def _empty_barrier(self, lines: PhaseLines) -> None:
         """An empty collective is still a collective: one barrier keeps every rank's

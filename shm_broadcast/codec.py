@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from . import framing as wire
 from .array_frames import (
     dtype_name,
     memory_view,
@@ -42,23 +43,6 @@ from .array_frames import (
 from .decoding import MessageDecoder
 from .errors import GroupcoordTypeError
 from .framing import (
-    EXT_BIGINT,
-    EXT_BYTES_FRAME,
-    EXT_DATACLASS,
-    EXT_ENUM,
-    EXT_FROZENSET,
-    EXT_NAMEDTUPLE,
-    EXT_NDARRAY,
-    EXT_NPSCALAR,
-    EXT_PAIRS,
-    EXT_PICKLE,
-    EXT_SET,
-    EXT_STRUCT,
-    EXT_TENSOR,
-    EXT_TORCH_DEVICE,
-    EXT_TORCH_DTYPE,
-    EXT_TORCH_SIZE,
-    EXT_TUPLE,
     FRAME_ALIGN,
     MESSAGE_PREFIX,
     EncodedMessage,
@@ -152,7 +136,7 @@ class Codec:
         t = type(obj)
         if t in _SIMPLE:
             if t is int and self._bigints and not (-(2**63) <= obj < 2**64):
-                return _Ext(EXT_BIGINT, str(obj).encode())
+                return _Ext(wire.EXT_BIGINT, str(obj).encode())
             return obj
         walker = self._walkers.get(t)
         if walker is None:
@@ -217,7 +201,7 @@ class Codec:
         for k, v in d.items():
             flat.append(self._walk(k))
             flat.append(self._walk(v))
-        return _Ext(EXT_PAIRS, self._enc.encode(flat))
+        return _Ext(wire.EXT_PAIRS, self._enc.encode(flat))
 
     def _walk_list(self, items: list[Any]) -> list[Any]:
         if not self._bigints and _SIMPLE.issuperset(map(type, items)):
@@ -235,25 +219,25 @@ class Codec:
         return items if new is None else new
 
     def _walk_tuple(self, obj: tuple[Any, ...]) -> Any:
-        return _Ext(EXT_TUPLE, self._enc.encode(self._walk_list(list(obj))))
+        return _Ext(wire.EXT_TUPLE, self._enc.encode(self._walk_list(list(obj))))
 
     def _walk_bytes(self, obj: bytes) -> Any:
         if len(obj) >= BYTES_FRAME_THRESHOLD:
             idx = self._add_frame(memoryview(obj), len(obj))
-            return _Ext(EXT_BYTES_FRAME, self._enc.encode(idx))
+            return _Ext(wire.EXT_BYTES_FRAME, self._enc.encode(idx))
         return obj
 
     def _walk_set(self, obj: set[Any] | frozenset[Any]) -> Any:
-        code = EXT_SET if type(obj) is set else EXT_FROZENSET
+        code = wire.EXT_SET if type(obj) is set else wire.EXT_FROZENSET
         return _Ext(code, self._enc.encode(self._walk_list(list(obj))))
 
     def _walk_struct(self, obj: msgspec.Struct) -> Any:
         cls = type(obj)
         values = self._walk_list([getattr(obj, name) for name in cls.__struct_fields__])
-        return _Ext(EXT_STRUCT, self._enc.encode([cls.__module__, cls.__qualname__, values]))
+        return _Ext(wire.EXT_STRUCT, self._enc.encode([cls.__module__, cls.__qualname__, values]))
 
     def _walk_enum(self, obj: enum.Enum) -> Any:
-        return _Ext(EXT_ENUM, self._enc.encode([type_key(type(obj)), self._walk(obj.value)]))
+        return _Ext(wire.EXT_ENUM, self._enc.encode([type_key(type(obj)), self._walk(obj.value)]))
 
     def _walk_dataclass(self, obj: Any) -> Any:
         spec = self._dataclasses.get(type(obj))
@@ -261,11 +245,11 @@ class Codec:
             spec = self._dataclasses[type(obj)] = _dataclass_spec(type(obj))
         key, fields, getter = spec
         values = self._walk_list(getter(obj))
-        return _Ext(EXT_DATACLASS, self._enc.encode([key, dict(zip(fields, values))]))
+        return _Ext(wire.EXT_DATACLASS, self._enc.encode([key, dict(zip(fields, values))]))
 
     def _walk_namedtuple(self, obj: tuple[Any, ...]) -> Any:
         fields = self._walk_list(list(obj))
-        return _Ext(EXT_NAMEDTUPLE, self._enc.encode([type_key(type(obj)), fields]))
+        return _Ext(wire.EXT_NAMEDTUPLE, self._enc.encode([type_key(type(obj)), fields]))
 
     def _add_frame(self, frame: Any, nbytes: int) -> int:
         self._frames.append(frame)
@@ -295,10 +279,10 @@ class Codec:
         else:
             frames.append(t)  # copied strided straight into the destination
         self._frame_lens.append(nbytes)
-        return _Ext(EXT_TENSOR, self._enc.encode([name, list(t.shape), len(frames) - 1]))
+        return _Ext(wire.EXT_TENSOR, self._enc.encode([name, list(t.shape), len(frames) - 1]))
 
     def _walk_torch_size(self, size: Any) -> Any:
-        return _Ext(EXT_TORCH_SIZE, self._enc.encode(list(size)))
+        return _Ext(wire.EXT_TORCH_SIZE, self._enc.encode(list(size)))
 
     def _walk_ndarray(self, a: Any) -> Any:
         import numpy as np
@@ -308,11 +292,11 @@ class Codec:
         if a.nbytes == 0:
             frame = b""
         idx = self._add_frame(frame, a.nbytes)
-        return _Ext(EXT_NDARRAY, self._enc.encode([descr, list(a.shape), idx]))
+        return _Ext(wire.EXT_NDARRAY, self._enc.encode([descr, list(a.shape), idx]))
 
     def _walk_npscalar(self, s: Any) -> Any:
         descr = ndarray_descr(s.dtype)
-        return _Ext(EXT_NPSCALAR, self._enc.encode([descr, s.tobytes()]))
+        return _Ext(wire.EXT_NPSCALAR, self._enc.encode([descr, s.tobytes()]))
 
     # -- decoding (MessageDecoder) ------------------------------------------
 
@@ -339,15 +323,15 @@ def _dataclass_spec(cls: type) -> tuple[str, tuple[str, ...], Callable[[Any], li
 
 
 def _walk_torch_dtype(dtype: Any) -> Any:
-    return _Ext(EXT_TORCH_DTYPE, str(dtype).encode())
+    return _Ext(wire.EXT_TORCH_DTYPE, str(dtype).encode())
 
 
 def _walk_torch_device(device: Any) -> Any:
-    return _Ext(EXT_TORCH_DEVICE, str(device).encode())
+    return _Ext(wire.EXT_TORCH_DEVICE, str(device).encode())
 
 
 def _walk_pickled(obj: Any) -> Any:
-    return _Ext(EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return _Ext(wire.EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _refuse(obj: Any) -> Any:

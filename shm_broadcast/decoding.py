@@ -14,27 +14,9 @@ from typing import Any
 
 import msgspec
 
+from . import framing as wire
 from .array_frames import decode_ndarray, decode_tensor, numpy_dtype, torch_dtype
 from .errors import ProtocolError, UndeclaredTypeError
-from .framing import (
-    EXT_BIGINT,
-    EXT_BYTES_FRAME,
-    EXT_DATACLASS,
-    EXT_ENUM,
-    EXT_FROZENSET,
-    EXT_NAMEDTUPLE,
-    EXT_NDARRAY,
-    EXT_NPSCALAR,
-    EXT_PAIRS,
-    EXT_PICKLE,
-    EXT_SET,
-    EXT_STRUCT,
-    EXT_TENSOR,
-    EXT_TORCH_DEVICE,
-    EXT_TORCH_DTYPE,
-    EXT_TORCH_SIZE,
-    EXT_TUPLE,
-)
 from .safe_types import imported_struct, safe_type
 
 __all__ = ["MessageDecoder"]
@@ -66,23 +48,23 @@ class MessageDecoder:
         self._in_frames: Sequence[memoryview] = ()
         self._frames_owned = False
         self._decoders: dict[int, Callable[[memoryview], Any]] = {
-            EXT_TUPLE: self._decode_tuple,
-            EXT_TENSOR: self._decode_tensor,
-            EXT_STRUCT: self._decode_struct,
-            EXT_PAIRS: self._decode_pairs,
-            EXT_BYTES_FRAME: self._decode_bytes_frame,
-            EXT_NDARRAY: self._decode_ndarray,
-            EXT_NPSCALAR: self._decode_npscalar,
-            EXT_BIGINT: _decode_bigint,
-            EXT_TORCH_DTYPE: _decode_torch_dtype,
-            EXT_TORCH_DEVICE: _decode_torch_device,
-            EXT_TORCH_SIZE: self._decode_torch_size,
-            EXT_DATACLASS: self._decode_dataclass,
-            EXT_ENUM: self._decode_enum,
-            EXT_NAMEDTUPLE: self._decode_namedtuple,
-            EXT_SET: self._decode_set,
-            EXT_FROZENSET: self._decode_frozenset,
-            EXT_PICKLE: self._decode_pickle,
+            wire.EXT_TUPLE: self._decode_tuple,
+            wire.EXT_TENSOR: self._decode_tensor,
+            wire.EXT_STRUCT: self._decode_struct,
+            wire.EXT_PAIRS: self._decode_pairs,
+            wire.EXT_BYTES_FRAME: self._decode_bytes_frame,
+            wire.EXT_NDARRAY: self._decode_ndarray,
+            wire.EXT_NPSCALAR: self._decode_npscalar,
+            wire.EXT_BIGINT: _decode_bigint,
+            wire.EXT_TORCH_DTYPE: _decode_torch_dtype,
+            wire.EXT_TORCH_DEVICE: _decode_torch_device,
+            wire.EXT_TORCH_SIZE: self._decode_torch_size,
+            wire.EXT_DATACLASS: self._decode_dataclass,
+            wire.EXT_ENUM: self._decode_enum,
+            wire.EXT_NAMEDTUPLE: self._decode_namedtuple,
+            wire.EXT_SET: self._decode_set,
+            wire.EXT_FROZENSET: self._decode_frozenset,
+            wire.EXT_PICKLE: self._decode_pickle,
         }
 
     def decode(
@@ -94,11 +76,7 @@ class MessageDecoder:
         self._in_frames = frames
         self._frames_owned = owned
         try:
-            return self._dec.decode(header)
-        except UndeclaredTypeError:
-            raise  # names the class and the fix
-        except _MALFORMED as exc:
-            raise ProtocolError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
+            return self.decode_header_only(header)
         finally:
             self._in_frames = ()
             self._frames_owned = False
