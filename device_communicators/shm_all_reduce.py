@@ -309,24 +309,19 @@ class ShmAllReduce(AllReduceBackend):
                 f"reduce_range needs a 1-D tensor and 0 <= lo <= hi <= numel, got "
                 f"shape {tuple(flat.shape)}, lo={lo}, hi={hi}"
             )
+        n = flat.numel()
+        piece = self.max_bytes // flat.element_size()
+        if 0 < n <= piece and hi > lo:  # one piece: cached views, no slicing
+            with self._desync_guard, OneTorchThread(n * flat.element_size()):
+                _, s = self._one_piece(lines, flat)
+                return self._combine_slots(s, flat.dtype, lo, hi, out, op)
         if out is None:
             out = empty_output((hi - lo,), flat.dtype)
-        n = flat.numel()
         if n == 0:
             self._empty_barrier(lines)
             return out
-        piece = self.max_bytes // flat.element_size()
         me = self.rank_in_group
         with self._desync_guard, OneTorchThread(n * flat.element_size()):
-            if n <= piece:  # one piece: cached views, no slicing
-                gen = self._next_generation()
-                s = gen & 1
-                self._view(s, me, flat.dtype, n).copy_(flat)
-                lines.publish(2 * gen - 1)
-                lines.wait_all(2 * gen - 1)
-                if hi > lo:
-                    self._combine_slots(s, flat.dtype, lo, hi, out, op)
-                return out
             for a in range(0, n, piece):
                 b = min(a + piece, n)
                 gen = self._next_generation()
@@ -528,13 +523,13 @@ class ShmAllReduce(AllReduceBackend):
         dtype: torch.dtype,
         lo: int,
         hi: int,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
         op: ReduceOp.RedOpType,
-    ) -> None:
-        """out = slot0 op slot1 op ... over [lo, hi), always in slot order."""
+    ) -> torch.Tensor:
+        """slot0 op slot1 op ... over [lo, hi), always in slot order, into ``out`` or new."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
-        combine([slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)], out, op)
+        return combine([slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)], out, op)
 
     def _release(self) -> None:
         self._lines = None
