@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from device_communicators.errors import unsupported
 from shm_broadcast.config import override, resolve_timeout
+from shm_broadcast.host_memory import release_cached_outputs
 from shm_broadcast.segments import cleanup_stale_segments
 from shm_broadcast.topology import in_the_same_node_as as _same_node
 
@@ -581,6 +582,7 @@ def destroy_distributed_environment() -> None:
     if _state.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
     _state.owns_default_group = False
+    release_cached_outputs()
 
 
 def _destroy_at_exit() -> None:

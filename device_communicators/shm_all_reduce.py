@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config, resolve_timeout
-from shm_broadcast.host_memory import empty_output
+from shm_broadcast.host_memory import POOL_MIN_BYTES, empty_output
 
 from .all_reduce_backends import SUSPENDED, AllReduceBackend
 from .errors import (
@@ -357,8 +357,10 @@ class ShmAllReduce(AllReduceBackend):
             with self._desync_guard, OneTorchThread(nbytes):
                 slots, s = self._one_piece(lines, tensor)
                 every = slots.stacked(s, dtype, shape)
-                if out is None:  # allocate and copy in one op
-                    return every.clone(memory_format=torch.contiguous_format)
+                if out is None:
+                    if nbytes * self.world_size < POOL_MIN_BYTES:  # allocate and copy in one op
+                        return every.clone(memory_format=torch.contiguous_format)
+                    out = empty_output((self.world_size, *shape), dtype)
                 out.view(self.world_size, *shape).copy_(every)
             return out
         if out is None:

@@ -377,16 +377,6 @@ def test_all_gather_and_broadcast_through_the_slots_any_dtype_in_pieces(world: i
     assert run_ranks(_gather_and_broadcast, world, timeout=90) == [True] * world
 
 
-def test_empty_output_is_a_plain_fresh_tensor_of_any_size() -> None:
-    from shm_broadcast.host_memory import HUGE_PAGE_MIN_BYTES, empty_output
-
-    for shape, dtype in (((3, 5), torch.float16), ((HUGE_PAGE_MIN_BYTES // 4 + 7,), torch.float32)):
-        out = empty_output(shape, dtype)
-        assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
-        out.fill_(1)  # writable everywhere, huge-page hint or not
-        assert int(out.sum().item()) == out.numel()
-
-
 def _reduce_ranges(rank: int, world: int) -> bool:
     from torch.distributed import ReduceOp
 
