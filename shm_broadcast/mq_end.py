@@ -1,0 +1,280 @@
+"""What both ends of a :class:`~shm_broadcast.message_queue.MessageQueue` share:
+their state, the open check, the notice an unbounded wait logs, and teardown
+on every path (``shutdown``, garbage collection of an open queue, interpreter
+exit; a forked child leaves its parent's queues alone)."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, Self
+
+import zmq
+
+from .codec import Codec
+from .config import resolve_timeout
+from .errors import ClosedError, GroupcoordValueError
+from .mq_handle import Handle, remove_ipc_file
+from .ring import READER_DETACHED, ShmRingBuffer
+from .ring_messages import RingCursor
+from .tcp_channel import TcpReader, TcpWriter
+
+logger = logging.getLogger("groupcoord.shm_broadcast")
+
+READY = b"READY"
+# An unbounded enqueue/dequeue (timeout=None) logs that it still waits this often.
+_IDLE_NOTICE_S = 60.0
+
+
+def _close_zmq(ctx: zmq.Context, owned: list[Any]) -> None:
+    """Close a queue's ZeroMQ sockets (and TCP ends, heartbeat threads included)
+    without lingering, then terminate its context. Run when a queue that was
+    never shut down is garbage-collected: the sockets are held here, so they
+    cannot be collected first, leaving ``zmq_ctx_term`` waiting forever for a
+    socket whose close never comes (seen as a rank hung inside a GC pass)."""
+    for item in owned:
+        if isinstance(item, zmq.Socket):
+            if not item.closed:
+                item.close(linger=0)
+        else:
+            item.close()
+    owned.clear()
+    ctx.term()
+
+
+# Every queue of this process that is not shut down yet (weak: a dropped queue leaves).
+_live_queues: weakref.WeakSet[QueueEnd] = weakref.WeakSet()
+
+
+def _shut_down_open_queues() -> None:
+    """At interpreter exit: shut down the queues this process left open, without
+    lingering, so ZeroMQ contexts never hold the exit up and readers are told
+    the queue ended (a ``ClosedError``) instead of finding a dead writer. A
+    forked child's queues belong to its parent and are left alone."""
+    for mq in list(_live_queues):
+        if mq._owner_pid == os.getpid():
+            mq._shutdown_now()
+
+
+atexit.register(_shut_down_open_queues)
+
+
+class QueueEnd:
+    """State and teardown of one end of a queue (the writer's or a reader's)."""
+
+    # What an end may hold (set up empty by _set_up, filled by the constructors).
+    _ring: ShmRingBuffer | None
+    _cursor: RingCursor | None  # this end's place in the ring
+    _local_sock: zmq.Socket | None
+    _local_address: str | None
+    _tcp_writer: TcpWriter | None
+    _tcp_reader: TcpReader | None
+    _handle: Handle | None  # the handle a reader joined with
+
+    def _set_up(
+        self,
+        name: str,
+        n_reader: int,
+        local_reader_ranks: list[int],
+        max_chunk_bytes: int,
+        max_chunks: int,
+        allow_pickle: bool,
+        writer_rank: int,
+        *,
+        role: str,
+        rank: int,
+        key: bytes,
+        window: int,
+    ) -> None:
+        """The state both ends start from (the writer's constructor, a reader's join)."""
+        self.name = name
+        self.what = f"MessageQueue {name}"
+        self.n_reader = n_reader
+        self.n_local_reader = len(local_reader_ranks)
+        self.local_reader_ranks = list(local_reader_ranks)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunks = max_chunks
+        self.allow_pickle = allow_pickle
+        self.writer_rank = writer_rank
+        self.role = role
+        self.rank = rank
+        self._codec = Codec(allow_pickle=allow_pickle)
+        self._closed = False
+        self._released = False
+        self._busy = False
+        self._notice: str | None = None  # the operation of an unbounded wait, for its log
+        self._key = key
+        self._window = window
+        self._ctx = zmq.Context()
+        self._teardown = threading.RLock()
+        self._zmq_owned: list[Any] = []  # closed by _close_zmq if the queue is collected open
+        self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._ctx, self._zmq_owned)
+        self._zmq_finalizer.atexit = False  # the exit hook shuts open queues down first
+        self._ring = None
+        self._cursor = None
+        self._local_sock = None
+        self._local_address = None
+        self._tcp_writer = None
+        self._tcp_reader = None
+        self._local_index = -1
+        self._handle = None
+        self._owner_pid = os.getpid()
+        _live_queues.add(self)
+
+    def _end_call(self) -> None:
+        """After every enqueue/dequeue/acquire: a stream broken half-way closes the
+        queue, and a shutdown from another thread during the call releases it now."""
+        self._busy = False
+        if self._cursor is not None and self._cursor.broken:
+            self._closed = True
+        if self._closed:
+            self._release()
+
+    def _raw_cursor(self, operation: str, role: str) -> RingCursor:
+        self._check_open()
+        if self.role != role:
+            raise GroupcoordValueError(
+                f"{self.what}: {operation} on a {self.role} (rank {self.rank}); "
+                f"it is for the {role}"
+            )
+        if self._cursor is None or self._tcp_writer is not None:
+            raise GroupcoordValueError(
+                f"{self.what}: {operation} moves raw bytes through the shared-memory ring, "
+                "which this queue's remote readers do not map; use enqueue/dequeue"
+            )
+        return self._cursor
+
+    def _with_notice(self, check: Callable[[], None]) -> Callable[[], None]:
+        """``check``, plus a log line every ``_IDLE_NOTICE_S`` of an unbounded wait."""
+        operation = self._notice
+        if operation is None:
+            return check
+        started = time.monotonic()
+        next_notice = started + _IDLE_NOTICE_S
+
+        def checked() -> None:
+            nonlocal next_notice
+            check()
+            now = time.monotonic()
+            if now >= next_notice:
+                next_notice = now + _IDLE_NOTICE_S
+                logger.info(
+                    "%s: %s has waited %.0f s; the peers are alive, still waiting "
+                    "(indefinite=True silences this)",
+                    self.what,
+                    operation,
+                    now - started,
+                )
+
+        return checked
+
+    @property
+    def bad_frames(self) -> int:
+        """TCP frames dropped because their MAC (or shape) was wrong."""
+        if self._tcp_writer is not None:
+            return self._tcp_writer.bad_frames
+        if self._tcp_reader is not None:
+            return self._tcp_reader.bad_frames
+        return 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(
+                f"{self.what}: the queue was shut down ({self.role} rank {self.rank})"
+            )
+
+    def shutdown(self) -> None:
+        """Stop the queue; a reader waiting in ``dequeue`` (another thread) raises ClosedError.
+
+        The writer marks the ring shut and tells remote readers, after the
+        messages already sent; readers then get what is queued and then
+        ClosedError. Safe to call more than once.
+        """
+        # Held while the ring is still used here: a call this wakes on another
+        # thread releases the queue on its way out, and must wait for that.
+        with self._teardown:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self.role == "writer":
+                    if self._ring is not None:
+                        self._ring.set_shutdown()
+                    if self._tcp_writer is not None:
+                        self._tcp_writer.shutdown()
+                elif self._ring is not None and self._local_index >= 0:
+                    self._ring.set_reader_pid(self._local_index, READER_DETACHED)
+                    # Wake this reader's own dequeue (another thread) and the writer.
+                    self._ring.ring_readers()
+                    self._ring.ring_writer()
+            finally:
+                if not self._busy:
+                    self._release()
+
+    close = shutdown
+
+    def _shutdown_now(self) -> None:
+        """:meth:`shutdown` that does not wait for queued ZeroMQ messages to leave. A
+        queue some thread still waits on is only marked shut (its memory stays
+        mapped until the process is gone)."""
+        if self._local_sock is not None and not self._local_sock.closed:
+            self._local_sock.setsockopt(zmq.LINGER, 0)
+        self.shutdown()
+
+    def _release(self) -> None:
+        """Close sockets and unmap (the writer also unlinks its ring); idempotent."""
+        with self._teardown:
+            self._release_now()
+
+    def _release_now(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        _live_queues.discard(self)
+        self._zmq_finalizer.detach()  # closed here, in order, with linger
+        self._zmq_owned.clear()
+        if self._tcp_writer is not None:
+            self._tcp_writer.close()
+            self._tcp_writer = None
+        if self._tcp_reader is not None:
+            self._tcp_reader.close()
+            self._tcp_reader = None
+        if self._local_sock is not None:
+            self._local_sock.close()
+            self._local_sock = None
+            if self.role == "writer":
+                remove_ipc_file(self._local_address)
+        if self._ring is not None:
+            self._ring.close()
+            if self.role == "writer":
+                self._ring.unlink()
+            self._ring = None
+        # term() waits (up to each socket's linger) for queued messages to leave.
+        self._ctx.term()
+
+    def _abandon(self) -> None:
+        """Construction failed: drop every socket at once, then unmap/unlink."""
+        self._ctx.destroy(linger=0)
+        self._release()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def deadline_of(timeout: float | datetime.timedelta | None) -> tuple[float, float]:
+    """(seconds, monotonic deadline) of a queue wait; None waits without a deadline
+    (liveness checks still end it when a peer dies)."""
+    if timeout is None:
+        return math.inf, math.inf
+    timeout_s = resolve_timeout(timeout)
+    return timeout_s, time.monotonic() + timeout_s
