@@ -1,0 +1,143 @@
+"""A ``GroupCoordinator``'s objects and point-to-point tensors: ``broadcast_object``
+(through the message queue when the group has one), ``broadcast_object_list``,
+``send/recv_object`` and ``isend_object``, ``send``/``recv``; and the handle
+vLLM's asynchronous sends return (ours complete before they return)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from shm_broadcast.codec import dumps, loads
+from shm_broadcast.group_io import broadcast_bytes
+
+from .errors import GroupcoordTypeError
+from .group_base import GroupBase
+
+
+class Handle(Protocol):
+    """What vLLM's asynchronous sends and receives return."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class _CompletedHandle:
+    """The handle of a transfer that finished before its call returned."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+COMPLETED: Handle = _CompletedHandle()
+
+
+class GroupMessaging(GroupBase):
+    """Objects and tensor dicts between a group's ranks (``GroupCoordinator`` is one)."""
+
+    # ---- objects ------------------------------------------------------------------
+
+    def broadcast_object(self, obj: Any | None = None, src: int = 0) -> Any:
+        """``src``'s ``obj`` on every rank (through the message queue when the group has one)."""
+        self._check_index(src, "src")
+        if self.world_size == 1:
+            return obj
+        if self.mq_broadcaster is not None and src == 0:
+            return self._mq_broadcast(obj)
+        payload = dumps(obj) if self.rank_in_group == src else None
+        data = self._collective("broadcast_object", broadcast_bytes, self.cpu_group, payload, src)
+        return loads(data)
+
+    def _mq_broadcast(self, obj: Any) -> Any:
+        """In-group rank 0 writes ``obj`` to the queue, the others read it.
+
+        No deadline: this is an engine worker's idle wait between requests, so
+        it lasts as long as the writer (or, for the writer, the readers) live;
+        a dead peer ends it with PeerDiedError (see docs/coordinator.md)."""
+        if self.rank_in_group == 0:
+            self.mq_broadcaster.enqueue(obj)
+            return obj
+        return self.mq_broadcaster.dequeue()
+
+    def broadcast_object_list(
+        self, obj_list: list[Any], src: int = 0, group: ProcessGroup | None = None
+    ) -> list[Any]:
+        """Replace ``obj_list``'s items with ``src``'s, in place; returns ``obj_list``."""
+        if not isinstance(obj_list, list):
+            raise GroupcoordTypeError(f"obj_list must be a list, got {type(obj_list).__name__}")
+        self._check_index(src, "src")
+        if self.world_size == 1:
+            return obj_list
+        pg = group if group is not None else self.cpu_group
+        payload = dumps(obj_list) if self.rank_in_group == src else None
+        data = self._collective("broadcast_object_list", broadcast_bytes, pg, payload, src)
+        obj_list[:] = loads(data)
+        return obj_list
+
+    def send_object(self, obj: Any, dst: int) -> None:
+        """Send ``obj`` to in-group rank ``dst`` (msgspec, no pickle)."""
+        self._check_peer(dst, "dst")
+        self._send_bytes(dumps(obj), dst, "send_object")
+
+    def recv_object(self, src: int) -> Any:
+        """The next object that in-group rank ``src`` sent with ``send_object``."""
+        self._check_peer(src, "src")
+        return loads(self._recv_bytes(src, "recv_object"))
+
+    def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:
+        # Length first (the receiver must size its buffer), then the payload.
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
+        peer = self.ranks[dst]
+        self._p2p(operation, dst, dist.send, length, peer, self.cpu_group)
+        if data is not None:
+            self._p2p(operation, dst, dist.send, data, peer, self.cpu_group)
+
+    def _recv_bytes(self, src: int, operation: str) -> bytes:
+        length = torch.empty(1, dtype=torch.int64)
+        peer = self.ranks[src]
+        self._p2p(operation, src, dist.recv, length, peer, self.cpu_group)
+        n = int(length.item())
+        if n == 0:
+            return b""
+        data = torch.empty(n, dtype=torch.uint8)
+        self._p2p(operation, src, dist.recv, data, peer, self.cpu_group)
+        return data.numpy().tobytes()
+
+    # ---- asynchronous sends ----------------------------------------------------------
+
+    def isend_object(self, obj: Any, dst: int) -> Handle:
+        """:meth:`send_object`, complete when this returns."""
+        self.send_object(obj, dst)
+        return COMPLETED
+
+    # ---- point to point tensors ---------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+        """Send ``tensor`` to in-group rank ``dst`` (default: next)."""
+        if dst is not None:
+            self._check_peer(dst, "dst")
+        peer = (self.rank_in_group + 1) % self.world_size if dst is None else dst
+        self._p2p("send", peer, self._tensor_comm().send, tensor, dst)
+
+    def recv(
+        self,
+        size: torch.Size | tuple[int, ...] | list[int] | int,
+        dtype: torch.dtype,
+        src: int | None = None,
+    ) -> torch.Tensor:
+        """A tensor of ``size`` and ``dtype`` from in-group rank ``src`` (default: previous)."""
+        if src is not None:
+            self._check_peer(src, "src")
+        if isinstance(size, int) and not isinstance(size, bool):
+            size = (size,)  # vLLM callers pass a plain element count too
+        peer = (self.rank_in_group - 1) % self.world_size if src is None else src
+        out: torch.Tensor = self._p2p("recv", peer, self._tensor_comm().recv, size, dtype, src)
+        return out
