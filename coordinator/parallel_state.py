@@ -2,7 +2,8 @@
 
 vLLM 0.33's ``parallel_state`` functions, with its names, parameter order and
 defaults; our additions are keyword-only, so a positional vLLM call never binds
-to them. All globals live in one :class:`ParallelState` object; initialising
+to them. All globals live in one :class:`ParallelState` object (in
+:mod:`coordinator.parallel_groups`, with the getters this module re-exports); initialising
 twice with different sizes raises :class:`AlreadyInitializedError`, and the
 ``destroy_*`` functions leave nothing behind (groups, queues, shared memory,
 and the default process group when we created it). Works under ``torchrun``
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import datetime
 import gc
 import logging
@@ -43,9 +43,35 @@ from .custom_ops import (
     all_reduce_fake,
     reduce_scatter_fake,
 )
-from .errors import AlreadyInitializedError, GroupcoordValueError, NotInitializedError
+from .errors import AlreadyInitializedError, GroupcoordValueError
 from .group_coordinator import GraphCaptureContext, GroupCoordinator, Handle
 from .layout import compute_layout
+from .parallel_groups import MODEL_GROUPS as _MODEL_GROUPS
+from .parallel_groups import (
+    ModelParallelSizes,
+    ParallelState,
+    get_dcp_group,
+    get_dcp_world_size_and_rank,
+    get_dp_group,
+    get_engram_dp_group,
+    get_engram_dp_size,
+    get_ep_group,
+    get_eplb_group,
+    get_etp_group,
+    get_inner_dp_world_group,
+    get_node_count,
+    get_pcp_group,
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+    get_world_group,
+    is_global_first_rank,
+    is_local_first_rank,
+)
+from .parallel_groups import state as _state
 from .stateless_group import StatelessProcessGroup
 
 __all__ = [
@@ -101,51 +127,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("groupcoord.coordinator")
-
-# In the order they are built (every rank the same): suspend_device_comms and the
-# checkpoint functions walk them in this order, destroy_model_parallel in reverse.
-_MODEL_GROUPS = ("tp", "dcp", "pcp", "pp", "dp", "ep", "etp", "engram_dp", "inner_dp_world")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelParallelSizes:
-    tp: int
-    pp: int
-    pcp: int
-    dcp: int
-    dp: int
-    expert_parallel: bool
-
-
-@dataclasses.dataclass
-class ParallelState:
-    """Everything this module keeps between calls."""
-
-    world: GroupCoordinator | None = None
-    tp: GroupCoordinator | None = None
-    dcp: GroupCoordinator | None = None
-    pcp: GroupCoordinator | None = None
-    pp: GroupCoordinator | None = None
-    dp: GroupCoordinator | None = None
-    ep: GroupCoordinator | None = None
-    etp: GroupCoordinator | None = None  # may be the EP group itself
-    engram_dp: GroupCoordinator | None = None  # may be the DP group itself
-    inner_dp_world: GroupCoordinator | None = None
-    sizes: ModelParallelSizes | None = None
-    local_rank: int = 0
-    backend: str = "gloo"
-    timeout_s: float | None = None
-    custom_all_reduce: bool = True  # set_custom_all_reduce, read when groups are built
-    # True when init_distributed_environment created torch's default group,
-    # so destroy_distributed_environment must tear it down too.
-    owns_default_group: bool = False
-    exit_hook_registered: bool = False
-    # The process that built the groups: a forked child inherits this state and the
-    # exit hook, and must not tear down what its parent still uses.
-    owner_pid: int = 0
-
-
-_state = ParallelState()
 
 
 # ---- start-up ------------------------------------------------------------------------
@@ -372,112 +353,6 @@ def set_custom_all_reduce(enable: bool) -> None:
 
 def model_parallel_is_initialized() -> bool:
     return _state.tp is not None and _state.pp is not None
-
-
-# ---- getters ----------------------------------------------------------------------------
-
-
-def _get(group: GroupCoordinator | None, what: str) -> GroupCoordinator:
-    if group is None:
-        raise NotInitializedError(f"the {what} group is not initialised")
-    return group
-
-
-def get_world_group() -> GroupCoordinator:
-    return _get(_state.world, "world (call init_distributed_environment)")
-
-
-def get_tp_group() -> GroupCoordinator:
-    return _get(_state.tp, "tensor model parallel (call initialize_model_parallel)")
-
-
-def get_dcp_group() -> GroupCoordinator:
-    return _get(_state.dcp, "decode context parallel (call initialize_model_parallel)")
-
-
-def get_pcp_group() -> GroupCoordinator:
-    return _get(_state.pcp, "prefill context parallel (call initialize_model_parallel)")
-
-
-def get_pp_group() -> GroupCoordinator:
-    return _get(_state.pp, "pipeline model parallel (call initialize_model_parallel)")
-
-
-def get_dp_group() -> GroupCoordinator:
-    return _get(_state.dp, "data parallel (call initialize_model_parallel)")
-
-
-def get_ep_group() -> GroupCoordinator:
-    return _get(_state.ep, "expert parallel (call initialize_model_parallel)")
-
-
-def get_eplb_group() -> GroupCoordinator:
-    """The EP group: expert load balancing exchanges over the same ranks."""
-    return _get(_state.ep, "expert parallel load balancing (call initialize_model_parallel)")
-
-
-def get_etp_group() -> GroupCoordinator:
-    """The expert tensor parallel group: the ranks over which a MoE layer's expert
-    weights are tensor-sharded (vLLM's FusedMoE rule). Without expert parallelism
-    that is the EP group's ranks (DP x PCP x TP, and this returns the EP group);
-    with ``enable_expert_parallel=True`` each rank holds whole experts and its
-    ETP group is itself alone."""
-    return _get(_state.etp, "expert tensor parallel (call initialize_model_parallel)")
-
-
-def get_engram_dp_group() -> GroupCoordinator | None:
-    """This rank's DP peers on its own node (the DP group itself when every DP group
-    lies within one node), or None when that is this rank alone."""
-    group = _get(_state.engram_dp, "engram data parallel (call initialize_model_parallel)")
-    return group if group.world_size > 1 else None
-
-
-def get_engram_dp_size() -> int:
-    group = get_engram_dp_group()
-    return 1 if group is None else group.world_size
-
-
-def get_inner_dp_world_group() -> GroupCoordinator:
-    return _get(_state.inner_dp_world, "inner data parallel world (call initialize_model_parallel)")
-
-
-def get_dcp_world_size_and_rank(enabled: bool = True) -> tuple[int, int]:
-    """(size, rank) of this rank's DCP group, or (1, 0) when ``enabled`` is False."""
-    if not enabled:
-        return 1, 0
-    dcp = get_dcp_group()
-    return dcp.world_size, dcp.rank_in_group
-
-
-def get_tensor_model_parallel_world_size() -> int:
-    return get_tp_group().world_size
-
-
-def get_tensor_model_parallel_rank() -> int:
-    return get_tp_group().rank_in_group
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    return get_pp_group().world_size
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    return get_pp_group().rank_in_group
-
-
-def get_node_count() -> int:
-    """Hosts among the world's ranks (counted when the world group was built)."""
-    return get_world_group().node_count
-
-
-def is_global_first_rank() -> bool:
-    """Rank 0 of the world, or True before torch.distributed is initialised."""
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def is_local_first_rank() -> bool:
-    """Local rank 0 on this host, or True before the world group exists."""
-    return _state.world is None or _state.world.local_rank == 0
 
 
 # ---- collectives by group name (vLLM's custom-op functions) ------------------------------
