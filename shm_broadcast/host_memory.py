@@ -25,6 +25,7 @@ It is only a hint: when the kernel ignores it nothing changes but speed.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -131,12 +132,17 @@ class _OutputPool:
             size, kept = self._classes.popitem(last=False)
             self.nbytes -= size * len(kept)
 
+    def reset_lock(self) -> None:
+        self._lock = threading.Lock()
+
     def clear(self) -> None:
         with self._lock:
             self._evict(0)
 
 
 _POOL = _OutputPool()
+# A child forked while another thread held the lock would wait on it forever.
+os.register_at_fork(after_in_child=_POOL.reset_lock)
 
 
 def empty_output(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -185,3 +185,26 @@ def _destroy_releases_the_pool(rank: int, world: int) -> bool:
 
 def test_destroy_distributed_environment_empties_the_pool() -> None:
     assert run_ranks(_destroy_releases_the_pool, 2, timeout=90) == [True, True]
+
+
+def test_a_child_forked_while_the_pool_is_locked_can_still_allocate() -> None:
+    import os
+    import time
+
+    from shm_broadcast import host_memory
+
+    with host_memory._POOL._lock:  # as another thread of the parent might hold it
+        pid = os.fork()
+        if pid == 0:
+            out = empty_output(BIG, torch.float32)
+            os._exit(0 if out.numel() == BIG[0] else 1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung on the pool's lock")
