@@ -10,7 +10,6 @@ import datetime
 import importlib
 import os
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch.distributed import ProcessGroup
 
 from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
+from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.liveness import dead_peers, host_key
 from shm_broadcast.p2p_channels import P2PChannels
@@ -113,8 +113,8 @@ class GroupBase:
         self._destroyed = False
         self._plain_comm: DeviceCommunicatorBase | None = None
         self.device_communicator: DeviceCommunicatorBase | None = None
-        # The device communicator's lean path for small sums (AllReduceBackend.small_sum).
-        self._small_sum: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        # The device communicator's lean path for small calls (shm_small.SmallCalls).
+        self._small: SmallCalls | None = None
         self.mq_broadcaster: Any = None
         # Peers on this host, rank -> pid: a failed call names a dead one at once.
         self._local_pids: dict[int, int] = {}
@@ -159,7 +159,7 @@ class GroupBase:
                 timeout_s=self.timeout_s,
             )
         if self.device_communicator is not None:
-            self._small_sum = self.device_communicator.all_reduce_chain.small_sum
+            self._small = self.device_communicator.small_calls
         if use_mq and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
 
@@ -244,7 +244,7 @@ class GroupBase:
             if comm is not None:
                 comm.destroy()
         self.device_communicator = None
-        self._small_sum = None
+        self._small = None
         self._plain_comm = None
         if dist.is_initialized():
             if self.device_group is not self.cpu_group:

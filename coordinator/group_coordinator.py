@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from device_communicators import checks
+from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config
 from shm_broadcast.group_io import all_gather_bytes
 
@@ -86,10 +87,10 @@ class GroupCoordinator(GroupMessaging):
             return input_
         if torch.compiler.is_compiling():
             return torch.ops.groupcoord.all_reduce(input_, self.unique_name)
-        small_sum = self._small_sum
-        if small_sum is not None and not get_config().debug_desync:
+        small = self._lean()
+        if small is not None:
             # An engine's most common call: the communicator's lean path, one call deep.
-            out = small_sum(input_)
+            out = small.all_reduce(input_)
             if out is not None:
                 self._collective_seq += 1
                 return out
@@ -98,6 +99,12 @@ class GroupCoordinator(GroupMessaging):
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's equally shaped ``input_`` concatenated along ``dim``."""
         if self.world_size > 1 and not torch.compiler.is_compiling():
+            small = self._lean()
+            if small is not None:
+                out = small.all_gather(input_, dim)
+                if out is not None:
+                    self._collective_seq += 1
+                    return out
             return self._all_gather_eager(input_, dim)  # the communicator checks the arguments
         dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
@@ -130,6 +137,12 @@ class GroupCoordinator(GroupMessaging):
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal slice along ``dim``."""
         if self.world_size > 1 and not torch.compiler.is_compiling():
+            small = self._lean()
+            if small is not None:
+                out = small.reduce_scatter(input_, dim)
+                if out is not None:
+                    self._collective_seq += 1
+                    return out
             return self._reduce_scatter_eager(input_, dim)  # the communicator checks the arguments
         dim = checks.dim(checks.tensor(input_, "input_"), dim)
         if self.world_size == 1:
@@ -170,6 +183,12 @@ class GroupCoordinator(GroupMessaging):
         if torch.compiler.is_compiling():
             return torch.ops.groupcoord.broadcast(input_, src, self.unique_name)
         return self._broadcast_eager(input_, src)
+
+    def _lean(self) -> SmallCalls | None:
+        """The communicator's lean path for small calls, unless ``debug_desync`` wants
+        every call checked through :meth:`_in_step` first."""
+        small = self._small
+        return None if small is None or get_config().debug_desync else small
 
     def _all_reduce_eager(self, input_: torch.Tensor) -> torch.Tensor:
         self._in_step("all_reduce", lambda: _shape_of(input_))

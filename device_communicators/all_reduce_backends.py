@@ -63,13 +63,6 @@ class AllReduceBackend(ABC):
         all-reduce registers, rather than copies, an input being graph-captured)."""
         return self.all_reduce(tensor, op=op)
 
-    def small_sum(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The whole out-of-place SUM all-reduce of a small ``tensor`` in one call, its
-        checks included, or None when ``tensor`` needs the general path. The first
-        back end of a chain may offer this lean path for the most common call (the
-        shared-memory one does); the default offers none."""
-        return None
-
     def suspend(self) -> None:
         """Sleep mode: release what :meth:`resume` can re-create (shared memory, an
         NCCL communicator) and refuse tensors until then. Local; the communicator
@@ -124,8 +117,6 @@ class AllReduceChain:
             raise GroupcoordValueError("backends: an all-reduce chain needs at least one back end")
         self.backends: list[AllReduceBackend] = list(backends)
         self.owner = owner
-        # The first back end's lean path for small SUM calls (see AllReduceBackend.small_sum).
-        self.small_sum = self.backends[0].small_sum
         logger.info("%s all-reduce back ends, in order: %s", owner or "communicator", self.names())
 
     def names(self) -> list[str]:

@@ -30,6 +30,7 @@ from .all2all import create_all2all_manager
 from .all2all_base import All2AllManagerBase, Cache, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
+from .shm_small import SmallCalls
 
 __all__ = ["All2AllManagerBase", "Cache", "DeviceCommunicatorBase"]
 
@@ -66,6 +67,9 @@ class DeviceCommunicatorBase:
         self.rank_in_group = self.ranks.index(self.rank)
         self.all2all_manager: Any = None
         self.suspended = False  # between suspend() and resume()
+        # The lean path of small all_reduce/all_gather/reduce_scatter calls
+        # (shm_small.SmallCalls), when a fast back end offers one.
+        self.small_calls: SmallCalls | None = None
         register_communicator(self)  # managers built from cpu_group alone find this one
         # Errors start with the group's name, like the coordinator's own errors.
         self.what = unique_name or type(self).__name__

@@ -69,6 +69,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
         self.shm_all_reduce = ShmAllReduce(
             self.cpu_group, unique_name=self.unique_name, timeout_s=self.timeout_s
         )
+        self.small_calls = self.shm_all_reduce.small
         return [self.shm_all_reduce]
 
     def _local_peer_pids(self) -> dict[int, int]:

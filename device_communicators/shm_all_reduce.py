@@ -27,8 +27,8 @@ sleep) and peer liveness live in ``shm_phases``; creating, attaching and
 mapping the segment in ``shm_slots``. Memory ordering: this runs
 only on x86-64 (refused elsewhere), where stores reach other cores in
 program order and loads are not reordered with older loads. Data is written
-with torch copies (regular stores; glibc ends any non-temporal memcpy loop
-with an ``sfence``) before the counter store, and a reader loads the counter
+with torch copies or ``memmove`` (regular stores; glibc ends any
+non-temporal memcpy loop with an ``sfence``) before the counter store, and a reader loads the counter
 before the data, so a reader that sees the counter also sees the data.
 """
 
@@ -52,8 +52,9 @@ from .errors import (
     PeerDiedError,
 )
 from .shm_phases import LINE, PhaseLines, call_code
-from .shm_reduce import PARALLEL_MIN_BYTES, SHM_DTYPES, OneTorchThread, combine, refused_op
+from .shm_reduce import SHM_DTYPES, OneTorchThread, combine, refused_op
 from .shm_slots import SlotSegment, align_up, open_slot_segment
+from .shm_small import SmallCalls
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
@@ -66,9 +67,6 @@ ONE_SHOT_MAX_BYTES = 64 * 1024
 # with a barrier per piece (16 MiB at world 2: 4.2 ms with 1 MiB pieces against
 # 4.7-9 ms with one 16 MiB piece).
 PIPELINE_PIECE_BYTES = 1024 * 1024
-
-
-_SHM_DTYPE_SET = frozenset(SHM_DTYPES)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -145,6 +143,8 @@ class ShmAllReduce(AllReduceBackend):
         self._desync_guard = _DesyncGuard(self)
         self._slots: SlotSegment | None = None
         self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
+        # The lean path of small calls (shm_small), on the slots while they are up.
+        self.small = SmallCalls(self)
         self._set_up(cpu_group, self._local_refusal(config.disable_shm_all_reduce))
         logger.info(
             "%s: %s", self.what, "enabled" if self.disabled_reason is None else self.disabled_reason
@@ -175,6 +175,7 @@ class ShmAllReduce(AllReduceBackend):
         )
         self.disabled_reason = reason
         self._lines = None if self._slots is None else self._slots.lines
+        self.small.attach(self._slots if reason is None else None)
 
     # ---- the back-end interface -------------------------------------------------
 
@@ -220,33 +221,6 @@ class ShmAllReduce(AllReduceBackend):
         """The reduction as a new tensor, or written into contiguous ``out`` of the same
         shape and dtype (``tensor`` itself is fine: each piece is read before written)."""
         return self._all_reduce(self.refusal(tensor, op), tensor, op, out)
-
-    def small_sum(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """A SUM all-reduce of a dense CPU tensor under 32 KiB as one flat call (what an
-        engine's per-layer all-reduce is): the same protocol and fingerprint as
-        :meth:`all_reduce`, without its layers. None: not such a call (or not enabled)."""
-        if (
-            self.disabled_reason is not None
-            or type(tensor) is not torch.Tensor
-            or not tensor.is_cpu
-            or tensor.layout is not torch.strided
-            or tensor.dtype not in _SHM_DTYPE_SET
-        ):
-            return None
-        numel = tensor.numel()
-        if not 0 < numel * tensor.element_size() < PARALLEL_MIN_BYTES:
-            return None
-        if self._failure is not None:
-            raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
-        lines = self._lines
-        assert lines is not None  # enabled means mapped
-        shape, dtype = tensor.shape, tensor.dtype
-        lines.operation = "all_reduce"
-        lines.stamp(call_code("all_reduce", dtype, ReduceOp.SUM, 0), numel)
-        with self._desync_guard:
-            slots, s = self._one_piece(lines, tensor)
-        parts = [slots.shaped(s, r, dtype, shape) for r in range(self.world_size)]
-        return combine(parts, None, ReduceOp.SUM)
 
     def reduce_in_chain(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
         # The chain took this back end because its refusal was None: not asked again.
@@ -534,6 +508,7 @@ class ShmAllReduce(AllReduceBackend):
         return combine([slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)], out, op)
 
     def _release(self) -> None:
+        self.small.attach(None)
         self._lines = None
         if self._slots is not None:
             self._slots.close()

@@ -77,6 +77,10 @@ class SlotSegment:
             ),
         )
 
+    def address(self, s: int, r: int) -> int:
+        """Where slot ``r`` of set ``s`` starts in this process's mapping."""
+        return self._sets[s].data_ptr() + r * self.max_bytes
+
     def view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
         """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``."""
         return self._cached((s, r, dtype, n), lambda: self._rows(s, dtype)[r, :n])

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from device_communicators import checks
 from device_communicators.shm_all_reduce import ShmAllReduce
+from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import resolve_timeout
 
 from ..errors import (
@@ -96,6 +97,7 @@ class CommCore:
         self._windows: list[Any] = []  # Window objects (they only need close())
         self._local_pids: dict[int, int] = {}  # comm rank -> pid, peers with our host key
         self._lane: ShmLane | None = None  # None: no shared-memory path for this comm
+        self._done: dict[str, Work] = {}  # the finished work lean calls return, by operation
         self._on_timeout = self._weak_timeout_marker(self)
 
     # -- identity ----------------------------------------------------------
@@ -222,6 +224,28 @@ class CommCore:
         else:
             Completer.run_inline(work, c10d_works, finish)
             work.wait()
+        return work
+
+    def _lean(
+        self, op: str, call: Callable[[SmallCalls], torch.Tensor | None], *tensors: Any
+    ) -> Work | None:
+        """A small synchronous call on the shared-memory back end's lean path
+        (``device_communicators.shm_small``): ``call(small_calls)`` writes the result
+        in place. None: not such a call (``tensors`` not dense, the lane busy, the
+        comm not usable), and the general path checks and runs it."""
+        lane = self._lane
+        if lane is None or self._closed is not None or self._broken is not None:
+            return None
+        for t in tensors:
+            if type(t) is not torch.Tensor or not t.is_contiguous():
+                return None
+        small = lane.shm.small
+        if lane.run_now(op, self._timeout_s, lambda: call(small)) is None:
+            return None
+        # A finished work never changes again, so one per operation serves every call.
+        work = self._done.get(op)
+        if work is None:
+            work = self._done[op] = Work.completed(self._name, op, self._others())
         return work
 
     def _shm_takes(self, tensor: torch.Tensor, op: ReduceOp | None = None) -> bool:

@@ -38,6 +38,10 @@ class Reductions(CommCore):
         hints: Mapping[str, str] | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
+        if op is ReduceOp.SUM and async_op is False and hints is None and timeout is None:
+            done = self._lean("all_reduce", lambda small: small.all_reduce(tensor, tensor), tensor)
+            if done is not None:
+                return done
         tensor = self._tensor(tensor, "tensor")
         op = self._op(op, tensor.dtype, "tensor")
 
@@ -177,6 +181,15 @@ class Reductions(CommCore):
         hints: Mapping[str, str] | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
+        if op is ReduceOp.SUM and async_op is False and hints is None and timeout is None:
+            done = self._lean(
+                "reduce_scatter_single",
+                lambda small: small.reduce_scatter(input, 0, output),
+                input,
+                output,
+            )
+            if done is not None:
+                return done
         output = self._tensor(output, "output")
         input = self._tensor(input, "input")
         checks.dtype_match(output, input, "output", "input")

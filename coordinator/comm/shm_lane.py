@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from device_communicators.shm_all_reduce import ShmAllReduce
 
@@ -25,6 +26,7 @@ from ..errors import GroupcoordTimeoutError, PeerDiedError
 from .work import Work
 
 Run = Callable[[ShmAllReduce], None]
+T = TypeVar("T")
 _SETTLE_GRACE_S = 0.5
 
 
@@ -61,6 +63,23 @@ class ShmLane:
         if not async_op:
             work.wait()
 
+    def run_now(self, op: str, timeout_s: float, call: Callable[[], T | None]) -> T | None:
+        """``call()`` on the caller's thread, its waits bounded by ``timeout_s``, when
+        nothing is queued before it (a small synchronous call's lean path), else None
+        without calling it."""
+        with self._lock:
+            if self._queued or self._close_when_idle:
+                return None
+            self._inside += 1
+        try:
+            self.shm.set_timeout(timeout_s)
+            return call()
+        except (GroupcoordTimeoutError, PeerDiedError):
+            self._on_failure(op)
+            raise
+        finally:
+            self._leave(None)
+
     def _settle(self, work: Work, run: Run, inline: bool) -> None:
         try:
             # The op's deadline counts from its issue, however long it queued.
@@ -82,10 +101,10 @@ class ShmLane:
         finally:
             self._leave(work)
 
-    def _leave(self, work: Work) -> None:
+    def _leave(self, work: Work | None) -> None:
         with self._lock:
             self._inside -= 1
-            if work in self._queued:
+            if work is not None and work in self._queued:
                 self._queued.remove(work)
             if self._close_when_idle and self._inside == 0:
                 self.shm.close()  # under the lock: close() cannot abandon an unmapped one

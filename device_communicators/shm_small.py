@@ -1,0 +1,284 @@
+"""Small collectives through the shared-memory slots in one flat call.
+
+An engine makes many small collectives per step (a per-layer all-reduce of
+a few KiB, the logits' all-gather, a sequence-parallel reduce-scatter), and
+what those cost is Python and torch overhead, not bytes. ``SmallCalls`` runs
+a SUM all-reduce, an all-gather or a reduce-scatter of a dense CPU tensor
+under ``PARALLEL_MIN_BYTES`` with exactly the protocol and fingerprint of
+``ShmAllReduce``'s general path (one generation, one barrier, the same
+stamp), so a rank on this path and a rank on the general one meet as usual.
+What a call needs beyond its tensor is worked out once per (dtype, shape,
+dim) and kept in a :class:`_Plan`: the fingerprint, the byte count, the
+address of this rank's slot in each set and every view the call reads. A
+call is then: stamp, one ``memmove`` in (a ``copy_`` for a strided tensor),
+publish, wait, one torch op out. Anything it does not take (it returns None)
+goes the general way, which raises the errors for bad arguments.
+
+4 KiB at world 2 on the 2-core machine (``benchmarks/bench_collectives.py``):
+see ``docs/cpu_communicator.md`` for the numbers before and after.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Protocol
+
+import torch
+from torch.distributed import ReduceOp
+
+from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
+from .shm_phases import PhaseLines, call_code
+from .shm_reduce import PARALLEL_MIN_BYTES, SHM_DTYPES, combine
+from .shm_slots import SlotSegment
+
+__all__ = ["SmallCalls"]
+
+_SHM_DTYPES = frozenset(SHM_DTYPES)
+_HALF = (torch.float16, torch.bfloat16)
+_PLAN_ENTRIES = 512  # plans kept per operation (a workload repeats a few shapes)
+_memmove = ctypes.memmove
+
+
+class _Owner(Protocol):
+    """The ``ShmAllReduce`` whose slots, generations and failure state the calls share."""
+
+    what: str
+    rank_in_group: int
+    generation: int
+    _failure: str | None
+    _lines: PhaseLines | None
+
+
+class _Plan:
+    """What one kind of call (operation, dtype, shape, dim) needs, for both slot sets."""
+
+    __slots__ = ("code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim", "pair")
+
+    def __init__(
+        self,
+        code: int,
+        tensor: torch.Tensor,
+        slots: SlotSegment,
+        rank: int,
+        reads: tuple[Any, Any],
+        out_shape: torch.Size,
+        dim: int = 0,
+    ) -> None:
+        self.code = code
+        self.count = tensor.numel()
+        self.nbytes = self.count * tensor.element_size()
+        # This rank's slot in each set: as an address (memmove) and as a view
+        # shaped like the tensor (copy_ from a strided one).
+        self.address = (slots.address(0, rank), slots.address(1, rank))
+        self.mine = tuple(slots.shaped(s, rank, tensor.dtype, tensor.shape) for s in (0, 1))
+        self.reads = reads
+        self.out_shape = out_shape  # the result's
+        self.dim = dim  # an all-gather's: the axis the ranks' tensors are joined on
+        # Two ranks and no fp32 accumulation: one torch.add makes the result.
+        self.pair = slots.world_size == 2 and tensor.dtype not in _HALF
+
+
+def _takes(plan: _Plan, out: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """Whether ``out`` (when given) can hold the result: its shape and dtype, dense."""
+    return out is None or (
+        type(out) is torch.Tensor
+        and out.shape == plan.out_shape
+        and out.dtype == tensor.dtype
+        and out.is_cpu
+        and out.is_contiguous()
+    )
+
+
+# Plans by (dtype, shape[, dim]); None: such calls take the general path.
+_Plans = dict[tuple, "_Plan | None"]
+_UNSEEN: Any = object()
+
+
+class SmallCalls:
+    """The lean path of small calls for one ``ShmAllReduce`` (see the module docstring).
+
+    Each method returns the result, or None when the call is not a small
+    call it takes (or the shared-memory path is not up): then the caller runs
+    the general path with the same arguments.
+    """
+
+    def __init__(self, owner: _Owner) -> None:
+        self.owner = owner
+        self.slots: SlotSegment | None = None
+        self._plans: tuple[_Plans, _Plans, _Plans] = ({}, {}, {})
+
+    def attach(self, slots: SlotSegment | None) -> None:
+        """The slots to use from now on (None: the path is down); plans of the old ones go."""
+        self.slots = slots
+        for plans in self._plans:
+            plans.clear()
+
+    # ---- the three calls ------------------------------------------------------------
+    # ``out``: write the result there instead of a new tensor; it must have the
+    # result's shape and dtype (else None). The input is copied in before anything
+    # is written, so ``out`` may be the input itself.
+
+    def all_reduce(
+        self, tensor: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """A SUM all-reduce."""
+        if type(tensor) is not torch.Tensor or not tensor.is_cpu or self.slots is None:
+            return None
+        plans = self._plans[0]
+        key = (tensor.dtype, tensor.shape)
+        plan = plans.get(key, _UNSEEN)
+        if plan is _UNSEEN:
+            plan = self._remember(plans, key, self._sum_plan(tensor))
+        if plan is None or tensor.layout is not torch.strided or not _takes(plan, out, tensor):
+            return None
+        return self._sum(plan.reads[self._exchange(plan, tensor, "all_reduce")], plan, out)
+
+    def all_gather(
+        self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Every rank's tensor concatenated along ``dim`` (rank-major)."""
+        if (
+            type(tensor) is not torch.Tensor
+            or type(dim) is not int
+            or not tensor.is_cpu
+            or self.slots is None
+        ):
+            return None
+        plans = self._plans[1]
+        key = (tensor.dtype, tensor.shape, dim)
+        plan = plans.get(key, _UNSEEN)
+        if plan is _UNSEEN:
+            plan = self._remember(plans, key, self._gather_plan(tensor, dim))
+        if plan is None or tensor.layout is not torch.strided or not _takes(plan, out, tensor):
+            return None
+        parts = plan.reads[self._exchange(plan, tensor, "all_gather")]
+        # cat: 1.4 us at 4 KiB; a clone of a (world, *shape) view then a view of the
+        # result's shape cost twice that.
+        return torch.cat(parts, plan.dim) if out is None else torch.cat(parts, plan.dim, out=out)
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The SUM over the group of this rank's equal slice along ``dim``."""
+        if (
+            type(tensor) is not torch.Tensor
+            or type(dim) is not int
+            or not tensor.is_cpu
+            or self.slots is None
+        ):
+            return None
+        plans = self._plans[2]
+        key = (tensor.dtype, tensor.shape, dim)
+        plan = plans.get(key, _UNSEEN)
+        if plan is _UNSEEN:
+            plan = self._remember(plans, key, self._scatter_plan(tensor, dim))
+        if plan is None or tensor.layout is not torch.strided or not _takes(plan, out, tensor):
+            return None
+        return self._sum(plan.reads[self._exchange(plan, tensor, "reduce_scatter")], plan, out)
+
+    @staticmethod
+    def _sum(parts: list[torch.Tensor], plan: _Plan, out: torch.Tensor | None) -> torch.Tensor:
+        if not plan.pair:
+            return combine(parts, out, ReduceOp.SUM)
+        if out is None:
+            return torch.add(parts[0], parts[1])
+        return torch.add(parts[0], parts[1], out=out)
+
+    # ---- one call ---------------------------------------------------------------------
+
+    def _exchange(self, plan: _Plan, tensor: torch.Tensor, operation: str) -> int:
+        """Stamp, copy in, publish, wait for every rank: the set now readable."""
+        owner = self.owner
+        if owner._failure is not None:
+            raise ClosedError(
+                f"{owner.what} is unusable after an earlier failure: {owner._failure}"
+            )
+        lines = owner._lines
+        assert lines is not None  # slots attached means mapped
+        lines.operation = operation
+        lines.stamp(plan.code, plan.count)
+        gen = owner.generation + 1
+        owner.generation = lines.generation = gen
+        s = gen & 1
+        if tensor.is_contiguous():
+            _memmove(plan.address[s], tensor.data_ptr(), plan.nbytes)
+        else:
+            plan.mine[s].copy_(tensor)
+        lines.publish(2 * gen - 1)
+        try:
+            lines.wait_all(2 * gen - 1)
+        except (GroupcoordTimeoutError, PeerDiedError) as exc:
+            # The peers no longer agree on the generation: the path is done for.
+            owner._failure = str(exc)
+            raise
+        return s
+
+    # ---- plans --------------------------------------------------------------------------
+
+    @staticmethod
+    def _remember(plans: _Plans, key: tuple, plan: _Plan | None) -> _Plan | None:
+        """Keep ``plan`` (None too: such calls take the general path) for ``key``."""
+        if len(plans) >= _PLAN_ENTRIES:
+            plans.clear()
+        plans[key] = plan
+        return plan
+
+    def _fits(self, tensor: torch.Tensor) -> bool:
+        """Small enough for one piece that torch would not split over threads."""
+        slots = self.slots
+        assert slots is not None
+        nbytes = tensor.numel() * tensor.element_size()
+        return (
+            tensor.dtype in _SHM_DTYPES
+            and tensor.layout is torch.strided
+            and 0 < nbytes < PARALLEL_MIN_BYTES
+            and nbytes <= slots.max_bytes
+        )
+
+    def _sum_plan(self, tensor: torch.Tensor) -> _Plan | None:
+        if not self._fits(tensor):
+            return None
+        slots = self.slots
+        assert slots is not None
+        dtype, shape = tensor.dtype, tensor.shape
+        reads = tuple(
+            [slots.shaped(s, r, dtype, shape) for r in range(slots.world_size)] for s in (0, 1)
+        )
+        code = call_code("all_reduce", dtype, ReduceOp.SUM, 0)
+        rank = self.owner.rank_in_group
+        return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), shape)
+
+    def _gather_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
+        if not self._fits(tensor) or not -tensor.dim() <= dim < tensor.dim():
+            return None
+        slots = self.slots
+        assert slots is not None
+        dtype, shape, world = tensor.dtype, tensor.shape, slots.world_size
+        dim %= tensor.dim()
+        reads = tuple([slots.shaped(s, r, dtype, shape) for r in range(world)] for s in (0, 1))
+        out_shape = list(shape)
+        out_shape[dim] *= world
+        code = call_code("all_gather", dtype, None, 0)
+        rank = self.owner.rank_in_group
+        return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), torch.Size(out_shape), dim)
+
+    def _scatter_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
+        if not self._fits(tensor) or not -tensor.dim() <= dim < tensor.dim():
+            return None
+        slots = self.slots
+        assert slots is not None
+        dtype, shape, world = tensor.dtype, tensor.shape, slots.world_size
+        dim %= tensor.dim()
+        if shape[dim] % world:
+            return None
+        chunk = shape[dim] // world
+        rank = self.owner.rank_in_group
+        reads = tuple(
+            [
+                slots.shaped(s, r, dtype, shape).narrow(dim, rank * chunk, chunk)
+                for r in range(world)
+            ]
+            for s in (0, 1)
+        )
+        code = call_code("reduce_scatter", dtype, ReduceOp.SUM, 0)
+        return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), reads[0][0].shape)

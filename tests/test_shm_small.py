@@ -1,0 +1,220 @@
+"""The lean path of small calls (device_communicators.shm_small) on real forked ranks:
+the same results and protocol as the general path, and everything else left to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator.errors import DesyncError
+from coordinator.launch import init_gloo, run_ranks
+
+
+def _group(rank: int, world: int, name: str) -> Any:
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo(rank, world)
+    return GroupCoordinator([list(range(world))], rank, "gloo", True, group_name=name)
+
+
+def _no_general_path(*args: object) -> None:
+    raise AssertionError("a small call left the lean path")
+
+
+def _lean_small_sums(rank: int, world: int) -> bool:
+    group = _group(rank, world, "lean")
+    try:
+        shm = group.device_communicator.shm_all_reduce
+        eager, group._all_reduce_eager = group._all_reduce_eager, _no_general_path
+        total = sum(range(1, world + 1))
+        for x in (
+            torch.full((1024,), rank + 1.0),
+            torch.full((3, 4), rank + 1, dtype=torch.int64).t(),
+            torch.tensor(rank + 1.0, dtype=torch.bfloat16),
+            torch.full((7,), rank + 1.0, dtype=torch.float64),
+        ):
+            before = shm.generation
+            got = group.all_reduce(x)
+            assert shm.generation == before + 1, "one generation, one barrier"
+            assert torch.equal(got, torch.full_like(x, total)) and got.shape == x.shape
+        # Not small, not a plain tensor, or not a shm dtype: the general path.
+        group._all_reduce_eager = eager
+        big = group.all_reduce(torch.ones(16384))  # 64 KiB
+        assert torch.equal(big, torch.full((16384,), float(world)))
+        assert torch.equal(
+            group.all_reduce(torch.ones(4, dtype=torch.int8)),
+            torch.full((4,), world, dtype=torch.int8),
+        )
+        with pytest.raises(TypeError, match="input_ must be a torch.Tensor"):
+            group.all_reduce([1.0, 2.0])
+        return True
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_sums_take_the_lean_path_and_others_the_general_one(world: int) -> None:
+    assert run_ranks(_lean_small_sums, world, timeout=60) == [True] * world
+
+
+def _rank_tensor(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float64) * (rank + 2) + rank).to(dtype).view(shape)
+
+
+# (shape, dim, dtype, strided): an engine's shapes, every shm dtype, views with odd strides.
+_CASES = [
+    ((1024,), 0, torch.float32, False),
+    ((1024,), -1, torch.float32, False),
+    ((6, 12), -1, torch.float32, False),
+    ((6, 12), 0, torch.bfloat16, False),
+    ((2, 6, 4), 1, torch.float16, False),
+    ((12, 6), 0, torch.int64, True),  # a transposed view: copied with copy_, not memmove
+    ((6, 12), 1, torch.int32, True),
+    ((6,), 0, torch.float64, False),
+]
+
+
+def _tensor_for(rank: int, shape: tuple[int, ...], dtype: torch.dtype, strided: bool) -> Any:
+    if strided:
+        return _rank_tensor(rank, shape[::-1], dtype).t()
+    return _rank_tensor(rank, shape, dtype)
+
+
+def _lean_gathers_and_scatters(rank: int, world: int) -> bool:
+    group = _group(rank, world, "lean-ag-rs")
+    try:
+        shm = group.device_communicator.shm_all_reduce
+        ag, group._all_gather_eager = group._all_gather_eager, _no_general_path
+        rs, group._reduce_scatter_eager = group._reduce_scatter_eager, _no_general_path
+        for shape, dim, dtype, strided in _CASES:
+            shape = tuple(s * world if i == (dim % len(shape)) else s for i, s in enumerate(shape))
+            x = _tensor_for(rank, shape, dtype, strided)
+            everyone = [_tensor_for(r, shape, dtype, strided) for r in range(world)]
+            before = shm.generation
+            got = group.all_gather(x, dim)
+            assert shm.generation == before + 1, "one generation, one barrier"
+            want = torch.cat(everyone, dim)
+            assert got.is_contiguous() and got.dtype == dtype
+            assert torch.equal(got, want), (shape, dim, dtype)
+            before = shm.generation
+            got = group.reduce_scatter(x, dim)
+            assert shm.generation == before + 1
+            wide = dtype in (torch.float16, torch.bfloat16)
+            total = everyone[0].float() if wide else everyone[0].clone()
+            for t in everyone[1:]:
+                total = total + (t.float() if wide else t)
+            want = total.to(dtype).chunk(world, dim)[rank]
+            assert got.is_contiguous() and got.dtype == dtype
+            assert torch.equal(got, want), (shape, dim, dtype)
+        # What the lean path does not take goes the general way, which checks it.
+        group._all_gather_eager, group._reduce_scatter_eager = ag, rs
+        with pytest.raises(ValueError, match="dim=1 is out of range"):
+            group.all_gather(torch.ones(4), 1)
+        with pytest.raises(TypeError, match="dim must be an int"):
+            group.reduce_scatter(torch.ones(4), "0")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="not divisible"):
+            group.reduce_scatter(torch.ones(world * 2 + 1), 0)
+        big = torch.full((16384,), float(rank))  # 64 KiB: the general path
+        assert torch.equal(
+            group.all_gather(big, 0).view(world, -1)[:, 0], torch.arange(float(world))
+        )
+        # The group is in step after the refusals: a lean call still agrees everywhere.
+        assert torch.equal(group.all_gather(torch.tensor([rank]), 0), torch.arange(world))
+        return True
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_gathers_and_scatters_take_the_lean_path_with_exact_results(world: int) -> None:
+    assert run_ranks(_lean_gathers_and_scatters, world, timeout=60) == [True] * world
+
+
+def _mixed_paths(rank: int, world: int) -> list[str]:
+    group = _group(rank, world, "lean-mixed")
+    try:
+        x = torch.arange(8.0) + 100 * rank
+        # Rank 0 takes the lean path, the others the general one: one protocol.
+        if rank == 0:
+            got = group.all_gather(x, 0)
+            summed = group.reduce_scatter(x, 0)
+        else:
+            got = group._all_gather_eager(x, 0)
+            summed = group._reduce_scatter_eager(x, 0)
+        assert torch.equal(got, torch.cat([torch.arange(8.0) + 100 * r for r in range(world)]))
+        full = sum(torch.arange(8.0) + 100 * r for r in range(world))
+        assert torch.equal(summed, full.chunk(world)[rank])
+        # A lean rank that disagrees with a general one is told so, naming both sides.
+        errors = []
+        mine = torch.ones(1024 if rank == 0 else 16384)  # 4 KiB lean, 64 KiB general
+        with pytest.raises(DesyncError) as caught:
+            group.all_gather(mine, 0)
+        errors.append(str(caught.value))
+        with pytest.raises(DesyncError) as caught:
+            group.reduce_scatter(torch.ones(world * (256 if rank == 0 else 4096)), 0)
+        errors.append(str(caught.value))
+        # Still usable.
+        assert torch.equal(group.all_reduce(torch.ones(3)), torch.full((3,), float(world)))
+        return errors
+    finally:
+        group.destroy()
+
+
+def test_lean_and_general_ranks_meet_and_disagreements_name_both_sides() -> None:
+    for errors in run_ranks(_mixed_paths, 2, timeout=60):
+        assert "all_gather(float32[1024])" in errors[0]
+        assert "all_gather(float32[16384])" in errors[0]
+        assert "reduce_scatter(float32[512], SUM)" in errors[1]
+        assert "reduce_scatter(float32[8192], SUM)" in errors[1]
+
+
+def _comm_lean(rank: int, world: int) -> bool:
+    from coordinator.comm import ReduceOp, WorkStatus, new_comm
+
+    comm = new_comm("gloo", "cpu", "lean-comm", timeout=20)
+    try:
+        assert comm._lane is not None
+        shm = comm._lane.shm
+        x = torch.full((1024,), rank + 1.0)
+        before = shm.generation
+        work = comm.all_reduce(x)
+        assert shm.generation == before + 1 and work.status is WorkStatus.COMPLETED
+        assert work.wait() and torch.equal(x, torch.full((1024,), world * (world + 1) / 2))
+        out = torch.empty(world * 3, dtype=torch.int64)
+        before = shm.generation
+        comm.all_gather_single(out, torch.arange(3) + 10 * rank)
+        assert shm.generation == before + 1
+        assert out.tolist() == [10 * r + i for r in range(world) for i in range(3)]
+        part = torch.empty(2)
+        before = shm.generation
+        comm.reduce_scatter_single(part, torch.arange(2.0 * world))
+        assert shm.generation == before + 1
+        assert part.tolist() == [world * (2.0 * rank + i) for i in range(2)]
+        # Not for the lean path: other ops, other shapes, bad arguments (still refused).
+        y = torch.full((4,), rank + 1.0)
+        comm.all_reduce(y, ReduceOp.MAX)
+        assert y.tolist() == [float(world)] * 4
+        with pytest.raises(ValueError, match="contiguous"):
+            comm.all_reduce(torch.ones(4, 4).t())
+        with pytest.raises(ValueError, match="output"):
+            comm.all_gather_single(torch.empty(world * 3 + 1), torch.ones(3))
+        # Behind an asynchronous call the lean path steps aside: the lane keeps the order.
+        first = torch.full((1024,), 1.0)
+        pending = comm.all_reduce(first, async_op=True)
+        second = torch.full((1024,), 2.0)
+        comm.all_reduce(second)
+        pending.wait()
+        assert first[0].item() == world and second[0].item() == 2 * world
+        return True
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_comm_small_calls_take_the_lean_path_in_place(world: int) -> None:
+    assert run_ranks(_comm_lean, world, timeout=60) == [True] * world
