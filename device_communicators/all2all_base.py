@@ -126,12 +126,6 @@ def register_communicator(communicator: Any) -> None:
     _COMMUNICATORS[id(communicator.cpu_group)] = communicator
 
 
-_ELASTIC_EP = (
-    "resizing the EP group in place (elastic EP): groupcoord's groups are fixed at "
-    "initialization; call destroy_model_parallel() and initialize_model_parallel() again"
-)
-
-
 class All2AllManagerBase:
     """Common bookkeeping: argument checks, token counts, the dispatch/combine pairing.
 
@@ -367,8 +361,21 @@ class All2AllManagerBase:
         return None
 
     get_handle = unsupported("get_handle", "handles of vendor all2all kernels (DeepEP, pplx, ...)")
-    stage_ep_size = unsupported("stage_ep_size", _ELASTIC_EP)
-    commit_ep_size = unsupported("commit_ep_size", _ELASTIC_EP)
+
+    # Elastic EP: vLLM builds standby groups of the new size, calls stage_ep_size()
+    # on the standby EP group's manager, switches to those groups, then commits.
+    # Managers that connect ranks incrementally (NIXL EP) connect the new ranks
+    # masked at stage and unmask them at commit. A groupcoord manager is built for
+    # its group's size and membership and holds nothing sized by other ranks, so
+    # it is complete at construction: both steps only check it is open.
+
+    def stage_ep_size(self) -> None:
+        """Elastic EP's first step: nothing to prepare (see above); not collective."""
+        self._check_open("stage_ep_size")
+
+    def commit_ep_size(self) -> None:
+        """Elastic EP's second step: nothing to switch (see above); not collective."""
+        self._check_open("commit_ep_size")
 
     # ----------------------------------------------------------- for subclasses
     def _dispatch(self, tensors: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:

@@ -151,6 +151,10 @@ def _misuse_rank(rank: int, world_size: int, backend: str):
         manager.dispatch_router_logits(torch.ones(n, 4), torch.zeros(n, 2))
     except ClosedError as exc:
         messages.append(str(exc))
+    try:
+        manager.stage_ep_size()
+    except ClosedError as exc:
+        messages.append(str(exc))
     return messages
 
 
@@ -158,7 +162,7 @@ def _misuse_rank(rank: int, world_size: int, backend: str):
 def test_bad_calls_raise_and_leave_manager_usable(backend):
     results = run_ranks(_misuse_rank, 2, backend, timeout=60)
     for messages in results:
-        assert len(messages) == 8, messages
+        assert len(messages) == 9, messages
         assert "hidden_states must be 2-D" in messages[0]
         assert "router_logits must have 3 rows" in messages[1]
         assert "router_logits must be a torch.Tensor" in messages[2]
@@ -167,6 +171,7 @@ def test_bad_calls_raise_and_leave_manager_usable(backend):
         assert "must have 3 rows" in messages[5]
         assert "token_counts() states" in messages[6]
         assert "after destroy()" in messages[7]
+        assert "stage_ep_size after destroy()" in messages[8]
 
 
 def _prepared_rank(rank: int, world_size: int):
@@ -286,9 +291,13 @@ def _vllm_style_manager_rank(rank: int, world_size: int) -> dict:
     manager.set_num_sms(16)
     with pytest.raises(GroupcoordValueError, match="num_sms"):
         manager.set_num_sms(0)
-    for name in ("stage_ep_size", "commit_ep_size", "get_handle"):
-        with pytest.raises(NotSupportedError, match="not supported by groupcoord"):
-            getattr(manager, name)() if name != "get_handle" else manager.get_handle({})
+    with pytest.raises(NotSupportedError, match="not supported by groupcoord"):
+        manager.get_handle({})
+    # Elastic EP's two steps: the manager is already built for its group.
+    manager.stage_ep_size()
+    manager.commit_ep_size()
+    restaged, _, _ = manager.dispatch(hidden, weights, ids)
+    result["restaged_ok"] = torch.allclose(manager.combine(restaged), hidden * world_size)
     # Fault queries: every peer lives, nothing changed since the recovery point.
     result["mask"] = manager.query_active_mask().tolist()
     result["fault"] = bool(manager.query_fault())
@@ -338,6 +347,7 @@ def test_a_manager_built_the_vllm_way_from_its_cpu_group():
             "alone_ok": True,
             "alone_weights_ok": True,
             "after_checkpoint_ok": True,
+            "restaged_ok": True,
         }
 
 

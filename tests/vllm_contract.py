@@ -86,6 +86,12 @@ NOTES = {
     "base_device_communicator.All2AllManagerBase.mask_remote_ranks": (
         "dispatch/combine stay on this rank"
     ),
+    "base_device_communicator.All2AllManagerBase.stage_ep_size": (
+        "nothing to stage: a manager is built for its (standby) group's size"
+    ),
+    "base_device_communicator.All2AllManagerBase.commit_ep_size": (
+        "nothing to switch: a manager is built for its (standby) group's size"
+    ),
     "pynccl.defer_comm_warmup_on_rocm": "False: CUDA only, warm-up at construction",
 }
 
