@@ -34,12 +34,12 @@ def mocked_communicator(world: int, version_code: int = 22809) -> Iterator[tuple
     """A PyNcclCommunicator over the default group, bound to a fresh mock."""
     import torch.distributed as dist
 
-    from device_communicators import pynccl, pynccl_wrapper
+    from device_communicators import pynccl_setup, pynccl_wrapper
     from device_communicators.pynccl import PyNcclCommunicator
 
     mock = MockNccl(version_code)
     pynccl_wrapper._LIBRARIES[LIB] = mock.library(LIB)
-    pynccl._as_device = lambda device: torch.device("cpu")  # this process only (a rank)
+    pynccl_setup._as_device = lambda device: torch.device("cpu")  # this process only (a rank)
     torch.cuda.current_stream = lambda device=None: FakeStream()  # type: ignore[assignment]
     torch.cuda.is_available = lambda: False  # also on a GPU machine: no device to enter
     comm = PyNcclCommunicator(
