@@ -29,7 +29,8 @@ from .errors import (
     GroupcoordTypeError,
     GroupcoordValueError,
 )
-from .pynccl_wrapper import NcclDataType, NcclError, NcclLibrary, NcclRedOp, load_nccl_library
+from .nccl_abi import NcclDataType, NcclRedOp
+from .pynccl_wrapper import NcclError, NcclLibrary, load_nccl_library
 
 __all__ = ["PyNcclBase", "nccl_data_type", "nccl_red_op"]
 

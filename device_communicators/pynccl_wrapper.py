@@ -1,6 +1,6 @@
 """NCCL through ctypes: one table of C functions, one ``check``, library discovery.
 
-The table (:data:`NCCL_FUNCTIONS`) is the only place that knows NCCL's C
+The table (``nccl_abi.NCCL_FUNCTIONS``) is the only place that knows NCCL's C
 signatures; :class:`NcclLibrary` loads ``libnccl.so.2`` once per path, binds
 the table and offers thin methods that take plain integers (device pointers,
 counts, enum values, stream handles). Nothing here imports torch, so the
@@ -11,8 +11,6 @@ machine without a GPU.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import enum
 import importlib.util
 import os
 import threading
@@ -21,6 +19,17 @@ from typing import Any
 from shm_broadcast.config import get_config
 
 from .errors import BackendUnavailableError, GroupcoordError, GroupcoordValueError
+from .nccl_abi import (
+    NCCL_FUNCTIONS,
+    NCCL_RESULT_NAMES,
+    NCCL_UNIQUE_ID_BYTES,
+    NcclDataType,
+    NcclFunction,
+    NcclRedOp,
+    ncclComm_t,
+    ncclUniqueId,
+    ncclWindow_t,
+)
 
 __all__ = [
     "NCCLLibrary",
@@ -37,167 +46,8 @@ __all__ = [
     "parse_nccl_version",
 ]
 
-NCCL_UNIQUE_ID_BYTES = 128
 _WHEEL_RELATIVE_PATH = os.path.join("lib", "libnccl.so.2")
 _LOADER_NAME = "libnccl.so.2"
-
-# C type aliases, named as in nccl.h so each row of the table reads like the header.
-ncclResult_t = ctypes.c_int
-ncclComm_t = ctypes.c_void_p
-ncclWindow_t = ctypes.c_void_p
-ncclDataType_t = ctypes.c_int
-ncclRedOp_t = ctypes.c_int
-cudaStream_t = ctypes.c_void_p
-buffer_type = ctypes.c_void_p
-
-
-class ncclUniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
-
-
-class NcclDataType(enum.IntEnum):
-    INT8 = 0
-    UINT8 = 1
-    INT32 = 2
-    UINT32 = 3
-    INT64 = 4
-    UINT64 = 5
-    FLOAT16 = 6
-    FLOAT32 = 7
-    FLOAT64 = 8
-    BFLOAT16 = 9
-    # Added in NCCL 2.24; older libraries answer ncclInvalidArgument.
-    FLOAT8E4M3 = 10
-    FLOAT8E5M2 = 11
-
-
-class NcclRedOp(enum.IntEnum):
-    SUM = 0
-    PROD = 1
-    MAX = 2
-    MIN = 3
-    AVG = 4
-
-
-# ncclResult_t values (nccl.h). ncclTimeout (8) is recent; an older library
-# answers "unknown result code" for it, which check() still reports.
-NCCL_RESULT_NAMES: dict[int, str] = {
-    0: "ncclSuccess",
-    1: "ncclUnhandledCudaError",
-    2: "ncclSystemError",
-    3: "ncclInternalError",
-    4: "ncclInvalidArgument",
-    5: "ncclInvalidUsage",
-    6: "ncclRemoteError",
-    7: "ncclInProgress",
-    8: "ncclTimeout",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class NcclFunction:
-    """One row of the binding table: a C function and its signature."""
-
-    name: str
-    restype: Any
-    argtypes: tuple[Any, ...]
-    required: bool = True
-
-
-_P = ctypes.POINTER
-NCCL_FUNCTIONS: tuple[NcclFunction, ...] = (
-    NcclFunction("ncclGetVersion", ncclResult_t, (_P(ctypes.c_int),)),
-    NcclFunction("ncclGetErrorString", ctypes.c_char_p, (ncclResult_t,)),
-    NcclFunction("ncclGetLastError", ctypes.c_char_p, (ncclComm_t,)),
-    NcclFunction("ncclGetUniqueId", ncclResult_t, (_P(ncclUniqueId),)),
-    NcclFunction(
-        "ncclCommInitRank", ncclResult_t, (_P(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int)
-    ),
-    NcclFunction("ncclCommDestroy", ncclResult_t, (ncclComm_t,)),
-    NcclFunction("ncclCommAbort", ncclResult_t, (ncclComm_t,)),
-    NcclFunction(
-        "ncclAllReduce",
-        ncclResult_t,
-        (
-            buffer_type,
-            buffer_type,
-            ctypes.c_size_t,
-            ncclDataType_t,
-            ncclRedOp_t,
-            ncclComm_t,
-            cudaStream_t,
-        ),
-    ),
-    NcclFunction(
-        "ncclReduce",
-        ncclResult_t,
-        (
-            buffer_type,
-            buffer_type,
-            ctypes.c_size_t,
-            ncclDataType_t,
-            ncclRedOp_t,
-            ctypes.c_int,
-            ncclComm_t,
-            cudaStream_t,
-        ),
-    ),
-    NcclFunction(
-        "ncclAllGather",
-        ncclResult_t,
-        (buffer_type, buffer_type, ctypes.c_size_t, ncclDataType_t, ncclComm_t, cudaStream_t),
-    ),
-    NcclFunction(
-        "ncclReduceScatter",
-        ncclResult_t,
-        (
-            buffer_type,
-            buffer_type,
-            ctypes.c_size_t,
-            ncclDataType_t,
-            ncclRedOp_t,
-            ncclComm_t,
-            cudaStream_t,
-        ),
-    ),
-    NcclFunction(
-        "ncclBroadcast",
-        ncclResult_t,
-        (
-            buffer_type,
-            buffer_type,
-            ctypes.c_size_t,
-            ncclDataType_t,
-            ctypes.c_int,
-            ncclComm_t,
-            cudaStream_t,
-        ),
-    ),
-    NcclFunction(
-        "ncclSend",
-        ncclResult_t,
-        (buffer_type, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t),
-    ),
-    NcclFunction(
-        "ncclRecv",
-        ncclResult_t,
-        (buffer_type, ctypes.c_size_t, ncclDataType_t, ctypes.c_int, ncclComm_t, cudaStream_t),
-    ),
-    NcclFunction("ncclGroupStart", ncclResult_t, ()),
-    NcclFunction("ncclGroupEnd", ncclResult_t, ()),
-    # Optional: symmetric-memory windows (2.27+) and NCCL's allocator (2.19+).
-    NcclFunction(
-        "ncclCommWindowRegister",
-        ncclResult_t,
-        (ncclComm_t, buffer_type, ctypes.c_size_t, _P(ncclWindow_t), ctypes.c_int),
-        required=False,
-    ),
-    NcclFunction(
-        "ncclCommWindowDeregister", ncclResult_t, (ncclComm_t, ncclWindow_t), required=False
-    ),
-    NcclFunction("ncclMemAlloc", ncclResult_t, (_P(buffer_type), ctypes.c_size_t), required=False),
-    NcclFunction("ncclMemFree", ncclResult_t, (buffer_type,), required=False),
-)
 
 
 class NcclError(GroupcoordError, RuntimeError):
