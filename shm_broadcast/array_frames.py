@@ -1,5 +1,5 @@
-"""Tensors and numpy arrays as frames: the dtype names on the wire, a byte view
-of a tensor's own memory for sending, and the one copy that rebuilds it.
+"""Tensors and numpy arrays as frames: a tensor's binary header on the wire
+(dtype code, frame index, dims), dtype names, and the one copy that rebuilds it.
 
 torch and numpy are imported only when a tensor or array is met, so a
 pure-Python scheduler can use the codec without paying for torch.
@@ -7,7 +7,7 @@ pure-Python scheduler can use the codec without paying for torch.
 
 from __future__ import annotations
 
-import ctypes
+import struct
 from typing import Any
 
 from .errors import GroupcoordTypeError, ProtocolError
@@ -21,6 +21,22 @@ _QUANTIZED = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
 
 # Decoded tensors at least this big get their memory from torch, not a bytearray.
 _LARGE_DECODE_BYTES = 64 * 1024
+
+# A tensor on the wire: u8 dtype code | u32 frame index | u64 per dim. The code
+# is the dtype's index in this table, which is part of the wire format: append
+# only. A dtype the local torch lacks decodes to a ProtocolError.
+WIRE_DTYPES = (
+    "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+)  # fmt: skip
+DTYPE_CODES: dict[Any, int] = {}  # torch dtype -> its code, filled on first use
+_BY_CODE: list[Any] = []  # code -> torch dtype (None where this torch lacks it)
+_TENSOR_META: dict[int, struct.Struct] = {}  # ndim -> layout of the tensor's header
+_TENSOR_META_BY_SIZE: dict[int, struct.Struct] = {}  # its byte size -> the same
 
 
 def dtype_name(dtype: Any) -> str:
@@ -47,6 +63,46 @@ def torch_dtype(name: str) -> Any:
     return dtype
 
 
+def dtype_code(dtype: Any) -> int:
+    """A torch dtype's code on the wire (the encoder keeps the answers in ``DTYPE_CODES``)."""
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        name = dtype_name(dtype)
+        if name not in WIRE_DTYPES:
+            raise GroupcoordTypeError(
+                f"cannot encode a tensor of dtype {dtype}: not in the wire table"
+            )
+        code = DTYPE_CODES[dtype] = WIRE_DTYPES.index(name)
+    return code
+
+
+def tensor_meta(code: int, frame: int, shape: Any) -> bytes:
+    """The wire header of a tensor: dtype code, frame index, shape."""
+    layout = _TENSOR_META.get(len(shape))
+    if layout is None:
+        layout = _TENSOR_META[len(shape)] = struct.Struct("<BI" + "Q" * len(shape))
+    return layout.pack(code, frame, *shape)
+
+
+def read_tensor_meta(data: Any) -> tuple[Any, int, list[int]]:
+    """(torch dtype, frame index, shape) from a tensor's wire header."""
+    layout = _TENSOR_META_BY_SIZE.get(len(data))
+    if layout is None:
+        ndim, rest = divmod(len(data) - 5, 8)
+        if ndim < 0 or rest:
+            raise ProtocolError(f"a tensor header of {len(data)} bytes")
+        layout = _TENSOR_META_BY_SIZE[len(data)] = struct.Struct("<BI" + "Q" * ndim)
+    code, frame, *shape = layout.unpack(data)
+    if not _BY_CODE:
+        import torch
+
+        _BY_CODE.extend(getattr(torch, name, None) for name in WIRE_DTYPES)
+    dtype = _BY_CODE[code] if code < len(_BY_CODE) else None
+    if dtype is None:
+        raise ProtocolError(f"tensor dtype code {code} is not known to this torch")
+    return dtype, frame, shape
+
+
 def plain_cpu_tensor(t: Any) -> Any:
     """``t`` as a dense CPU tensor with no autograd, conjugate or negative bit (each
     step taken only when needed: this is the hot path of small-tensor messages)."""
@@ -65,24 +121,18 @@ def plain_cpu_tensor(t: Any) -> Any:
     return t
 
 
-def memory_view(address: int, nbytes: int) -> memoryview:
-    """A uint8 view of ``nbytes`` at ``address`` (no copy): its owner must outlive it."""
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
-def decode_tensor(name: str, shape: list[int], frame: memoryview, owned: bool = False) -> Any:
+def decode_tensor(dtype: Any, shape: list[int], frame: memoryview, owned: bool = False) -> Any:
     """The tensor a frame holds: one copy out of ``frame``, or none when ``owned``
     (the frame is a buffer made for this message, which the tensor then keeps)."""
     import torch
 
-    dtype = torch_dtype(name)
     nbytes = len(frame)
     numel = 1
     for dim in shape:
         numel *= dim
     if numel * dtype.itemsize != nbytes:
         raise ProtocolError(
-            f"tensor {name}{shape} needs {numel * dtype.itemsize} bytes, got {nbytes}"
+            f"tensor {dtype}{shape} needs {numel * dtype.itemsize} bytes, got {nbytes}"
         )
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
@@ -101,7 +151,9 @@ def decode_tensor(name: str, shape: list[int], frame: memoryview, owned: bool = 
         flat = raw.view(dtype)
     else:
         flat = torch.frombuffer(bytearray(frame), dtype=dtype)
-    return flat if len(shape) == 1 else flat.view(shape)
+    if len(shape) == 1:
+        return flat
+    return flat.view(*shape) if shape else flat.view(())
 
 
 def ndarray_descr(dtype: Any) -> Any:

@@ -34,10 +34,12 @@ import msgspec
 
 from . import framing as wire
 from .array_frames import (
+    DTYPE_CODES,
+    dtype_code,
     dtype_name,
-    memory_view,
     ndarray_descr,
     plain_cpu_tensor,
+    tensor_meta,
     torch_dtype,
 )
 from .decoding import MessageDecoder
@@ -258,7 +260,7 @@ class Codec:
 
     def _walk_tensor(self, t: Any) -> Any:
         # Hot path of small-tensor messages: every step is inlined and skipped
-        # when not needed (about 1 µs for a plain contiguous CPU tensor).
+        # when not needed (about 1.3 µs for a plain contiguous CPU tensor).
         if (
             t.requires_grad
             or not t.is_cpu
@@ -267,19 +269,21 @@ class Codec:
             or t.layout is not self._strided
         ):
             t = plain_cpu_tensor(t)
-        name = dtype_name(t.dtype)
+        code = DTYPE_CODES.get(t.dtype)
+        if code is None:
+            code = dtype_code(t.dtype)
         nbytes = t.nbytes
         frames = self._frames
         if not nbytes:
             frames.append(b"")
         elif t.is_contiguous():
-            # A view of the tensor's own memory (no copy), kept alive with the message.
-            frames.append(memory_view(t.data_ptr(), nbytes))
+            # The address of the tensor's own memory (no copy), kept alive with the message.
+            frames.append(t.data_ptr())
             self._keepalive.append(t)
         else:
             frames.append(t)  # copied strided straight into the destination
         self._frame_lens.append(nbytes)
-        return _Ext(wire.EXT_TENSOR, self._enc.encode([name, list(t.shape), len(frames) - 1]))
+        return _Ext(wire.EXT_TENSOR, tensor_meta(code, len(frames) - 1, t.shape))
 
     def _walk_torch_size(self, size: Any) -> Any:
         return _Ext(wire.EXT_TORCH_SIZE, self._enc.encode(list(size)))

@@ -15,7 +15,13 @@ from typing import Any
 import msgspec
 
 from . import framing as wire
-from .array_frames import decode_ndarray, decode_tensor, numpy_dtype, torch_dtype
+from .array_frames import (
+    decode_ndarray,
+    decode_tensor,
+    numpy_dtype,
+    read_tensor_meta,
+    torch_dtype,
+)
 from .errors import ProtocolError, UndeclaredTypeError
 from .safe_types import imported_struct, safe_type
 
@@ -105,8 +111,11 @@ class MessageDecoder:
         return tuple(self._dec.decode(data))
 
     def _decode_tensor(self, data: memoryview) -> Any:
-        name, shape, idx = self._dec.decode(data)
-        return decode_tensor(name, shape, self._frame(idx), self._frames_owned)
+        dtype, idx, shape = read_tensor_meta(data)
+        frames = self._in_frames
+        if idx >= len(frames):  # idx is unsigned on the wire
+            raise ProtocolError(f"message refers to frame {idx} of {len(frames)}")
+        return decode_tensor(dtype, shape, frames[idx], self._frames_owned)
 
     def _decode_struct(self, data: memoryview) -> Any:
         module, qualname, values = self._dec.decode(data)

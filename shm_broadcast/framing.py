@@ -13,6 +13,7 @@ chunk, say), with no intermediate buffer.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import sys
 from collections.abc import Sequence
@@ -71,8 +72,9 @@ class EncodedMessage:
         self.header = header
         # The tensors whose memory the frames point into, kept alive with them.
         self.keepalive = keepalive
-        # Each frame is a contiguous uint8 memoryview, or a (non-contiguous)
-        # tensor / ndarray that write_message copies strided into place.
+        # Each frame is a contiguous uint8 memoryview or bytes; an int, the
+        # address of contiguous memory a keepalive object owns; or a
+        # (non-contiguous) tensor / ndarray that write_message copies strided.
         self.frames = frames
         self.frame_lens = frame_lens
         size = _PREFIX.size + _FRAME_LEN.size * len(frames) + len(header)
@@ -81,8 +83,13 @@ class EncodedMessage:
         self.nbytes = size
 
 
-def write_message(msg: EncodedMessage, dest: memoryview, offset: int = 0) -> int:
-    """Write ``msg`` at ``dest[offset:]`` (room for ``msg.nbytes`` needed); return bytes written."""
+def write_message(
+    msg: EncodedMessage, dest: memoryview, offset: int = 0, address: int | None = None
+) -> int:
+    """Write ``msg`` at ``dest[offset:]``; return bytes written. ``address`` is
+    where ``dest[0]`` lives, if the caller knows (a mapped segment)."""
+    if offset + msg.nbytes > len(dest):
+        raise ValueError(f"a message of {msg.nbytes} bytes does not fit at {offset} of {len(dest)}")
     frames = msg.frames
     header = msg.header
     lens = msg.frame_lens
@@ -98,11 +105,23 @@ def write_message(msg: EncodedMessage, dest: memoryview, offset: int = 0) -> int
         end = start + n
         if n == 0:
             continue
-        if type(frame) is memoryview:
+        if type(frame) is int:
+            if address is None:
+                address = _address_of(dest)
+            ctypes.memmove(address + start, frame, n)
+        elif type(frame) is memoryview or type(frame) is bytes:
             dest[start:end] = frame
         else:
             _copy_strided(frame, dest[start:end])
     return end - offset
+
+
+def _address_of(dest: memoryview) -> int:
+    holder = ctypes.c_char.from_buffer(dest)
+    try:
+        return ctypes.addressof(holder)
+    finally:
+        del holder  # the export ends here: the address is used only while dest is
 
 
 def _copy_strided(src: Any, dest: memoryview) -> None:
@@ -139,12 +158,16 @@ def read_message(codec: HeaderDecoder, src: memoryview, offset: int = 0) -> Any:
         raise ProtocolError(f"message header runs past the buffer ({end} > {len(src)})")
     header = src[pos:end]
     frames = []
+    mask = FRAME_ALIGN - 1
     for n in lens:
-        start = offset + _align(end - offset)
+        start = offset + ((end - offset + mask) & ~mask)
         end = start + n
-        if end > len(src):
-            raise ProtocolError(f"message frame runs past the buffer ({end} > {len(src)})")
         frames.append(src[start:end])
+    if end > len(src):
+        header.release()
+        for f in frames:
+            f.release()
+        raise ProtocolError(f"message frame runs past the buffer ({end} > {len(src)})")
     try:
         return codec.decode(header, frames)
     finally:
@@ -156,9 +179,7 @@ def read_message(codec: HeaderDecoder, src: memoryview, offset: int = 0) -> Any:
 def frames_as_buffers(msg: EncodedMessage) -> list[Any]:
     """``[header, frame0, ...]`` as contiguous buffers, for transports that keep frame
     boundaries themselves (ZeroMQ multipart); decode with ``codec.decode(parts[0], parts[1:])``."""
-    return [msg.header] + [
-        f if isinstance(f, (memoryview, bytes)) else _contiguous_bytes(f) for f in msg.frames
-    ]
+    return [msg.header] + [_frame_buffer(f, n) for f, n in zip(msg.frames, msg.frame_lens)]
 
 
 def message_bytes(msg: EncodedMessage) -> bytes:
@@ -171,16 +192,21 @@ def message_bytes(msg: EncodedMessage) -> bytes:
     pos = _PREFIX.size + _FRAME_LEN.size * len(msg.frames) + len(msg.header)
     for frame, n in zip(msg.frames, msg.frame_lens):
         parts.append(bytes(_align(pos) - pos))
-        parts.append(frame if isinstance(frame, (memoryview, bytes)) else _contiguous_bytes(frame))
+        parts.append(_frame_buffer(frame, n))
         pos = _align(pos) + n
     # One copy of each frame, into the joined result.
     return b"".join(parts)
 
 
-def _contiguous_bytes(src: Any) -> memoryview:
+def _frame_buffer(frame: Any, nbytes: int) -> Any:
+    """A frame as a contiguous buffer (what a transport or ``bytes.join`` takes)."""
+    if isinstance(frame, (memoryview, bytes)):
+        return frame
+    if type(frame) is int:
+        return memoryview((ctypes.c_char * nbytes).from_address(frame)).cast("B")
     np = sys.modules.get("numpy")
-    if np is not None and isinstance(src, np.ndarray):
-        return np.ascontiguousarray(src).reshape(-1).view(np.uint8).data
+    if np is not None and isinstance(frame, np.ndarray):
+        return np.ascontiguousarray(frame).reshape(-1).view(np.uint8).data
     import torch
 
-    return memoryview(src.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(frame.contiguous().reshape(-1).view(torch.uint8).numpy())

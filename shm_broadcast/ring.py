@@ -181,8 +181,9 @@ class ShmRingBuffer:
         holder = ctypes.c_char.from_buffer(self.buf)
         # The address outlives the ctypes object (which would pin the mapping):
         # it is used only while the mapping is open (close() comes after the
-        # last wait).
-        self._bells_address = ctypes.addressof(holder) + self.bells_offset
+        # last wait and the last write).
+        self.address = ctypes.addressof(holder)
+        self._bells_address = self.address + self.bells_offset
         del holder
 
     @staticmethod

@@ -80,7 +80,7 @@ class RingCursor:
             return self._write_span(msg, wait_free)
         buf, at, idx = self._begin(INLINE, wait_free)
         if msg.frames:
-            write_message(msg, buf, at + MSG_OFFSET)
+            write_message(msg, buf, at + MSG_OFFSET, self.ring.address)
         else:
             header = msg.header
             pos = at + MSG_OFFSET
@@ -118,7 +118,7 @@ class RingCursor:
         for j in range(idx, idx + count):
             buf = ring.begin_write(j)
         at = ring.chunk_at[idx]
-        write_message(msg, buf, at + MSG_OFFSET)
+        write_message(msg, buf, at + MSG_OFFSET, self.ring.address)
         buf[at] = SPAN
         _SPAN_COUNT.pack_into(buf, at + 1, count)
         # The first chunk last: a reader that sees it written finds the rest written.

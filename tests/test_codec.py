@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shm_broadcast.codec import Codec, dumps, loads, read_message, write_message
+from shm_broadcast.codec import Codec, dumps, loads, message_bytes, read_message, write_message
 from shm_broadcast.errors import GroupcoordTypeError, ProtocolError
 
 
@@ -129,6 +129,31 @@ def test_tensor_every_dtype_and_layout(dtype):
         assert out.is_contiguous()
 
 
+def test_every_torch_dtype_has_a_wire_code():
+    """The wire table spells real dtypes, and holds every dtype torch can send as bytes."""
+    from shm_broadcast.array_frames import WIRE_DTYPES
+
+    assert len(set(WIRE_DTYPES)) == len(WIRE_DTYPES)
+    names = {str(v)[6:] for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    quantized = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+    assert names - quantized <= set(WIRE_DTYPES)
+    assert set(WIRE_DTYPES) <= names  # this torch knows every name in the table
+    for name in ("float8_e5m2fnuz", "uint3", "complex32", "bits16"):  # beyond ALL_DTYPES
+        t = torch.arange(8, dtype=torch.uint8).view(getattr(torch, name))
+        out = loads(dumps(t))
+        assert out.dtype == t.dtype and out.shape == t.shape
+        assert bytes(out.view(torch.uint8).numpy()) == bytes(range(8))
+
+
+def test_write_message_refuses_a_destination_too_small():
+    msg = Codec().encode([torch.arange(100, dtype=torch.int64)])
+    dest = memoryview(bytearray(msg.nbytes + 8))
+    with pytest.raises(ValueError, match="does not fit"):
+        write_message(msg, dest, 16)
+    assert write_message(msg, dest, 8) == msg.nbytes
+    _same(read_message(Codec(), dest, 8)[0], torch.arange(100, dtype=torch.int64))
+
+
 def test_tensor_scalar_and_empty_shapes():
     for t in [torch.tensor(3.5), torch.empty(0, 3), torch.zeros(2, 0, 5, dtype=torch.int64)]:
         _same(loads(dumps(t)), t)
@@ -138,9 +163,9 @@ def test_tensor_frames_are_zero_copy_views_of_the_source():
     t = torch.arange(1000, dtype=torch.float32)
     msg = Codec().encode({"a": t})
     (frame,) = msg.frames
-    assert isinstance(frame, memoryview)
-    t[0] = 42.0  # the frame is a view of t's memory, not a copy
-    assert np.frombuffer(frame, dtype=np.float32)[0] == 42.0
+    assert frame == t.data_ptr()  # the frame is t's own memory, not a copy
+    t[0] = 42.0  # so a change before the write travels with the message
+    assert loads(message_bytes(msg))["a"][0] == 42.0
 
 
 def test_decoded_tensors_survive_reuse_of_the_source_buffer():

@@ -30,6 +30,11 @@ def wire(header: bytes, frames: Sequence[bytes] = ()) -> bytes:
     return bytes(out)
 
 
+def tensor_header(code: int, frame: int, *dims: int) -> bytes:
+    """A tensor's extension body: u8 dtype code | u32 frame index | u64 per dim."""
+    return struct.pack(f"<BI{len(dims)}Q", code, frame, *dims)
+
+
 def ext(code: int, payload: object) -> bytes:
     """A header holding one extension value whose body is ``payload`` in msgpack."""
     body = payload if isinstance(payload, bytes) else msgspec.msgpack.encode(payload)

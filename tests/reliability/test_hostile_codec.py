@@ -25,7 +25,7 @@ from shm_broadcast.codec import dumps, loads
 from shm_broadcast.errors import GroupcoordTypeError, ProtocolError
 
 from ._common import LONG, report
-from ._wire import CreatesFile, ext, pickle_bomb, wire
+from ._wire import CreatesFile, ext, pickle_bomb, tensor_header, wire
 
 EXAMPLES = 34_000 if LONG else 300
 FUZZ = settings(
@@ -107,8 +107,18 @@ _tensor_like = st.tuples(
     st.lists(st.integers(-(2**40), 2**40), max_size=4),
     st.integers(-2, 3),
 ).map(list)
+# A tensor's binary header (dtype code, frame index, dims) with hostile values.
+_tensor_header = st.builds(
+    lambda code, frame, dims: tensor_header(code, frame, *dims),
+    st.integers(0, 255),
+    st.integers(0, 5),
+    st.lists(st.integers(0, 2**64 - 1) | st.integers(0, 8), max_size=4),
+)
 _ext_body = st.one_of(
-    _plain, _tensor_like, st.tuples(_dtype_names, st.binary(max_size=16)).map(list)
+    _plain,
+    _tensor_like,
+    _tensor_header,
+    st.tuples(_dtype_names, st.binary(max_size=16)).map(list),
 )
 
 
@@ -133,6 +143,11 @@ KNOWN_HOSTILE = {
     "numpy scalar of dtype object": (ext(5, ["|O", b"\0" * 8]), []),
     "tensor with a negative shape": (ext(3, ["float32", [-1, -4], 0]), [b"\0" * 16]),
     "tensor body of the wrong arity": (ext(3, ["float32"]), []),
+    "tensor with an absurd shape": (ext(3, tensor_header(0, 0, 2**63, 2**63)), [b"\0" * 16]),
+    "tensor header cut short": (ext(3, tensor_header(0, 0, 4)[:-1]), [b"\0" * 16]),
+    "tensor of a dtype code no torch has": (ext(3, tensor_header(250, 0, 4)), [b"\0" * 16]),
+    "tensor of the wrong byte count": (ext(3, tensor_header(0, 0, 5)), [b"\0" * 16]),
+    "tensor in a frame that is not there": (ext(3, tensor_header(0, 3, 4)), [b"\0" * 16]),
     "tuple body that is an int": (ext(1, 5), []),
     "dict pairs with an unhashable key": (ext(7, [[1], 2]), []),
     "torch device that does not exist": (ext(10, b"bogus:99"), []),
