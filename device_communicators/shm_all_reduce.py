@@ -24,7 +24,8 @@ reads it, and back-to-back calls never wait on a peer's copy-out.
 
 Control lines, publishing a phase, bounded waits (yield, then a futex
 sleep) and peer liveness live in ``shm_phases``; creating, attaching and
-mapping the segment in ``shm_slots``. Memory ordering: this runs
+mapping the segment in ``shm_slots``; set-up, per-call bookkeeping, sleep
+mode and teardown in ``shm_setup``. Memory ordering: this runs
 only on x86-64 (refused elsewhere), where stores reach other cores in
 program order and loads are not reordered with older loads. Data is written
 with torch copies or ``memmove`` (regular stores; glibc ends any
@@ -34,39 +35,21 @@ before the data, so a reader that sees the counter also sees the data.
 
 from __future__ import annotations
 
-import logging
-import platform
-
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ReduceOp
 
-from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.host_memory import POOL_MIN_BYTES, empty_output
 
-from .all_reduce_backends import SUSPENDED, AllReduceBackend
-from .errors import (
-    ClosedError,
-    GroupcoordTimeoutError,
-    GroupcoordValueError,
-    PeerDiedError,
-)
-from .shm_phases import LINE, PhaseLines, call_code
+from .errors import GroupcoordValueError
+from .shm_phases import PhaseLines
 from .shm_reduce import SHM_DTYPES, OneTorchThread, combine, refused_op
-from .shm_slots import SlotSegment, align_up, open_slot_segment
-from .shm_small import SmallCalls
-
-logger = logging.getLogger("groupcoord.device_communicators")
+from .shm_setup import ShmBase
+from .shm_slots import align_up
 
 # Pieces up to this size are reduced by every rank (one barrier); larger ones
 # are split so each rank reduces 1/world of them (two barriers, less work each).
 # Measured on a 2-core EPYC VM: equal at 32 KiB, two-shot clearly ahead by 512 KiB.
 ONE_SHOT_MAX_BYTES = 64 * 1024
-# Large tensors go through in pieces of at most this (each its own generation):
-# pieces that stay in L2 beat one big pass through DRAM by 1.5-3x here even
-# with a barrier per piece (16 MiB at world 2: 4.2 ms with 1 MiB pieces against
-# 4.7-9 ms with one 16 MiB piece).
-PIPELINE_PIECE_BYTES = 1024 * 1024
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,121 +57,14 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-class _DesyncGuard:
-    """Marks the owner unusable when a wait fails: peers no longer agree on the generation.
-
-    A plain class rather than ``contextlib.contextmanager``: it is entered on
-    every call, and a generator-based manager costs about a microsecond more.
-    """
-
-    __slots__ = ("owner",)
-
-    def __init__(self, owner: ShmAllReduce) -> None:
-        self.owner = owner
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, (GroupcoordTimeoutError, PeerDiedError)):
-            self.owner._failure = str(exc)
-
-
-class ShmAllReduce(AllReduceBackend):
+class ShmAllReduce(ShmBase):
     """All-reduce through one shared-memory segment; a collective constructor.
 
-    Every rank of ``cpu_group`` must construct it at the same time. If the
-    ranks do not all share this node's shared memory (or it is disabled, or
-    there is no room), it is built disabled and ``refusal`` says why, so the
-    next back end takes every tensor. ``cpu_group`` may be a group torch
-    knows (its global ranks name peers in errors) or a bare Gloo backend
-    that torch does not (``coordinator.comm``): then pass ``ranks``, how
-    errors name its members.
+    Every rank of ``cpu_group`` must construct it at the same time (see
+    :class:`~.shm_setup.ShmBase` for the arguments and the disabled case).
     """
 
-    name = "shm"
-
-    def __init__(
-        self,
-        cpu_group: ProcessGroup,
-        max_bytes: int | None = None,
-        timeout_s: float | None = None,
-        unique_name: str = "",
-        *,
-        ranks: list[int] | None = None,
-    ) -> None:
-        config = get_config()
-        self.world_size = cpu_group.size()
-        self.rank_in_group = cpu_group.rank()
-        self.ranks: list[int] = (
-            dist.get_process_group_ranks(cpu_group) if ranks is None else list(ranks)
-        )
-        if len(self.ranks) != self.world_size:
-            raise GroupcoordValueError(
-                f"ranks={self.ranks} names {len(self.ranks)} ranks, the group has {self.world_size}"
-            )
-        # Errors start with the group's name, like the coordinator's own errors.
-        self.what = unique_name or "shm group"
-        cap = config.shm_all_reduce_max_bytes if max_bytes is None else max_bytes
-        if cap <= 0:
-            raise GroupcoordValueError(f"max_bytes must be positive, got {cap}")
-        # One slot holds one piece; the configured cap can only make pieces smaller.
-        self.max_bytes = align_up(min(cap, PIPELINE_PIECE_BYTES), LINE)
-        self.timeout_s = resolve_timeout(timeout_s)
-        self.peer_check_interval_s = config.peer_check_interval_s
-        self.disabled_reason: str | None = None
-        self._suspended = False
-        self.generation = 0
-        self._failure: str | None = None
-        self._desync_guard = _DesyncGuard(self)
-        self._slots: SlotSegment | None = None
-        self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
-        # The lean path of small calls (shm_small), on the slots while they are up.
-        self.small = SmallCalls(self)
-        self._set_up(cpu_group, self._local_refusal(config.disable_shm_all_reduce))
-        logger.info(
-            "%s: %s", self.what, "enabled" if self.disabled_reason is None else self.disabled_reason
-        )
-
-    # ---- set-up ---------------------------------------------------------------
-
-    def _local_refusal(self, disabled: bool) -> str | None:
-        if disabled:
-            return "disabled by GROUPCOORD_DISABLE_SHM_ALL_REDUCE"
-        if self.world_size == 1:
-            return "a single rank has nothing to reduce"
-        if platform.machine() not in ("x86_64", "AMD64"):
-            # The flag protocol relies on x86-64 store ordering (module docstring).
-            return f"needs x86-64 memory ordering, this is {platform.machine()}"
-        return None
-
-    def _set_up(self, group: ProcessGroup, local_reason: str | None) -> None:
-        self._slots, reason = open_slot_segment(
-            group,
-            self.ranks,
-            self.rank_in_group,
-            self.what,
-            self.max_bytes,
-            self.timeout_s,
-            self.peer_check_interval_s,
-            local_reason,
-        )
-        self.disabled_reason = reason
-        self._lines = None if self._slots is None else self._slots.lines
-        self.small.attach(self._slots if reason is None else None)
-
     # ---- the back-end interface -------------------------------------------------
-
-    def peer_pids(self) -> dict[int, int]:
-        """Global rank -> pid of the other ranks, when the path is up and their pids compare."""
-        lines = self._lines
-        if self.disabled_reason is not None or lines is None or not lines.pid_checks:
-            return {}
-        return {
-            r: pid
-            for i, (r, pid) in enumerate(zip(self.ranks, lines.pids))
-            if i != self.rank_in_group
-        }
 
     def refusal(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> str | None:
         if self.disabled_reason is not None:
@@ -201,15 +77,6 @@ class ShmAllReduce(AllReduceBackend):
         if reason is not None:
             return reason
         return None
-
-    def set_timeout(self, timeout_s: float, deadline: float | None = None) -> None:
-        """The timeout of the calls that follow (a caller with a per-call timeout), or
-        an absolute ``deadline`` (``time.monotonic()``) every wait ends by; errors
-        report ``timeout_s``."""
-        self.timeout_s = timeout_s
-        if self._lines is not None:
-            self._lines.timeout_s = timeout_s
-            self._lines.deadline = deadline
 
     def all_reduce(
         self,
@@ -382,95 +249,7 @@ class ShmAllReduce(AllReduceBackend):
             tensor.copy_(work)
         return tensor
 
-    # ---- call bookkeeping -------------------------------------------------------------
-
-    def _start(
-        self,
-        operation: str,
-        reason: str | None,
-        tensor: torch.Tensor,
-        op: ReduceOp.RedOpType | None = None,
-        root: int = 0,
-    ) -> PhaseLines:
-        """Refuse, or stamp the call's fingerprint (checked against every rank's at the
-        call's first barrier: desync detection, always on)."""
-        if reason is not None:
-            raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
-        if self._failure is not None:
-            raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
-        lines = self._lines
-        assert lines is not None  # enabled (no refusal) means set up
-        lines.operation = operation
-        lines.stamp(call_code(operation, tensor.dtype, op, root), tensor.numel())
-        return lines
-
-    def _one_piece(self, lines: PhaseLines, tensor: torch.Tensor) -> tuple[SlotSegment, int]:
-        """Copy ``tensor`` (one piece, any strides) into this rank's slot of the next
-        set, publish, wait for every rank: returns the slots and the set now readable."""
-        slots = self._slots
-        assert slots is not None  # enabled means mapped
-        gen = self._next_generation()
-        s = gen & 1
-        slots.shaped(s, self.rank_in_group, tensor.dtype, tensor.shape).copy_(tensor)
-        lines.publish(2 * gen - 1)
-        lines.wait_all(2 * gen - 1)
-        return slots, s
-
-    def _empty_barrier(self, lines: PhaseLines) -> None:
-        """An empty collective is still a collective: one barrier keeps every rank's
-        calls in step (and checks them), so calls can never pair up shifted."""
-        with self._desync_guard:
-            gen = self._next_generation()
-            lines.publish(2 * gen - 1)
-            lines.wait_all(2 * gen - 1)
-
-    def _next_generation(self) -> int:
-        assert self._lines is not None
-        self.generation += 1
-        self._lines.generation = self.generation
-        return self.generation
-
-    def suspend(self) -> None:
-        """Sleep mode: unmap the segment (its name is long gone, so the pages are
-        freed once every rank unmapped) and refuse tensors until :meth:`resume`."""
-        if self.disabled_reason is not None:
-            return  # disabled, closed or already suspended: nothing mapped
-        self._release()
-        self.disabled_reason = SUSPENDED
-        self._suspended = True
-
-    def resume(self, group: ProcessGroup) -> None:
-        """Map a fresh segment through ``group`` (collective, like the constructor)."""
-        if not self._suspended:
-            return
-        self._suspended = False
-        self.disabled_reason = None
-        self.generation = 0
-        try:
-            self._set_up(group, self._local_refusal(get_config().disable_shm_all_reduce))
-        except BaseException:
-            self.disabled_reason = "set-up failed on resume"
-            raise
-
-    def close(self) -> None:
-        """Unmap (not collective). Call it only when no call is in progress: a wait in
-        another thread must end first (``abandon``)."""
-        self.disabled_reason = self.disabled_reason or "closed"
-        self._suspended = False
-        self._release()
-
-    def abandon(self, reason: str) -> None:
-        """From another thread: end the call in progress (it raises ``ClosedError`` naming
-        ``reason``) and refuse the ones after; then ``close`` once it returned."""
-        self._failure = reason
-        if self._lines is not None:
-            self._lines.abandon(reason)
-
     # ---- one piece --------------------------------------------------------------
-
-    def _view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-        assert self._slots is not None  # enabled means mapped
-        return self._slots.view(s, r, dtype, n)
 
     def _reduce_piece(
         self, lines: PhaseLines, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp.RedOpType
@@ -506,10 +285,3 @@ class ShmAllReduce(AllReduceBackend):
         slots = self._slots
         assert slots is not None  # enabled means mapped
         return combine([slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)], out, op)
-
-    def _release(self) -> None:
-        self.small.attach(None)
-        self._lines = None
-        if self._slots is not None:
-            self._slots.close()
-            self._slots = None

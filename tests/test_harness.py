@@ -18,6 +18,25 @@ def test_results_come_back_in_rank_order() -> None:
     assert run_ranks(_rank_pid, 3) == [(0, 3, 0), (1, 3, 1), (2, 3, 2)]
 
 
+_SET_IN_THE_PARENT = {"set": False}
+
+
+def _start_facts(rank: int, world_size: int) -> tuple[int, str, bool]:
+    return rank, os.environ["GC_TEST_START"], _SET_IN_THE_PARENT["set"]
+
+
+def test_spawned_ranks_are_fresh_interpreters_with_the_env_given() -> None:
+    """start_method="spawn" (what the GPU tests use: CUDA forbids fork after init)."""
+    _SET_IN_THE_PARENT["set"] = True  # a forked rank would see this, a spawned one not
+    try:
+        out = run_ranks(
+            _start_facts, 2, timeout=60, env={"GC_TEST_START": "yes"}, start_method="spawn"
+        )
+    finally:
+        _SET_IN_THE_PARENT["set"] = False
+    assert out == [(0, "yes", False), (1, "yes", False)]
+
+
 def _raise_on_one(rank: int, world_size: int) -> None:
     if rank == 1:
         raise RuntimeError("boom from rank one")
