@@ -166,12 +166,8 @@ class DeviceCommunicatorBase:
             per_tensor_sizes = [list(sizes) for _ in tensors]
         else:
             per_tensor_sizes = self._discover_sizes(tensors, dims)
-        out = [
-            self._gather_padded(t, d, s, dst=None)
-            for t, d, s in zip(tensors, dims, per_tensor_sizes)
-        ]
-        result = [o for o in out if o is not None]
-        return result if isinstance(input_, list) else result[0]
+        out = [self._all_gatherv_exact(t, d, s) for t, d, s in zip(tensors, dims, per_tensor_sizes)]
+        return out if isinstance(input_, list) else out[0]
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal 1/world slice along ``dim``."""
@@ -183,7 +179,7 @@ class DeviceCommunicatorBase:
                 f"group's world size {self.world_size}"
             )
         chunk = input_.shape[dim] // self.world_size
-        return self._reduce_then_slice(input_, dim, chunk * self.rank_in_group, chunk)
+        return self._reduce_scatter_sizes(input_, dim, [chunk] * self.world_size)
 
     def reduce_scatterv(
         self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
@@ -198,8 +194,7 @@ class DeviceCommunicatorBase:
             raise GroupcoordValueError(
                 f"sizes sum to {sum(sizes)} but input_ has {input_.shape[dim]} along dim {dim}"
             )
-        start = sum(sizes[: self.rank_in_group])
-        return self._reduce_then_slice(input_, dim, start, sizes[self.rank_in_group])
+        return self._reduce_scatter_sizes(input_, dim, list(sizes))
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere.
@@ -307,14 +302,37 @@ class DeviceCommunicatorBase:
             input_.copy_(work)
         return input_
 
+    def _all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows."""
+        out = self._gather_padded(tensor, dim, sizes, dst=None)
+        assert out is not None  # every rank gets the result of an all-gather
+        return out
+
+    def _reduce_scatter_sizes(
+        self, input_: torch.Tensor, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
+        """This rank's ``sizes[rank]`` rows along ``dim`` of the group's sum of ``input_``."""
+        # Gloo has no reduce-scatter; a (fast, shm-backed) all-reduce then a slice
+        # moves more bytes but is exact and uses the best all-reduce we have.
+        start = sum(sizes[: self.rank_in_group])
+        total = self.all_reduce(input_)
+        return total.narrow(dim, start, sizes[self.rank_in_group]).contiguous()
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        with self._gloo("send", peer=dst):
+            dist.send(tensor.contiguous(), dst=self.ranks[dst], group=self.device_group)
+
+    def _recv_into(self, out: torch.Tensor, src: int) -> None:
+        with self._gloo("recv", peer=src):
+            dist.recv(out, src=self.ranks[src], group=self.device_group)
+
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to in-group rank ``dst`` (default: the next rank)."""
         checks.tensor(tensor, "tensor", self.device)
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         checks.rank(dst, "dst", self.world_size, self.rank_in_group)
-        with self._gloo("send", peer=dst):
-            dist.send(tensor.contiguous(), dst=self.ranks[dst], group=self.device_group)
+        self._send(tensor, dst)
 
     def recv(
         self,
@@ -335,8 +353,7 @@ class DeviceCommunicatorBase:
             src = (self.rank_in_group - 1) % self.world_size
         checks.rank(src, "src", self.world_size, self.rank_in_group)
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        with self._gloo("recv", peer=src):
-            dist.recv(out, src=self.ranks[src], group=self.device_group)
+        self._recv_into(out, src)
         return out
 
     # ---- expert parallelism -----------------------------------------------------
@@ -464,11 +481,3 @@ class DeviceCommunicatorBase:
             return None
         joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
         return joined.movedim(0, dim).contiguous()
-
-    def _reduce_then_slice(
-        self, input_: torch.Tensor, dim: int, start: int, length: int
-    ) -> torch.Tensor:
-        # Gloo has no reduce-scatter; a (fast, shm-backed) all-reduce then a slice
-        # moves more bytes but is exact and uses the best all-reduce we have.
-        total = self.all_reduce(input_)
-        return total.narrow(dim, start, length).contiguous()

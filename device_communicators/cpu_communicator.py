@@ -91,12 +91,13 @@ class CpuCommunicator(DeviceCommunicatorBase):
             return self.shm_all_reduce.all_gather(tensor)
         return super()._all_gather_control(tensor)
 
-    def _reduce_then_slice(
-        self, input_: torch.Tensor, dim: int, start: int, length: int
+    def _reduce_scatter_sizes(
+        self, input_: torch.Tensor, dim: int, sizes: list[int]
     ) -> torch.Tensor:
         # reduce_scatter(v): each rank reduces only its own rows, in shared memory.
         if self.shm_all_reduce.refusal(input_) is not None:
-            return super()._reduce_then_slice(input_, dim, start, length)
+            return super()._reduce_scatter_sizes(input_, dim, sizes)
+        start, length = sum(sizes[: self.rank_in_group]), sizes[self.rank_in_group]
         if dim == 0 and input_.dim() == 1 and input_.is_contiguous():
             return self.shm_all_reduce.reduce_range(input_, start, start + length)
         moved = input_.movedim(dim, 0) if dim else input_

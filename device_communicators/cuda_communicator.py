@@ -3,9 +3,10 @@
 All-reduce goes through the ordered back-end chain of the base class:
 :class:`CustomAllreduce` (small tensors, one node, peer access), then
 :class:`PyNcclAllReduce`, then ``torch.distributed`` on the device group.
-all_gather(v), reduce_scatter(v), broadcast, send and recv use pynccl when it
-is available (it runs on the caller's current stream and can be captured in
-a CUDA graph) and the base class's torch.distributed calls otherwise.
+all_gather(v), reduce_scatter(v), broadcast, send and recv are the base
+class's public methods (arguments checked there, once); the transport hooks
+under them use pynccl when it is available (on the caller's current stream,
+capturable in a CUDA graph) and the base's torch.distributed otherwise.
 :meth:`CudaCommunicator.capture` puts custom all-reduce in graph-capture mode;
 :meth:`CudaCommunicator.graph_capture` adds the side stream around it.
 """
@@ -21,7 +22,6 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config
 
-from . import checks
 from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
 from .custom_all_reduce import CustomAllreduce
@@ -156,118 +156,80 @@ class CudaCommunicator(DeviceCommunicatorBase):
         """None: no custom reduce-scatter kernel here (callers then use reduce_scatter)."""
         return None
 
-    # ---- collectives through pynccl ------------------------------------------------
-    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        if not self.pynccl.available:
-            return super().all_gather(input_, dim)
-        checks.tensor(input_, "input_", self.device)
-        dim = checks.dim(input_, dim)
-        src = input_.contiguous()
-        out = torch.empty((self.world_size, *src.shape), dtype=src.dtype, device=src.device)
-        self.pynccl.all_gather(out, src)
-        return torch.cat(out.unbind(0), dim=dim)
+    # ---- transport hooks through pynccl ---------------------------------------------
+    # The base class checks the arguments and shapes the results; these move the
+    # bytes with pynccl while it is available (torch.distributed otherwise: the
+    # base's hooks), on the caller's current stream, capturable in a graph.
 
-    def all_gatherv(
-        self,
-        input_: torch.Tensor | list[torch.Tensor],
-        dim: int = 0,
-        sizes: list[int] | None = None,
-    ) -> torch.Tensor | list[torch.Tensor]:
+    def _all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self.pynccl.available:
-            return super().all_gatherv(input_, dim, sizes)
-        tensors = input_ if isinstance(input_, list) else [input_]
-        if not tensors:
-            raise GroupcoordValueError("input_: all_gatherv needs at least one tensor")
-        dims = []
-        for i, t in enumerate(tensors):
-            checks.tensor(t, f"input_[{i}]" if isinstance(input_, list) else "input_", self.device)
-            dims.append(checks.dim(t, dim))
-        if sizes is not None:
-            checks.sizes(sizes, "sizes", self.world_size)
-            per_tensor = [list(sizes) for _ in tensors]
-        else:
-            per_tensor = self._discover_sizes(tensors, dims)
-        results = []
-        for t, d, s in zip(tensors, dims, per_tensor):
-            moved = t.movedim(d, 0).contiguous()
-            if moved.shape[0] != s[self.rank_in_group]:
-                raise GroupcoordValueError(
-                    f"sizes[{self.rank_in_group}]={s[self.rank_in_group]} but input_ has "
-                    f"{moved.shape[0]} along dim {d}"
-                )
-            out = torch.empty((sum(s), *moved.shape[1:]), dtype=t.dtype, device=t.device)
-            self.pynccl.all_gatherv(out, moved, s)
-            results.append(out.movedim(0, d).contiguous())
-        return results if isinstance(input_, list) else results[0]
+            return super()._all_gather_stacked(tensor)
+        return nccl_all_gather_stacked(self.pynccl, tensor)
 
-    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    def _all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         if not self.pynccl.available:
-            return super().reduce_scatter(input_, dim)
-        checks.tensor(input_, "input_", self.device)
-        dim = checks.dim(input_, dim)
-        if input_.shape[dim] % self.world_size:
-            raise GroupcoordValueError(
-                f"input_ has {input_.shape[dim]} along dim {dim}, not divisible by the "
-                f"group's world size {self.world_size}"
-            )
-        moved = input_.movedim(dim, 0).contiguous()
-        chunk = moved.shape[0] // self.world_size
-        out = torch.empty((chunk, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-        self.pynccl.reduce_scatter(out, moved)
-        return out.movedim(0, dim).contiguous()
+            return super()._all_gatherv_exact(tensor, dim, sizes)
+        return nccl_all_gatherv(self.pynccl, tensor, dim, sizes)
 
-    def reduce_scatterv(
-        self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    def _reduce_scatter_sizes(
+        self, input_: torch.Tensor, dim: int, sizes: list[int]
     ) -> torch.Tensor:
-        if not self.pynccl.available or sizes is None:
-            return super().reduce_scatterv(input_, dim, sizes)
-        checks.tensor(input_, "input_", self.device)
-        dim = checks.dim(input_, dim)
-        checks.sizes(sizes, "sizes", self.world_size)
-        if sum(sizes) != input_.shape[dim]:
-            raise GroupcoordValueError(
-                f"sizes sum to {sum(sizes)} but input_ has {input_.shape[dim]} along dim {dim}"
-            )
-        moved = input_.movedim(dim, 0).contiguous()
-        mine = sizes[self.rank_in_group]
-        out = torch.empty((mine, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-        self.pynccl.reduce_scatterv(out, moved, sizes)
-        return out.movedim(0, dim).contiguous()
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if not self.pynccl.available:
-            return super().broadcast(tensor, src)
-        checks.tensor(tensor, "tensor", self.device)
-        checks.rank(src, "src", self.world_size)
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+            return super()._reduce_scatter_sizes(input_, dim, sizes)
+        return nccl_reduce_scatter(self.pynccl, input_, dim, sizes)
+
+    def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
+        if not self.pynccl.available:
+            return super()._broadcast_(input_, src)
+        work = input_ if input_.is_contiguous() else input_.contiguous()
         self.pynccl.broadcast(work, src)
-        if work is not tensor:
-            tensor.copy_(work)
-        return tensor
+        if work is not input_:
+            input_.copy_(work)
+        return input_
 
-    def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
         if not self.pynccl.available:
-            return super().send(tensor, dst)
-        checks.tensor(tensor, "tensor", self.device)
-        if dst is None:
-            dst = (self.rank_in_group + 1) % self.world_size
-        checks.rank(dst, "dst", self.world_size, self.rank_in_group)
+            return super()._send(tensor, dst)
         self.pynccl.send(tensor.contiguous(), dst)
         return None
 
-    def recv(
-        self,
-        size: torch.Size | tuple[int, ...] | list[int],
-        dtype: torch.dtype,
-        src: int | None = None,
-    ) -> torch.Tensor:
+    def _recv_into(self, out: torch.Tensor, src: int) -> None:
         if not self.pynccl.available:
-            return super().recv(size, dtype, src)
-        if not isinstance(dtype, torch.dtype):
-            raise GroupcoordTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if src is None:
-            src = (self.rank_in_group - 1) % self.world_size
-        checks.rank(src, "src", self.world_size, self.rank_in_group)
-        out = torch.empty(torch.Size(size), dtype=dtype, device=self.device)
+            return super()._recv_into(out, src)
         self.pynccl.recv(out, src)
-        return out
+        return None
+
+
+# ---- NCCL calls shaped as the hooks need (arguments already checked) --------------------
+
+
+def nccl_all_gather_stacked(pynccl: PyNcclCommunicator, tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's equally shaped ``tensor``, stacked: ``(world, *shape)``."""
+    src = tensor.contiguous()
+    out = torch.empty((pynccl.world_size, *src.shape), dtype=src.dtype, device=src.device)
+    pynccl.all_gather(out, src)
+    return out
+
+
+def nccl_all_gatherv(
+    pynccl: PyNcclCommunicator, tensor: torch.Tensor, dim: int, sizes: list[int]
+) -> torch.Tensor:
+    """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows."""
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((sum(sizes), *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    pynccl.all_gatherv(out, moved, sizes)
+    return out.movedim(0, dim).contiguous()
+
+
+def nccl_reduce_scatter(
+    pynccl: PyNcclCommunicator, input_: torch.Tensor, dim: int, sizes: list[int]
+) -> torch.Tensor:
+    """This rank's ``sizes[rank]`` rows along ``dim`` of the sum of ``input_``."""
+    moved = input_.movedim(dim, 0).contiguous()
+    rows = sizes[pynccl.rank]
+    out = torch.empty((rows, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    if all(n == rows for n in sizes):
+        pynccl.reduce_scatter(out, moved)
+    else:
+        pynccl.reduce_scatterv(out, moved, sizes)
+    return out.movedim(0, dim).contiguous()

@@ -185,3 +185,17 @@ def test_graph_registration_failure_is_raised_on_every_rank():
     for message in run_ranks(_registration_failure, 2, timeout=90):
         assert "rank 0: exporting captured buffers failed" in message
         assert "do not replay the captured graphs" in message
+
+
+def test_cuda_communicator_keeps_the_base_public_methods():
+    """Arguments are checked once, in the base class: the CUDA communicator only
+    routes the transport hooks under them through pynccl."""
+    from device_communicators.base_device_communicator import DeviceCommunicatorBase
+    from device_communicators.cuda_communicator import CudaCommunicator
+
+    public = ("all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "broadcast")
+    for name in (*public, "send", "recv", "gather", "all_reduce"):
+        assert name not in CudaCommunicator.__dict__, name
+    hooks = ("_all_gather_stacked", "_all_gatherv_exact", "_reduce_scatter_sizes", "_broadcast_")
+    for name in (*hooks, "_send", "_recv_into"):
+        assert name in CudaCommunicator.__dict__ and name in DeviceCommunicatorBase.__dict__, name

@@ -419,3 +419,68 @@ def test_scatter_sends_each_rank_its_rows_from_the_root():
     assert results[0] == [start, ("ncclRecv", 1, 4), end]
     # The root sends rows [0:1] to rank 0 and [1:3] to itself, and receives its own.
     assert results[1] == [start, ("ncclSend", 0, 4), ("ncclSend", 1, 8), ("ncclRecv", 1, 8), end]
+
+
+# ---- the CUDA communicator's hooks: shapes around the calls ---------------------------------
+
+
+def world1_hook_shapes(rank: int, world: int) -> list[str]:
+    from device_communicators.cuda_communicator import (
+        nccl_all_gather_stacked,
+        nccl_all_gatherv,
+        nccl_reduce_scatter,
+    )
+
+    init_gloo(rank, world)
+    failures = []
+    with mocked_communicator(world) as (comm, mock):
+        x = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+        strided = x.transpose(0, 2)  # non-contiguous: sent as a contiguous copy
+        stacked = nccl_all_gather_stacked(comm, strided)
+        if stacked.shape != (1, 4, 3, 2) or not torch.equal(stacked[0], strided):
+            failures.append(f"all_gather_stacked gave {tuple(stacked.shape)}")
+        for dim in range(3):
+            n = x.shape[dim]
+            gathered = nccl_all_gatherv(comm, x, dim, [n])
+            if not torch.equal(gathered, x) or not gathered.is_contiguous():
+                failures.append(f"all_gatherv along {dim} gave {tuple(gathered.shape)}")
+            reduced = nccl_reduce_scatter(comm, x, dim, [n])
+            call = mock.calls[-1]
+            if call.name != "ncclReduceScatter" or call.args["recvcount"] != 24:
+                failures.append(f"reduce_scatter along {dim}: {call.name} {dict(call.args)}")
+            if not torch.equal(reduced, x) or not reduced.is_contiguous():
+                failures.append(f"reduce_scatter along {dim} gave {tuple(reduced.shape)}")
+    return failures
+
+
+def test_cuda_hooks_shape_what_nccl_moves_along_every_dim():
+    assert run_ranks(world1_hook_shapes, 1) == [[]]
+
+
+def world2_hook_calls(rank: int, world: int) -> dict[str, Any]:
+    from device_communicators.cuda_communicator import nccl_all_gatherv, nccl_reduce_scatter
+
+    init_gloo(rank, world)
+    with mocked_communicator(world) as (comm, mock):
+        x = torch.zeros(3, 5)  # rows along dim 1: 5 = 2 + 3, or 4 + 4 with (3, 8)
+        out = nccl_reduce_scatter(comm, x, 1, [2, 3])
+        uneven = ([c.name for c in mock.calls[-4:]], tuple(out.shape))
+        out = nccl_reduce_scatter(comm, torch.zeros(3, 8), 1, [4, 4])
+        even = ([mock.calls[-1].name], tuple(out.shape))
+        out = nccl_all_gatherv(comm, torch.zeros(3, [2, 3][rank]), 1, [2, 3])
+        gatherv = ([c.name for c in mock.calls[-4:]], tuple(out.shape))
+        return {"uneven": uneven, "even": even, "gatherv": gatherv}
+
+
+def test_cuda_hooks_pick_the_even_or_the_v_call():
+    results = run_ranks(world2_hook_calls, 2)
+    for rank, r in enumerate(results):
+        assert r["uneven"] == (
+            ["ncclGroupStart", "ncclReduce", "ncclReduce", "ncclGroupEnd"],
+            (3, [2, 3][rank]),
+        )
+        assert r["even"] == (["ncclReduceScatter"], (3, 4))
+        assert r["gatherv"] == (
+            ["ncclGroupStart", "ncclBroadcast", "ncclBroadcast", "ncclGroupEnd"],
+            (3, 5),
+        )
