@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ReduceOp
 
-from shm_broadcast.host_memory import POOL_MIN_BYTES, empty_output
+from shm_broadcast.host_memory import empty_output
 
 from .errors import GroupcoordValueError
 from .shm_phases import PhaseLines
@@ -50,6 +50,10 @@ from .shm_slots import align_up
 # are split so each rank reduces 1/world of them (two barriers, less work each).
 # Measured on a 2-core EPYC VM: equal at 32 KiB, two-shot clearly ahead by 512 KiB.
 ONE_SHOT_MAX_BYTES = 64 * 1024
+# An all-gather result below this is a clone of the slots (one op; malloc hands
+# a loop the same block again): 9 µs against 15 µs through the result pool for
+# 512 KiB. Larger ones come from the pool.
+CLONE_MAX_BYTES = 1024 * 1024
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -199,7 +203,7 @@ class ShmAllReduce(ShmBase):
                 slots, s = self._one_piece(lines, tensor)
                 every = slots.stacked(s, dtype, shape)
                 if out is None:
-                    if nbytes * self.world_size < POOL_MIN_BYTES:  # allocate and copy in one op
+                    if nbytes * self.world_size < CLONE_MAX_BYTES:  # allocate and copy in one op
                         return every.clone(memory_format=torch.contiguous_format)
                     out = empty_output((self.world_size, *shape), dtype)
                 out.view(self.world_size, *shape).copy_(every)

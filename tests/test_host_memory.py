@@ -90,6 +90,21 @@ def test_a_result_still_held_is_never_handed_out_again(how: str) -> None:
     assert address in {r.data_ptr() for r in reused}
 
 
+def test_as_many_buffers_as_were_held_at_once_come_back() -> None:
+    """A tensor dict's same-size tensors, held while the next dict arrives: both
+    dicts' buffers stay pooled, so steady state allocates nothing fresh."""
+    first = [empty_output(BIG, torch.float32) for _ in range(8)]
+    second = [empty_output(BIG, torch.float32) for _ in range(8)]
+    addresses = {t.data_ptr() for t in first + second}
+    assert len(addresses) == 16  # nothing held is handed out twice
+    del first
+    third = [empty_output(BIG, torch.float32) for _ in range(8)]
+    assert {t.data_ptr() for t in third} <= addresses
+    del second, third
+    again = [empty_output(BIG, torch.float32) for _ in range(16)]
+    assert {t.data_ptr() for t in again} == addresses
+
+
 def test_what_a_held_result_reads_is_never_overwritten() -> None:
     kept = []
     for step in range(6):
