@@ -189,8 +189,9 @@ def _destroy_releases_the_pool(rank: int, world: int) -> bool:
 
     ps.init_distributed_environment(world, rank, backend="gloo")
     ps.initialize_model_parallel(world)
-    out = ps.get_tp_group().all_gather(torch.full((POOL_MIN_BYTES // 4,), float(rank)), 0)
-    assert out.shape == (world * POOL_MIN_BYTES // 4,)
+    n = (1 << 20) // 4  # a 1 MiB row: the gathered result comes from the pool
+    out = ps.get_tp_group().all_gather(torch.full((n,), float(rank)), 0)
+    assert out.shape == (world * n,)
     assert cached_output_bytes() > 0
     ps.destroy_distributed_environment()
     assert cached_output_bytes() == 0
