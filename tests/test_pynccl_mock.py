@@ -484,3 +484,60 @@ def test_cuda_hooks_pick_the_even_or_the_v_call():
             ["ncclGroupStart", "ncclBroadcast", "ncclBroadcast", "ncclGroupEnd"],
             (3, 5),
         )
+
+
+def world2_cuda_communicator(rank: int, world: int) -> dict[str, Any]:
+    """CudaCommunicator's public collectives reach pynccl through its hooks (the
+    communicator built on CPU tensors: the mock stands in for the GPU)."""
+    import torch.distributed as dist
+
+    from device_communicators import pynccl_setup, pynccl_wrapper
+    from device_communicators.base_device_communicator import DeviceCommunicatorBase
+    from device_communicators.cuda_communicator import CudaCommunicator
+    from shm_broadcast.config import override
+
+    init_gloo(rank, world)
+    mock = MockNccl()
+    pynccl_wrapper._LIBRARIES[LIB] = mock.library(LIB)
+    pynccl_setup._as_device = lambda device: torch.device("cpu")
+    torch.cuda.current_stream = lambda device=None: FakeStream()  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: False
+    comm = CudaCommunicator.__new__(CudaCommunicator)  # its __init__ insists on a CUDA device
+    with override(nccl_so_path=LIB):
+        DeviceCommunicatorBase.__init__(comm, dist.group.WORLD, torch.device("cpu"), None, "tp:0")
+    seen: dict[str, Any] = {"pynccl": comm.pynccl.available}
+
+    def calls(fn: Any) -> tuple[list[str], Any]:
+        before = len(mock.calls)
+        out = fn()
+        names = [c.name for c in mock.calls[before:] if not c.name.startswith("ncclGroup")]
+        return names, None if out is None else tuple(out.shape)
+
+    x = torch.zeros(3, 4)
+    seen["all_gather"] = calls(lambda: comm.all_gather(x, dim=1))
+    seen["all_gatherv"] = calls(lambda: comm.all_gatherv(torch.zeros(2 + rank, 4), 0, [2, 3]))
+    seen["reduce_scatter"] = calls(lambda: comm.reduce_scatter(x, dim=1))
+    seen["reduce_scatterv"] = calls(lambda: comm.reduce_scatterv(torch.zeros(5, 4), 0, [2, 3]))
+    seen["broadcast"] = calls(lambda: comm.broadcast(x, src=1))
+    if rank == 0:
+        seen["send"] = calls(lambda: comm.send(x, dst=1))
+    else:
+        seen["recv"] = calls(lambda: comm.recv((3, 4), torch.float32, src=0))
+    comm.destroy()
+    dist.destroy_process_group()
+    return seen
+
+
+def test_cuda_communicator_public_calls_reach_pynccl_through_the_hooks():
+    results = run_ranks(world2_cuda_communicator, 2)
+    for rank, seen in enumerate(results):
+        assert seen["pynccl"]
+        assert seen["all_gather"] == (["ncclAllGather"], (3, 8))
+        assert seen["all_gatherv"] == (["ncclBroadcast", "ncclBroadcast"], (5, 4))
+        assert seen["reduce_scatter"] == (["ncclReduceScatter"], (3, 2))
+        assert seen["reduce_scatterv"] == (["ncclReduce", "ncclReduce"], ([2, 3][rank], 4))
+        assert seen["broadcast"] == (["ncclBroadcast"], (3, 4))
+        assert seen.get("send", seen.get("recv")) == (
+            ["ncclSend"] if rank == 0 else ["ncclRecv"],
+            None if rank == 0 else (3, 4),
+        )
