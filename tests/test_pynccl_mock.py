@@ -503,9 +503,10 @@ def world2_cuda_communicator(rank: int, world: int) -> dict[str, Any]:
     torch.cuda.current_stream = lambda device=None: FakeStream()  # type: ignore[assignment]
     torch.cuda.is_available = lambda: False
     comm = CudaCommunicator.__new__(CudaCommunicator)  # its __init__ insists on a CUDA device
-    with override(nccl_so_path=LIB):
+    # Custom all-reduce off: on a GPU machine it would otherwise try the real device.
+    with override(nccl_so_path=LIB, disable_custom_all_reduce=True):
         DeviceCommunicatorBase.__init__(comm, dist.group.WORLD, torch.device("cpu"), None, "tp:0")
-    seen: dict[str, Any] = {"pynccl": comm.pynccl.available}
+    seen: dict[str, Any] = {"pynccl": comm.pynccl.available, "ca": comm.custom_all_reduce.reason}
 
     def calls(fn: Any) -> tuple[list[str], Any]:
         before = len(mock.calls)
@@ -531,7 +532,7 @@ def world2_cuda_communicator(rank: int, world: int) -> dict[str, Any]:
 def test_cuda_communicator_public_calls_reach_pynccl_through_the_hooks():
     results = run_ranks(world2_cuda_communicator, 2)
     for rank, seen in enumerate(results):
-        assert seen["pynccl"]
+        assert seen["pynccl"] and "DISABLE_CUSTOM_ALL_REDUCE" in seen["ca"]
         assert seen["all_gather"] == (["ncclAllGather"], (3, 8))
         assert seen["all_gatherv"] == (["ncclBroadcast", "ncclBroadcast"], (5, 4))
         assert seen["reduce_scatter"] == (["ncclReduceScatter"], (3, 2))
