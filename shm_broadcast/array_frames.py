@@ -170,7 +170,8 @@ def numpy_dtype(descr: Any) -> Any:
 
     try:
         return np.lib.format.descr_to_dtype(_descr_from_wire(descr))
-    except (TypeError, ValueError, KeyError) as exc:
+    except (TypeError, ValueError, KeyError, SyntaxError) as exc:
+        # SyntaxError: numpy reads a comma string (",f4") with ast.literal_eval.
         raise ProtocolError(f"bad numpy dtype description {descr!r}") from exc
 
 

@@ -141,6 +141,7 @@ KNOWN_HOSTILE = {
     "ndarray with an absurd shape": (ext(4, ["<f8", [2**31, 2**31], 0]), [b"\0" * 8]),
     "ndarray with a negative dim": (ext(4, ["<f8", [-1], 0]), [b"\0" * 8]),
     "numpy scalar of dtype object": (ext(5, ["|O", b"\0" * 8]), []),
+    "numpy dtype numpy parses as Python (',f4')": (ext(5, [",f4", b"\0" * 4]), []),
     "tensor with a negative shape": (ext(3, ["float32", [-1, -4], 0]), [b"\0" * 16]),
     "tensor body of the wrong arity": (ext(3, ["float32"]), []),
     "tensor with an absurd shape": (ext(3, tensor_header(0, 0, 2**63, 2**63)), [b"\0" * 16]),
