@@ -112,10 +112,7 @@ class MessageDecoder:
 
     def _decode_tensor(self, data: memoryview) -> Any:
         dtype, idx, shape = read_tensor_meta(data)
-        frames = self._in_frames
-        if idx >= len(frames):  # idx is unsigned on the wire
-            raise ProtocolError(f"message refers to frame {idx} of {len(frames)}")
-        return decode_tensor(dtype, shape, frames[idx], self._frames_owned)
+        return decode_tensor(dtype, shape, self._frame(idx), self._frames_owned)
 
     def _decode_struct(self, data: memoryview) -> Any:
         module, qualname, values = self._dec.decode(data)

@@ -158,9 +158,8 @@ def read_message(codec: HeaderDecoder, src: memoryview, offset: int = 0) -> Any:
         raise ProtocolError(f"message header runs past the buffer ({end} > {len(src)})")
     header = src[pos:end]
     frames = []
-    mask = FRAME_ALIGN - 1
     for n in lens:
-        start = offset + ((end - offset + mask) & ~mask)
+        start = offset + _align(end - offset)
         end = start + n
         frames.append(src[start:end])
     if end > len(src):
