@@ -10,16 +10,17 @@ fallback logic in the caller.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.gloo_errors import gloo_errors
 
+from . import c10d_calls
 from .errors import GroupcoordValueError
 
 logger = logging.getLogger("groupcoord.device_communicators")
@@ -80,21 +81,32 @@ class AllReduceBackend(ABC):
 
 
 class TorchDistributedAllReduce(AllReduceBackend):
-    """``torch.distributed.all_reduce`` on a process group: takes everything.
+    """c10d's all-reduce on a process group (Gloo, NCCL): takes everything.
 
     A Gloo timeout or lost peer raises our errors naming ``what`` (the group)
-    and the peers; ``pids`` (global rank -> pid, this host) names the dead ones.
+    and ``peers`` (global ranks; by default torch's registry is asked);
+    ``pids`` (global rank -> pid, this host) names the dead ones. ``timeout_s``
+    is each call's deadline (None: the group's own).
     """
 
     name = "torch.distributed"
 
     def __init__(
-        self, group: ProcessGroup, what: str = "", pids: Mapping[int, int] | None = None
+        self,
+        group: ProcessGroup,
+        what: str = "",
+        pids: Mapping[int, int] | None = None,
+        *,
+        peers: list[int] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.group = group
-        self.name = f"torch.distributed({dist.get_backend(group)})"
+        self.name = f"torch.distributed({group.name()})"
         self.what = what or self.name
         self.pids = pids
+        self.peers = peers
+        self.timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
 
     def refusal(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM) -> str | None:
         return None
@@ -104,8 +116,10 @@ class TorchDistributedAllReduce(AllReduceBackend):
     ) -> torch.Tensor:
         # clone(contiguous) so the caller's tensor is untouched and c10d gets dense memory.
         out = tensor.clone(memory_format=torch.contiguous_format)
-        with gloo_errors(self.what, "all_reduce", self.group, pids=self.pids):
-            dist.all_reduce(out, op=op, group=self.group)
+        with gloo_errors(
+            self.what, "all_reduce", self.group, self.peers, self.pids, timeout_s=self.timeout_s
+        ):
+            c10d_calls.all_reduce(self.group, out, op, self._deadline).wait()
         return out
 
 

@@ -14,6 +14,8 @@ could be missing (collectives; only the dead ones when a pid shows them).
 
 from __future__ import annotations
 
+import datetime
+import os
 import zlib
 from contextlib import AbstractContextManager
 from typing import Any
@@ -24,8 +26,9 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.gloo_errors import gloo_errors
+from shm_broadcast.liveness import host_key
 
-from . import checks
+from . import c10d_calls, checks
 from .all2all import create_all2all_manager
 from .all2all_base import All2AllManagerBase, Cache, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
@@ -33,6 +36,34 @@ from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .shm_small import SmallCalls
 
 __all__ = ["All2AllManagerBase", "Cache", "DeviceCommunicatorBase"]
+
+
+def group_ranks(group: Any, global_ranks: list[int] | None) -> list[int]:
+    """The global ranks of ``group``'s members, in in-group order.
+
+    A group in torch's registry answers itself (``global_ranks``, when given,
+    must agree); a standalone Gloo backend (a ``coordinator.comm`` communicator
+    builds one) is numbered by ``global_ranks``.
+    """
+    try:
+        registered: list[int] | None = dist.get_process_group_ranks(group)
+    except KeyError:  # not in torch's registry
+        registered = None
+    if global_ranks is None:
+        if registered is None:
+            raise GroupcoordValueError(
+                "cpu_group is not a group torch.distributed knows; pass global_ranks "
+                "(the global rank of each of its members, in order)"
+            )
+        return registered
+    given = list(global_ranks)
+    if registered is not None and given != registered:
+        raise GroupcoordValueError(f"global_ranks={given} but cpu_group holds ranks {registered}")
+    if len(given) != group.size():
+        raise GroupcoordValueError(
+            f"global_ranks={given} names {len(given)} ranks, cpu_group has {group.size()}"
+        )
+    return given
 
 
 class DeviceCommunicatorBase:
@@ -61,10 +92,10 @@ class DeviceCommunicatorBase:
         self.device = device if device is not None else torch.device("cpu")
         self.device_group = device_group if device_group is not None else cpu_group
         self.unique_name = unique_name
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size(cpu_group)
-        self.ranks: list[int] = dist.get_process_group_ranks(cpu_group)
-        self.rank_in_group = self.ranks.index(self.rank)
+        self.world_size = cpu_group.size()
+        self.ranks: list[int] = group_ranks(cpu_group, global_ranks)
+        self.rank_in_group = cpu_group.rank()
+        self.rank = self.ranks[self.rank_in_group]
         self.all2all_manager: Any = None
         self.suspended = False  # between suspend() and resume()
         # The lean path of small all_reduce/all_gather/reduce_scatter calls
@@ -75,16 +106,26 @@ class DeviceCommunicatorBase:
         self.what = unique_name or type(self).__name__
         fast = self._fast_all_reduce_backends()
         # Global rank -> pid of peers on this host: a failed call names the dead ones.
-        self.peer_pids: dict[int, int] = self._local_peer_pids()
+        self.peer_pids: dict[int, int] = {}  # what errors of the exchange below can use
+        self.peer_pids = self._local_peer_pids()
         self.all_reduce_chain = AllReduceChain(
-            [*fast, TorchDistributedAllReduce(self.device_group, self.what, self.peer_pids)],
+            [
+                *fast,
+                TorchDistributedAllReduce(
+                    self.device_group,
+                    self.what,
+                    self.peer_pids,
+                    peers=[r for r in self.ranks if r != self.rank],
+                    timeout_s=self.timeout_s,
+                ),
+            ],
             owner=f"{type(self).__name__}({unique_name or 'unnamed'})",
         )
-        if global_ranks is not None and list(global_ranks) != self.ranks:
-            raise GroupcoordValueError(
-                f"global_ranks={list(global_ranks)} but cpu_group holds ranks {self.ranks}"
-            )
-        if global_world_size is not None and global_world_size != dist.get_world_size():
+        if (
+            global_world_size is not None
+            and dist.is_initialized()
+            and global_world_size != dist.get_world_size()
+        ):
             raise GroupcoordValueError(
                 f"global_world_size={global_world_size} but the world has "
                 f"{dist.get_world_size()} ranks"
@@ -103,8 +144,18 @@ class DeviceCommunicatorBase:
         return []
 
     def _local_peer_pids(self) -> dict[int, int]:
-        """Pids of the peers on this host (same pid namespace), by global rank; none known here."""
-        return {}
+        """Pids of the peers whose pids this process can judge (same host key: host,
+        boot and pid namespace), by global rank: one small all-gather over ``cpu_group``."""
+        if self.world_size == 1:
+            return {}
+        mine = torch.tensor([host_key(), os.getpid()], dtype=torch.int64)
+        table = self._all_gather_control(mine).tolist()
+        here = host_key()
+        return {
+            self.ranks[i]: int(pid)
+            for i, (host, pid) in enumerate(table)
+            if host == here and i != self.rank_in_group
+        }
 
     @property
     def backend_name(self) -> str:
@@ -237,6 +288,7 @@ class DeviceCommunicatorBase:
         if not p2p_ops:
             return
         with self._gloo("batch_isend_irecv"):
+            # vLLM's API: P2POps name global peers, so this one goes through the registry.
             for work in dist.batch_isend_irecv(p2p_ops):
                 work.wait()
 
@@ -251,7 +303,7 @@ class DeviceCommunicatorBase:
         if self.suspended:
             return
         with self._gloo("suspend", group=self.cpu_group):
-            dist.barrier(group=self.cpu_group)
+            c10d_calls.barrier(self.cpu_group, self._deadline).wait()
         self.all_reduce_chain.suspend()
         self.suspended = True
 
@@ -283,21 +335,25 @@ class DeviceCommunicatorBase:
             (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
         )
         with self._gloo("all_gather"):
-            dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.device_group)
+            c10d_calls.all_gather(
+                self.device_group, list(out.unbind(0)), tensor.contiguous(), self._deadline
+            ).wait()
         return out
 
     def _all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """``_all_gather_stacked`` of a small CPU tensor over ``cpu_group`` (metadata)."""
         out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
         with self._gloo("all_gather (sizes)", group=self.cpu_group):
-            dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=self.cpu_group)
+            c10d_calls.all_gather(
+                self.cpu_group, list(out.unbind(0)), tensor.contiguous(), self._deadline
+            ).wait()
         return out
 
     def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite ``input_`` with in-group rank ``src``'s (arguments already checked)."""
         work = input_ if input_.is_contiguous() else input_.contiguous()
         with self._gloo("broadcast"):
-            dist.broadcast(work, src=self.ranks[src], group=self.device_group)
+            c10d_calls.broadcast(self.device_group, work, src, self._deadline).wait()
         if work is not input_:
             input_.copy_(work)
         return input_
@@ -320,11 +376,11 @@ class DeviceCommunicatorBase:
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         with self._gloo("send", peer=dst):
-            dist.send(tensor.contiguous(), dst=self.ranks[dst], group=self.device_group)
+            c10d_calls.send(self.device_group, tensor.contiguous(), dst).wait()
 
     def _recv_into(self, out: torch.Tensor, src: int) -> None:
         with self._gloo("recv", peer=src):
-            dist.recv(out, src=self.ranks[src], group=self.device_group)
+            c10d_calls.recv(self.device_group, out, src).wait()
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to in-group rank ``dst`` (default: the next rank)."""
@@ -424,13 +480,20 @@ class DeviceCommunicatorBase:
         self, operation: str, peer: int | None = None, group: ProcessGroup | None = None
     ) -> AbstractContextManager[None]:
         """Translate Gloo failures of ``operation`` (with in-group ``peer`` if point-to-point)."""
+        others = [r for r in self.ranks if r != self.rank]
         return gloo_errors(
             self.what,
             operation,
             self.device_group if group is None else group,
-            None if peer is None else [self.ranks[peer]],
+            others if peer is None else [self.ranks[peer]],
             self.peer_pids,
+            timeout_s=self.timeout_s,
         )
+
+    @property
+    def _deadline(self) -> datetime.timedelta:
+        """Each torch call's own deadline: this group's."""
+        return datetime.timedelta(seconds=self.timeout_s)
 
     def _discover_sizes(self, tensors: list[torch.Tensor], dims: list[int]) -> list[list[int]]:
         """Each tensor's length along its dim on every rank, in one small all-gather.
@@ -476,7 +539,7 @@ class DeviceCommunicatorBase:
             mine = self.rank_in_group == dst
             parts = [torch.empty_like(padded) for _ in self.ranks] if mine else None
             with self._gloo("gather"):
-                dist.gather(padded, parts, dst=self.ranks[dst], group=self.device_group)
+                c10d_calls.gather(self.device_group, parts, padded, dst, self._deadline).wait()
         if parts is None:
             return None
         joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)

@@ -19,7 +19,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shm_broadcast.codec import encode_message, loads, message_bytes
@@ -45,12 +44,14 @@ class CpuCommunicator(DeviceCommunicatorBase):
         use_all2all: bool = False,
         *,
         timeout_s: float | None = None,
+        global_ranks: list[int] | None = None,
     ) -> None:
         cfg = get_config()
-        # Before the base constructor, whose failure path calls destroy().
+        # Before the base constructor, whose failure path calls destroy(); the
+        # rank is known once the base has read the group.
         self._p2p_channels = P2PChannels(
             f"{unique_name or 'CpuCommunicator'}/cpu_communicator",
-            dist.get_rank(),
+            -1,
             {},
             resolve_timeout(timeout_s),
         )
@@ -59,22 +60,26 @@ class CpuCommunicator(DeviceCommunicatorBase):
             device,
             device_group,
             unique_name,
+            global_ranks,
             use_all2all=use_all2all,
             timeout_s=timeout_s,
         )
+        self._p2p_channels.rank = self.rank
         if not cfg.disable_shm_p2p:
             self._p2p_channels.peers = dict(self.peer_pids)
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
         self.shm_all_reduce = ShmAllReduce(
-            self.cpu_group, unique_name=self.unique_name, timeout_s=self.timeout_s
+            self.cpu_group, unique_name=self.unique_name, timeout_s=self.timeout_s, ranks=self.ranks
         )
         self.small_calls = self.shm_all_reduce.small
         return [self.shm_all_reduce]
 
     def _local_peer_pids(self) -> dict[int, int]:
         # The shm set-up exchanged pids; a failed Gloo call can then name the dead peer.
-        return self.shm_all_reduce.peer_pids()
+        if self.shm_all_reduce.disabled_reason is None:
+            return self.shm_all_reduce.peer_pids()
+        return super()._local_peer_pids()
 
     # all_gather, all_gatherv, gather's size exchange and broadcast go through
     # the same shared-memory slots when the shm path is up (any dtype: bytes

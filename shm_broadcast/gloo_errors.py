@@ -108,6 +108,8 @@ def gloo_errors(
     pg: Any,
     peers: Iterable[int] | None = None,
     pids: Mapping[int, int] | None = None,
+    *,
+    timeout_s: float | None = None,
 ) -> Iterator[None]:
     """Run torch.distributed calls on ``pg``; Gloo timeouts and lost peers raise our errors.
 
@@ -116,7 +118,7 @@ def gloo_errors(
     try:
         yield
     except RuntimeError as exc:
-        error = translate_gloo_error(exc, what, operation, pg, peers, pids)
+        error = translate_gloo_error(exc, what, operation, pg, peers, pids, timeout_s=timeout_s)
         if error is None:
             raise
         raise error from exc

@@ -322,7 +322,15 @@ def _shared_memory_path(rank: int, world_size: int) -> str:
     with pytest.raises(DesyncError) as caught:
         comm.all_reduce(mine)
     assert "float32[4096]" in str(caught.value) and "float32[8192]" in str(caught.value)
+    # One stack: the comm runs on the device communicator a GroupCoordinator uses on
+    # CPU, and finalize() releases it (through the lane, once no call is inside).
+    from device_communicators import CpuCommunicator
+
+    communicator = comm._communicator
+    assert isinstance(communicator, CpuCommunicator)
+    assert comm._lane is not None and comm._lane.shm is communicator.shm_all_reduce
     comm.finalize()
+    assert communicator.shm_all_reduce.disabled_reason == "closed"
     return "ok"
 
 

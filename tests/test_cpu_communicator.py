@@ -27,7 +27,7 @@ def make_comm(rank: int, world: int, name: str = "test", shm: bool = True):
     from shm_broadcast.config import set_config
 
     init_gloo(rank, world)
-    set_config(disable_shm_all_reduce=not shm)
+    set_config(disable_shm_all_reduce=not shm, disable_shm_p2p=not shm)
     comm = CpuCommunicator(dist.group.WORLD, unique_name=name)
     assert (comm.shm_all_reduce.disabled_reason is None) == shm
     return comm
@@ -378,3 +378,73 @@ def _tensor_dicts(rank: int, world: int, shm: bool) -> dict:
 def test_send_and_recv_tensor_dict_as_vllms_cpu_communicator(shm: bool) -> None:
     out = run_ranks(_tensor_dicts, 2, shm)
     assert [o["shm_channels"] for o in out] == [shm, shm]
+
+
+def _standalone_backend(rank: int, world: int, shm: bool) -> dict:
+    """A CpuCommunicator over a Gloo backend torch's registry does not know (what a
+    ``coordinator.comm`` communicator builds): every path works with in-group ranks."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from device_communicators import CpuCommunicator
+    from shm_broadcast.config import set_config
+
+    init_gloo(rank, world)
+    set_config(disable_shm_all_reduce=not shm, disable_shm_p2p=not shm)
+    pg = dist.ProcessGroupGloo(
+        dist.PrefixStore("standalone", dist.distributed_c10d._get_default_store()),
+        rank,
+        world,
+        datetime.timedelta(seconds=30),
+    )
+    with pytest.raises(GroupcoordValueError, match="global_ranks"):
+        CpuCommunicator(pg)  # no registry to ask: the numbering must be given
+    comm = CpuCommunicator(pg, unique_name="standalone", global_ranks=list(range(world)))
+    try:
+        assert (comm.shm_all_reduce.disabled_reason is None) == shm
+        assert comm.ranks == list(range(world)) and comm.rank == rank
+        # Errors can name a dead peer whether or not the shared-memory path is up.
+        assert comm.peer_pids == {r: pid for r, pid in enumerate(_pids(comm)) if r != rank}
+        peer = 1 - rank
+        z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (rank + 1)
+        assert torch.equal(comm.all_reduce(z), torch.tensor([3 + 6j, 9 - 3j]))
+        with pytest.raises(GroupcoordValueError, match="only be reduced with SUM"):
+            from device_communicators import c10d_calls
+
+            c10d_calls.all_reduce(pg, z, dist.ReduceOp.MAX, None)
+        x = data(rank, (3, 4))
+        gathered = comm.all_gather(x, dim=0)
+        assert torch.equal(gathered, torch.cat([data(r, (3, 4)) for r in range(world)]))
+        assert torch.equal(comm.broadcast(x.clone(), src=1), data(1, (3, 4)))
+        got = comm.gather(x, dst=0, dim=1)
+        if rank == 0:
+            assert got is not None
+            assert torch.equal(got, torch.cat([data(r, (3, 4)) for r in range(world)], dim=1))
+        else:
+            assert got is None
+        part = comm.reduce_scatter(torch.ones(4, 2) * (rank + 1), dim=0)
+        assert torch.equal(part, torch.full((2, 2), 3.0))
+        if rank == 0:
+            comm.send(x, dst=peer)
+        else:
+            assert torch.equal(comm.recv(x.shape, x.dtype, src=peer), data(peer, (3, 4)))
+        return {"pid": os.getpid()}
+    finally:
+        comm.destroy()
+        pg.shutdown()
+
+
+def _pids(comm) -> list[int]:
+    """Every rank's pid, gathered over the communicator itself."""
+    import os
+
+    mine = torch.tensor([os.getpid()], dtype=torch.int64)
+    return [int(p) for p in comm.all_gather(mine, dim=0).tolist()]
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_standalone_gloo_backend_works_with_global_ranks(shm: bool) -> None:
+    out = run_ranks(_standalone_backend, 2, shm)
+    assert out[0]["pid"] != out[1]["pid"]

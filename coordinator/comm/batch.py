@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import torch
 
-from device_communicators import checks
+from device_communicators import c10d_calls, checks
 
 from ..errors import ClosedError, GroupcoordTypeError
-from .core import P2P_TAG
 from .ops import CommOps
 from .work import Work
 
@@ -98,9 +97,9 @@ class P2PBatch:
             works = []
             for op in ops:
                 if op.kind == "send":
-                    works.append(pg.send([op.tensor], op.peer, P2P_TAG))
+                    works.append(c10d_calls.send(pg, op.tensor, op.peer))
                 else:
-                    works.append(pg.recv([op.tensor], op.peer, P2P_TAG))
+                    works.append(c10d_calls.recv(pg, op.tensor, op.peer))
             return works
 
         self._issued = True  # even if the wait below times out: the ops were posted

@@ -19,7 +19,6 @@ order through the communicator's :class:`~coordinator.comm.shm_lane.ShmLane`
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from device_communicators import checks
-from device_communicators.shm_all_reduce import ShmAllReduce
+from device_communicators.cpu_communicator import CpuCommunicator
 from shm_broadcast.config import resolve_timeout
-from shm_broadcast.liveness import host_key
 
 from ..errors import (
     BackendUnavailableError,
@@ -141,26 +139,24 @@ class Comm(CommOps):
         return comm
 
     def _connect_local(self) -> None:
-        """Collective, once at creation: share (host key, pid) so errors can name dead
-        peers, then build the shared-memory back end (disabled, with its reason, when
-        the ranks do not share this node)."""
-        mine = torch.tensor([host_key(), os.getpid()], dtype=torch.int64)
-        table = torch.empty((self._size, 2), dtype=torch.int64)
-        self.all_gather_single(table, mine)
-        here = host_key()
-        self._local_pids = {
-            r: int(pid)
-            for r, (host, pid) in enumerate(table.tolist())
-            if host == here and r != self._rank
-        }
-        shm = ShmAllReduce(
+        """Collective, once at creation: the device communicator over this comm's Gloo
+        group (a ``CpuCommunicator``, as a ``GroupCoordinator`` builds), whose
+        shared-memory back end serves the fast paths (disabled, with its reason, when
+        the ranks do not share this node) and whose peer pids let errors name dead
+        peers. The communicator numbers ranks as this comm does."""
+        communicator = CpuCommunicator(
             self._pg,
-            timeout_s=self._timeout_s,
             unique_name=f"communicator {self._name!r}",
-            ranks=list(range(self._size)),
+            timeout_s=self._timeout_s,
+            global_ranks=list(range(self._size)),
         )
+        self._communicator = communicator
+        self._local_pids = communicator.peer_pids
+        shm = communicator.shm_all_reduce
         if shm.disabled_reason is None:  # the same verdict on every rank
-            self._lane = ShmLane(self._name, shm, self._weak_failure_marker(self))
+            self._lane = ShmLane(
+                self._name, shm, self._weak_failure_marker(self), close=communicator.destroy
+            )
 
     def unsafe_get_backend(self) -> Any:
         """The c10d Gloo process group underneath (an escape hatch, as in torchcomms:

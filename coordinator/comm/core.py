@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from device_communicators import checks
+from device_communicators.cpu_communicator import CpuCommunicator
 from device_communicators.shm_all_reduce import ShmAllReduce
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import resolve_timeout
@@ -32,7 +33,6 @@ from .reduce_ops import ReduceOp
 from .shm_lane import ShmLane
 from .work import Completer, Work, translate_error
 
-P2P_TAG = 0  # one tag for send/recv and batches, so Gloo keeps them in FIFO order per pair
 _Launch = Callable[[datetime.timedelta], Sequence[Any]]
 _Fast = Callable[[ShmAllReduce], None]
 
@@ -96,6 +96,8 @@ class CommCore:
         self._barrier_count = 0
         self._windows: list[Any] = []  # Window objects (they only need close())
         self._local_pids: dict[int, int] = {}  # comm rank -> pid, peers with our host key
+        # The device communicator over this comm's group (``Comm._connect_local``).
+        self._communicator: CpuCommunicator | None = None
         self._lane: ShmLane | None = None  # None: no shared-memory path for this comm
         self._done: dict[str, Work] = {}  # the finished work lean calls return, by operation
         self._on_timeout = self._weak_timeout_marker(self)
@@ -289,7 +291,9 @@ class CommCore:
         for window in windows:
             window.close()
         if self._lane is not None:
-            self._lane.close(abandon)
+            self._lane.close(abandon)  # it releases the communicator once no call is inside
+        elif self._communicator is not None:
+            self._communicator.destroy()
 
     def is_closed(self) -> bool:
         return self._closed is not None

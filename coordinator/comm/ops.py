@@ -10,21 +10,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import (
-    AllgatherOptions,
-    AllToAllOptions,
-    BroadcastOptions,
-    GatherOptions,
-    ScatterOptions,
-)
 
-from device_communicators import checks
+from device_communicators import c10d_calls, checks
 from device_communicators.shm_all_reduce import ShmAllReduce
 
 from ..errors import (
     GroupcoordValueError,
 )
-from .core import P2P_TAG
 from .reductions import Reductions
 from .work import Work
 
@@ -45,11 +37,7 @@ class CommOps(Reductions):
         root = checks.rank(root, "root", self._size)
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            opts = BroadcastOptions()
-            opts.rootRank = root
-            opts.rootTensor = 0
-            opts.timeout = td
-            return [self._pg.broadcast([tensor], opts)]
+            return [c10d_calls.broadcast(self._pg, tensor, root, td)]
 
         def fast(shm: ShmAllReduce) -> None:
             shm.broadcast_(tensor, root)
@@ -78,9 +66,7 @@ class CommOps(Reductions):
         contiguous tensor holding every output in rank order, for the shm path."""
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            opts = AllgatherOptions()
-            opts.timeout = td
-            return [self._pg.allgather([outputs], [tensor], opts)]
+            return [c10d_calls.all_gather(self._pg, outputs, tensor, td)]
 
         def fast(shm: ShmAllReduce) -> None:
             if stacked is not None:
@@ -170,9 +156,7 @@ class CommOps(Reductions):
                 out.view(-1).copy_(part[: out.numel()])
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            opts = AllgatherOptions()
-            opts.timeout = td
-            return [self._pg.allgather([staged], [padded], opts)]
+            return [c10d_calls.all_gather(self._pg, staged, padded, td)]
 
         return self._run("all_gather_v", self._others(), timeout, async_op, hints, launch, finish)
 
@@ -189,9 +173,7 @@ class CommOps(Reductions):
         finish: Callable[[], None] | None = None,
     ) -> Work:
         def launch(td: datetime.timedelta) -> list[Any]:
-            opts = AllToAllOptions()
-            opts.timeout = td
-            return [self._pg.alltoall_base(output, input, output_splits, input_splits, opts)]
+            return [c10d_calls.all_to_all(self._pg, output, input, output_splits, input_splits, td)]
 
         return self._run(name, self._others(), timeout, async_op, hints, launch, finish)
 
@@ -309,10 +291,7 @@ class CommOps(Reductions):
             checks.same_shape(outputs, input_tensor, "output_tensor_list")
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            opts = GatherOptions()
-            opts.rootRank = root
-            opts.timeout = td
-            return [self._pg.gather([outputs] if outputs else [], [input_tensor], opts)]
+            return [c10d_calls.gather(self._pg, outputs, input_tensor, root, td)]
 
         return self._run("gather", self._others(), timeout, async_op, hints, launch)
 
@@ -355,10 +334,7 @@ class CommOps(Reductions):
             checks.same_shape(inputs, output_tensor, "input_tensor_list")
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            opts = ScatterOptions()
-            opts.rootRank = root
-            opts.timeout = td
-            return [self._pg.scatter([output_tensor], [inputs] if inputs else [], opts)]
+            return [c10d_calls.scatter(self._pg, output_tensor, inputs, root, td)]
 
         return self._run("scatter", self._others(), timeout, async_op, hints, launch)
 
@@ -379,7 +355,7 @@ class CommOps(Reductions):
             timeout,
             async_op,
             hints,
-            lambda td: [self._pg.send([tensor], dst, P2P_TAG)],
+            lambda td: [c10d_calls.send(self._pg, tensor, dst)],
             completes_in_wait=True,
         )
 
@@ -399,6 +375,6 @@ class CommOps(Reductions):
             timeout,
             async_op,
             hints,
-            lambda td: [self._pg.recv([tensor], src, P2P_TAG)],
+            lambda td: [c10d_calls.recv(self._pg, tensor, src)],
             completes_in_wait=True,
         )

@@ -11,14 +11,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import (
-    AllreduceOptions,
-    BarrierOptions,
-    ReduceOptions,
-    ReduceScatterOptions,
-)
 
-from device_communicators import checks
+from device_communicators import c10d_calls, checks
 from device_communicators.shm_all_reduce import ShmAllReduce
 
 from .core import CommCore
@@ -48,10 +42,7 @@ class Reductions(CommCore):
         def launch(td: datetime.timedelta) -> list[Any]:
             if op.factor is not None:
                 tensor.mul_(op.factor)
-            opts = AllreduceOptions()
-            opts.reduceOp = op.c10d_op()
-            opts.timeout = td
-            return [self._pg.allreduce([tensor], opts)]
+            return [c10d_calls.all_reduce(self._pg, tensor, op.c10d_op(), td)]
 
         finish = functools.partial(op.finish, tensor, self._size)
 
@@ -87,12 +78,7 @@ class Reductions(CommCore):
         def launch(td: datetime.timedelta) -> list[Any]:
             if op.factor is not None:
                 tensor.mul_(op.factor)
-            opts = ReduceOptions()
-            opts.reduceOp = op.c10d_op()
-            opts.rootRank = root
-            opts.rootTensor = 0
-            opts.timeout = td
-            return [self._pg.reduce([tensor], opts)]
+            return [c10d_calls.reduce(self._pg, tensor, root, op.c10d_op(), td)]
 
         size, is_root = self._size, self._rank == root
 
@@ -121,10 +107,7 @@ class Reductions(CommCore):
 
         def launch(td: datetime.timedelta) -> list[Any]:
             sent = [op.premultiply(t) for t in inputs()]  # copies for PREMUL_SUM only
-            opts = ReduceScatterOptions()
-            opts.reduceOp = op.c10d_op()
-            opts.timeout = td
-            return [self._pg.reduce_scatter([flat_out], [sent], opts)]
+            return [c10d_calls.reduce_scatter(self._pg, flat_out, sent, op.c10d_op(), td)]
 
         finish = functools.partial(op.finish, flat_out, self._size)
 
@@ -245,8 +228,6 @@ class Reductions(CommCore):
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         def launch(td: datetime.timedelta) -> list[Any]:
-            opts = BarrierOptions()
-            opts.timeout = td
-            return [self._pg.barrier(opts)]
+            return [c10d_calls.barrier(self._pg, td)]
 
         return self._run("barrier", self._others(), timeout, async_op, hints, launch)

@@ -7,9 +7,10 @@ keeps that order: asynchronous calls go to one worker thread, in order; a
 synchronous call runs on the caller's thread when nothing is queued before
 it (the common, fast case) and waits its turn otherwise.
 
-The back end is unmapped only when no call is inside it: ``close`` from an
-abort first makes the call in progress give up (``ShmAllReduce.abandon``),
-and whichever thread leaves the back end last unmaps it.
+The back end is released (``close``, given by its owner: the device
+communicator's ``destroy``) only when no call is inside it: ``close`` from
+an abort first makes the call in progress give up (``ShmAllReduce.abandon``),
+and whichever thread leaves the back end last releases it.
 """
 
 from __future__ import annotations
@@ -33,9 +34,16 @@ _SETTLE_GRACE_S = 0.5
 class ShmLane:
     """Runs ``Run`` callables on one ``ShmAllReduce`` in issue order."""
 
-    def __init__(self, name: str, shm: ShmAllReduce, on_failure: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        shm: ShmAllReduce,
+        on_failure: Callable[[str], None],
+        close: Callable[[], None],
+    ) -> None:
         self._name = name
         self.shm = shm
+        self._release = close  # releases shm (and whatever else its owner holds)
         self._on_failure = on_failure  # told the op name when a peer is late or dead
         self._lock = threading.Lock()
         self._queued: list[Work] = []  # issued asynchronously, not yet finished
@@ -107,7 +115,7 @@ class ShmLane:
             if work is not None and work in self._queued:
                 self._queued.remove(work)
             if self._close_when_idle and self._inside == 0:
-                self.shm.close()  # under the lock: close() cannot abandon an unmapped one
+                self._release()  # under the lock: close() cannot abandon an unmapped one
 
     def _start_thread(self) -> None:
         if self._thread is not None:
@@ -145,7 +153,7 @@ class ShmLane:
             queued = list(self._queued)
             self._close_when_idle = True
             if self._inside == 0:
-                self.shm.close()
+                self._release()
             elif abandon is not None:
                 self.shm.abandon(abandon)
         for work in queued:
