@@ -34,6 +34,7 @@ from .all2all_base import All2AllManagerBase, Cache, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .shm_small import SmallCalls
+from .transports import Transport, TransportChain
 
 __all__ = ["All2AllManagerBase", "Cache", "DeviceCommunicatorBase"]
 
@@ -105,6 +106,18 @@ class DeviceCommunicatorBase:
         # Errors start with the group's name, like the coordinator's own errors.
         self.what = unique_name or type(self).__name__
         fast = self._fast_all_reduce_backends()
+        # The moving operations' chains: this device's fast transports, then c10d.
+        # Control exchanges (lengths, pids: small CPU tensors) use the fast
+        # transports that live on cpu_group, then c10d on cpu_group.
+        owner = f"{type(self).__name__}({unique_name or 'unnamed'})"
+        moving = self._fast_transports()
+        self.transports = TransportChain(
+            [*moving, TorchTransport(self, self.device_group)], owner=owner
+        )
+        self.control_transports = TransportChain(
+            [*(t for t in moving if t.control), TorchTransport(self, self.cpu_group, control=True)],
+            owner=f"{owner} control",
+        )
         # Global rank -> pid of peers on this host: a failed call names the dead ones.
         self.peer_pids: dict[int, int] = {}  # what errors of the exchange below can use
         self.peer_pids = self._local_peer_pids()
@@ -119,7 +132,7 @@ class DeviceCommunicatorBase:
                     timeout_s=self.timeout_s,
                 ),
             ],
-            owner=f"{type(self).__name__}({unique_name or 'unnamed'})",
+            owner=owner,
         )
         if (
             global_world_size is not None
@@ -141,6 +154,10 @@ class DeviceCommunicatorBase:
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
         """Back ends tried before ``torch.distributed``, in order (none here)."""
+        return []
+
+    def _fast_transports(self) -> list[Transport]:
+        """Transports tried before c10d for the moving operations, in order (none here)."""
         return []
 
     def _local_peer_pids(self) -> dict[int, int]:
@@ -217,7 +234,10 @@ class DeviceCommunicatorBase:
             per_tensor_sizes = [list(sizes) for _ in tensors]
         else:
             per_tensor_sizes = self._discover_sizes(tensors, dims)
-        out = [self._all_gatherv_exact(t, d, s) for t, d, s in zip(tensors, dims, per_tensor_sizes)]
+        out = [
+            self.transports.select("all_gatherv", t).all_gatherv_exact(t, d, s)
+            for t, d, s in zip(tensors, dims, per_tensor_sizes)
+        ]
         return out if isinstance(input_, list) else out[0]
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -264,7 +284,7 @@ class DeviceCommunicatorBase:
         checks.rank(src, "src", self.world_size)
         if self.world_size == 1:
             return tensor
-        return self._broadcast_(tensor, src)
+        return self.transports.select("broadcast", tensor).broadcast_(tensor, src)
 
     def reduce_scatterv_into_output(
         self,
@@ -327,60 +347,20 @@ class DeviceCommunicatorBase:
         if self.all2all_manager is not None:
             self.all2all_manager.checkpoint_restore()
 
-    # ---- transport hooks (subclasses route these through faster paths) ----------
+    # ---- the moving operations' chains ------------------------------------------
 
     def _all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's equally shaped ``tensor``, stacked: ``(world, *shape)``."""
-        out = torch.empty(
-            (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
-        )
-        with self._gloo("all_gather"):
-            c10d_calls.all_gather(
-                self.device_group, list(out.unbind(0)), tensor.contiguous(), self._deadline
-            ).wait()
-        return out
+        return self.transports.select("all_gather", tensor).all_gather_stacked(tensor)
 
     def _all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
         """``_all_gather_stacked`` of a small CPU tensor over ``cpu_group`` (metadata)."""
-        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
-        with self._gloo("all_gather (sizes)", group=self.cpu_group):
-            c10d_calls.all_gather(
-                self.cpu_group, list(out.unbind(0)), tensor.contiguous(), self._deadline
-            ).wait()
-        return out
-
-    def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
-        """Overwrite ``input_`` with in-group rank ``src``'s (arguments already checked)."""
-        work = input_ if input_.is_contiguous() else input_.contiguous()
-        with self._gloo("broadcast"):
-            c10d_calls.broadcast(self.device_group, work, src, self._deadline).wait()
-        if work is not input_:
-            input_.copy_(work)
-        return input_
-
-    def _all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows."""
-        out = self._gather_padded(tensor, dim, sizes, dst=None)
-        assert out is not None  # every rank gets the result of an all-gather
-        return out
+        return self.control_transports.select("all_gather", tensor).all_gather_stacked(tensor)
 
     def _reduce_scatter_sizes(
         self, input_: torch.Tensor, dim: int, sizes: list[int]
     ) -> torch.Tensor:
-        """This rank's ``sizes[rank]`` rows along ``dim`` of the group's sum of ``input_``."""
-        # Gloo has no reduce-scatter; a (fast, shm-backed) all-reduce then a slice
-        # moves more bytes but is exact and uses the best all-reduce we have.
-        start = sum(sizes[: self.rank_in_group])
-        total = self.all_reduce(input_)
-        return total.narrow(dim, start, sizes[self.rank_in_group]).contiguous()
-
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        with self._gloo("send", peer=dst):
-            c10d_calls.send(self.device_group, tensor.contiguous(), dst).wait()
-
-    def _recv_into(self, out: torch.Tensor, src: int) -> None:
-        with self._gloo("recv", peer=src):
-            c10d_calls.recv(self.device_group, out, src).wait()
+        transport = self.transports.select("reduce_scatter", input_)
+        return transport.reduce_scatter_sizes(input_, dim, sizes)
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to in-group rank ``dst`` (default: the next rank)."""
@@ -388,7 +368,7 @@ class DeviceCommunicatorBase:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         checks.rank(dst, "dst", self.world_size, self.rank_in_group)
-        self._send(tensor, dst)
+        self.transports.select("send", tensor).send(tensor, dst)
 
     def recv(
         self,
@@ -409,7 +389,7 @@ class DeviceCommunicatorBase:
             src = (self.rank_in_group - 1) % self.world_size
         checks.rank(src, "src", self.world_size, self.rank_in_group)
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        self._recv_into(out, src)
+        self.transports.select("recv", out).recv_into(out, src)
         return out
 
     # ---- expert parallelism -----------------------------------------------------
@@ -544,3 +524,62 @@ class DeviceCommunicatorBase:
             return None
         joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
         return joined.movedim(0, dim).contiguous()
+
+
+class TorchTransport(Transport):
+    """c10d on ``group`` (the device group; the CPU group for control exchanges):
+    takes every operation. All-gatherv pads each part to the longest and cuts it
+    back, through the communicator's all-gather chain; reduce-scatter is the
+    communicator's all-reduce, then this rank's rows (Gloo has no reduce-scatter:
+    more bytes, but exact, and the best all-reduce the group has)."""
+
+    def __init__(
+        self, comm: DeviceCommunicatorBase, group: ProcessGroup, *, control: bool = False
+    ) -> None:
+        self.comm = comm
+        self.group = group
+        self.control = control
+        self.name = f"torch.distributed({group.name()})"
+
+    def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
+        return None
+
+    def all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        out = torch.empty(
+            (comm.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
+        operation = "all_gather (sizes)" if self.control else "all_gather"
+        with comm._gloo(operation, group=self.group):
+            c10d_calls.all_gather(
+                self.group, list(out.unbind(0)), tensor.contiguous(), comm._deadline
+            ).wait()
+        return out
+
+    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        out = self.comm._gather_padded(tensor, dim, sizes, dst=None)
+        assert out is not None  # every rank gets the result of an all-gather
+        return out
+
+    def reduce_scatter_sizes(
+        self, input_: torch.Tensor, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
+        rank = self.comm.rank_in_group
+        total = self.comm.all_reduce(input_)
+        return total.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        with self.comm._gloo("broadcast", group=self.group):
+            c10d_calls.broadcast(self.group, work, src, self.comm._deadline).wait()
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        with self.comm._gloo("send", peer=dst, group=self.group):
+            c10d_calls.send(self.group, tensor.contiguous(), dst).wait()
+
+    def recv_into(self, out: torch.Tensor, src: int) -> None:
+        with self.comm._gloo("recv", peer=src, group=self.group):
+            c10d_calls.recv(self.group, out, src).wait()

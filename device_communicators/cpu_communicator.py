@@ -30,6 +30,7 @@ from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
 from .errors import GroupcoordTypeError
 from .shm_all_reduce import ShmAllReduce
+from .transports import NOT_OFFERED, Transport
 
 
 class CpuCommunicator(DeviceCommunicatorBase):
@@ -75,47 +76,14 @@ class CpuCommunicator(DeviceCommunicatorBase):
         self.small_calls = self.shm_all_reduce.small
         return [self.shm_all_reduce]
 
+    def _fast_transports(self) -> list[Transport]:
+        return [ShmTransport(self.shm_all_reduce, self.rank_in_group)]
+
     def _local_peer_pids(self) -> dict[int, int]:
         # The shm set-up exchanged pids; a failed Gloo call can then name the dead peer.
         if self.shm_all_reduce.disabled_reason is None:
             return self.shm_all_reduce.peer_pids()
         return super()._local_peer_pids()
-
-    # all_gather, all_gatherv, gather's size exchange and broadcast go through
-    # the same shared-memory slots when the shm path is up (any dtype: bytes
-    # are copied). The condition depends only on the group, never on the
-    # tensor's layout, so every rank takes the same path.
-
-    def _all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.shm_all_reduce.copy_refusal(tensor) is None:
-            return self.shm_all_reduce.all_gather(tensor)
-        return super()._all_gather_stacked(tensor)
-
-    def _all_gather_control(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.shm_all_reduce.copy_refusal(tensor) is None:
-            return self.shm_all_reduce.all_gather(tensor)
-        return super()._all_gather_control(tensor)
-
-    def _reduce_scatter_sizes(
-        self, input_: torch.Tensor, dim: int, sizes: list[int]
-    ) -> torch.Tensor:
-        # reduce_scatter(v): each rank reduces only its own rows, in shared memory.
-        if self.shm_all_reduce.refusal(input_) is not None:
-            return super()._reduce_scatter_sizes(input_, dim, sizes)
-        start, length = sum(sizes[: self.rank_in_group]), sizes[self.rank_in_group]
-        if dim == 0 and input_.dim() == 1 and input_.is_contiguous():
-            return self.shm_all_reduce.reduce_range(input_, start, start + length)
-        moved = input_.movedim(dim, 0) if dim else input_
-        inner = math.prod(moved.shape[1:])
-        flat = moved.contiguous().view(-1)
-        part = self.shm_all_reduce.reduce_range(flat, start * inner, (start + length) * inner)
-        part = part.view(length, *moved.shape[1:])
-        return part.movedim(0, dim).contiguous() if dim else part
-
-    def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
-        if self.shm_all_reduce.copy_refusal(input_) is None:
-            return self.shm_all_reduce.broadcast_(input_, src)
-        return super()._broadcast_(input_, src)
 
     # ---- tensor dicts (vLLM's CpuCommunicator) --------------------------------------
 
@@ -156,3 +124,44 @@ class CpuCommunicator(DeviceCommunicatorBase):
     def destroy(self) -> None:
         self._p2p_channels.close()
         super().destroy()
+
+
+class ShmTransport(Transport):
+    """The shared-memory back end's slots as a transport: all-gather (hence
+    all-gatherv's padded parts and the lengths exchange), reduce-scatter(v) and
+    broadcast. Its refusals depend on the group and dtype only (any dtype's bytes
+    are copied; reductions take its dtypes), never on a tensor's layout."""
+
+    name = "shared memory"
+    control = True  # its slots are cpu_group's
+
+    def __init__(self, shm: ShmAllReduce, rank_in_group: int) -> None:
+        self.shm = shm
+        self.rank_in_group = rank_in_group
+
+    def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
+        if op in ("all_gather", "broadcast"):
+            return self.shm.copy_refusal(tensor)
+        if op == "reduce_scatter":
+            return self.shm.refusal(tensor)
+        return NOT_OFFERED
+
+    def all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.shm.all_gather(tensor)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.shm.broadcast_(tensor, src)
+
+    def reduce_scatter_sizes(
+        self, input_: torch.Tensor, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
+        # Each rank reduces only its own rows, in shared memory.
+        start, length = sum(sizes[: self.rank_in_group]), sizes[self.rank_in_group]
+        if dim == 0 and input_.dim() == 1 and input_.is_contiguous():
+            return self.shm.reduce_range(input_, start, start + length)
+        moved = input_.movedim(dim, 0) if dim else input_
+        inner = math.prod(moved.shape[1:])
+        flat = moved.contiguous().view(-1)
+        part = self.shm.reduce_range(flat, start * inner, (start + length) * inner)
+        part = part.view(length, *moved.shape[1:])
+        return part.movedim(0, dim).contiguous() if dim else part

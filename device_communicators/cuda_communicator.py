@@ -4,9 +4,9 @@ All-reduce goes through the ordered back-end chain of the base class:
 :class:`CustomAllreduce` (small tensors, one node, peer access), then
 :class:`PyNcclAllReduce`, then ``torch.distributed`` on the device group.
 all_gather(v), reduce_scatter(v), broadcast, send and recv are the base
-class's public methods (arguments checked there, once); the transport hooks
-under them use pynccl when it is available (on the caller's current stream,
-capturable in a CUDA graph) and the base's torch.distributed otherwise.
+class's public methods (arguments checked there, once); their transport
+chain is :class:`NcclTransport` (while pynccl is available: on the caller's
+current stream, capturable in a CUDA graph), then c10d on the device group.
 :meth:`CudaCommunicator.capture` puts custom all-reduce in graph-capture mode;
 :meth:`CudaCommunicator.graph_capture` adds the side stream around it.
 """
@@ -27,8 +27,9 @@ from .base_device_communicator import DeviceCommunicatorBase
 from .custom_all_reduce import CustomAllreduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .pynccl import PyNcclCommunicator, nccl_data_type, nccl_red_op
+from .transports import Transport
 
-__all__ = ["CudaCommunicator", "PyNcclAllReduce"]
+__all__ = ["CudaCommunicator", "NcclTransport", "PyNcclAllReduce"]
 
 
 class PyNcclAllReduce(AllReduceBackend):
@@ -112,6 +113,9 @@ class CudaCommunicator(DeviceCommunicatorBase):
         self.pynccl = PyNcclCommunicator(self.cpu_group, self.device)
         return [self.custom_all_reduce, PyNcclAllReduce(self.pynccl)]
 
+    def _fast_transports(self) -> list[Transport]:
+        return [NcclTransport(self.pynccl)]
+
     @property
     def ca_comm(self) -> CustomAllreduce | None:
         """vLLM's name for the custom all-reduce: None where it is disabled."""
@@ -156,51 +160,47 @@ class CudaCommunicator(DeviceCommunicatorBase):
         """None: no custom reduce-scatter kernel here (callers then use reduce_scatter)."""
         return None
 
-    # ---- transport hooks through pynccl ---------------------------------------------
-    # The base class checks the arguments and shapes the results; these move the
-    # bytes with pynccl while it is available (torch.distributed otherwise: the
-    # base's hooks), on the caller's current stream, capturable in a graph.
 
-    def _all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+class NcclTransport(Transport):
+    """pynccl as the transport of the moving operations, while it is available:
+    on the caller's current stream, capturable in a CUDA graph."""
+
+    name = "pynccl"
+
+    def __init__(self, pynccl: PyNcclCommunicator) -> None:
+        self.pynccl = pynccl
+
+    def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
         if not self.pynccl.available:
-            return super()._all_gather_stacked(tensor)
+            return self.pynccl.reason or "not available"
+        return None
+
+    def all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
         return nccl_all_gather_stacked(self.pynccl, tensor)
 
-    def _all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        if not self.pynccl.available:
-            return super()._all_gatherv_exact(tensor, dim, sizes)
+    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         return nccl_all_gatherv(self.pynccl, tensor, dim, sizes)
 
-    def _reduce_scatter_sizes(
+    def reduce_scatter_sizes(
         self, input_: torch.Tensor, dim: int, sizes: list[int]
     ) -> torch.Tensor:
-        if not self.pynccl.available:
-            return super()._reduce_scatter_sizes(input_, dim, sizes)
         return nccl_reduce_scatter(self.pynccl, input_, dim, sizes)
 
-    def _broadcast_(self, input_: torch.Tensor, src: int) -> torch.Tensor:
-        if not self.pynccl.available:
-            return super()._broadcast_(input_, src)
-        work = input_ if input_.is_contiguous() else input_.contiguous()
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
         self.pynccl.broadcast(work, src)
-        if work is not input_:
-            input_.copy_(work)
-        return input_
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        if not self.pynccl.available:
-            return super()._send(tensor, dst)
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.pynccl.send(tensor.contiguous(), dst)
-        return None
 
-    def _recv_into(self, out: torch.Tensor, src: int) -> None:
-        if not self.pynccl.available:
-            return super()._recv_into(out, src)
+    def recv_into(self, out: torch.Tensor, src: int) -> None:
         self.pynccl.recv(out, src)
-        return None
 
 
-# ---- NCCL calls shaped as the hooks need (arguments already checked) --------------------
+# ---- NCCL calls shaped as the transport needs (arguments already checked) --------------------
 
 
 def nccl_all_gather_stacked(pynccl: PyNcclCommunicator, tensor: torch.Tensor) -> torch.Tensor:

@@ -415,6 +415,19 @@ def _standalone_backend(rank: int, world: int, shm: bool) -> dict:
 
             c10d_calls.all_reduce(pg, z, dist.ReduceOp.MAX, None)
         x = data(rank, (3, 4))
+        # The moving operations' chain: shared memory (when up, for what it offers),
+        # then c10d; the control exchanges use the same, both on cpu_group.
+        from device_communicators.transports import NOT_OFFERED
+
+        for chain in (comm.transports, comm.control_transports):
+            assert [t.name for t in chain.transports] == [
+                "shared memory",
+                "torch.distributed(gloo)",
+            ]
+        (_, shm_reason), (_, torch_reason) = comm.transports.explain("all_gather", x)
+        assert (shm_reason is None) == shm and torch_reason is None
+        assert comm.transports.explain("send", x)[0][1] == NOT_OFFERED
+        assert comm.transports.select("send", x).name == "torch.distributed(gloo)"
         gathered = comm.all_gather(x, dim=0)
         assert torch.equal(gathered, torch.cat([data(r, (3, 4)) for r in range(world)]))
         assert torch.equal(comm.broadcast(x.clone(), src=1), data(1, (3, 4)))

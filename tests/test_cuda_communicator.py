@@ -187,15 +187,18 @@ def test_graph_registration_failure_is_raised_on_every_rank():
         assert "do not replay the captured graphs" in message
 
 
-def test_cuda_communicator_keeps_the_base_public_methods():
-    """Arguments are checked once, in the base class: the CUDA communicator only
-    routes the transport hooks under them through pynccl."""
+def test_cuda_and_cpu_communicators_only_supply_back_ends():
+    """Arguments are checked once, in the base class, and every operation runs the
+    first back end of its chain that takes it: the CUDA and CPU communicators
+    override no operation, public or private; they only supply their back ends."""
     from device_communicators.base_device_communicator import DeviceCommunicatorBase
+    from device_communicators.cpu_communicator import CpuCommunicator
     from device_communicators.cuda_communicator import CudaCommunicator
 
     public = ("all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "broadcast")
-    for name in (*public, "send", "recv", "gather", "all_reduce"):
-        assert name not in CudaCommunicator.__dict__, name
-    hooks = ("_all_gather_stacked", "_all_gatherv_exact", "_reduce_scatter_sizes", "_broadcast_")
-    for name in (*hooks, "_send", "_recv_into"):
-        assert name in CudaCommunicator.__dict__ and name in DeviceCommunicatorBase.__dict__, name
+    private = ("_all_gather_stacked", "_all_gather_control", "_reduce_scatter_sizes")
+    for cls in (CudaCommunicator, CpuCommunicator):
+        for name in (*public, *private, "send", "recv", "gather", "all_reduce"):
+            assert name in DeviceCommunicatorBase.__dict__, name
+            assert name not in cls.__dict__, (cls.__name__, name)
+        assert "_fast_transports" in cls.__dict__ and "_fast_all_reduce_backends" in cls.__dict__

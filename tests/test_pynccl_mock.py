@@ -421,7 +421,7 @@ def test_scatter_sends_each_rank_its_rows_from_the_root():
     assert results[1] == [start, ("ncclSend", 0, 4), ("ncclSend", 1, 8), ("ncclRecv", 1, 8), end]
 
 
-# ---- the CUDA communicator's hooks: shapes around the calls ---------------------------------
+# ---- the CUDA communicator's NCCL transport: shapes around the calls ---------------------------------
 
 
 def world1_hook_shapes(rank: int, world: int) -> list[str]:
@@ -506,7 +506,12 @@ def world2_cuda_communicator(rank: int, world: int) -> dict[str, Any]:
     # Custom all-reduce off: on a GPU machine it would otherwise try the real device.
     with override(nccl_so_path=LIB, disable_custom_all_reduce=True):
         DeviceCommunicatorBase.__init__(comm, dist.group.WORLD, torch.device("cpu"), None, "tp:0")
-    seen: dict[str, Any] = {"pynccl": comm.pynccl.available, "ca": comm.custom_all_reduce.reason}
+    seen: dict[str, Any] = {
+        "pynccl": comm.pynccl.available,
+        "ca": comm.custom_all_reduce.reason,
+        "transports": [t.name for t in comm.transports.transports],
+        "control": [t.name for t in comm.control_transports.transports],
+    }
 
     def calls(fn: Any) -> tuple[list[str], Any]:
         before = len(mock.calls)
@@ -529,10 +534,13 @@ def world2_cuda_communicator(rank: int, world: int) -> dict[str, Any]:
     return seen
 
 
-def test_cuda_communicator_public_calls_reach_pynccl_through_the_hooks():
+def test_cuda_communicator_public_calls_reach_pynccl_through_its_transport_chain():
     results = run_ranks(world2_cuda_communicator, 2)
     for rank, seen in enumerate(results):
         assert seen["pynccl"] and "DISABLE_CUSTOM_ALL_REDUCE" in seen["ca"]
+        # pynccl first, c10d after; control exchanges (CPU tensors) stay on cpu_group.
+        assert seen["transports"] == ["pynccl", "torch.distributed(gloo)"]
+        assert seen["control"] == ["torch.distributed(gloo)"]
         assert seen["all_gather"] == (["ncclAllGather"], (3, 8))
         assert seen["all_gatherv"] == (["ncclBroadcast", "ncclBroadcast"], (5, 4))
         assert seen["reduce_scatter"] == (["ncclReduceScatter"], (3, 2))

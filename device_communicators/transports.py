@@ -1,0 +1,102 @@
+"""Moving back ends as an ordered list, per operation: the first that takes a tensor runs.
+
+All-reduce has its chain (``all_reduce_backends``); the operations that move
+tensors (all-gather, all-gatherv, reduce-scatter, broadcast, send, recv)
+have this one. A communicator holds ``[*fast, torch]``: ``[shared memory,
+torch]`` on CPU, ``[pynccl, torch]`` on CUDA. Each transport says, per
+operation and tensor, whether it takes the call and if not why, so the base
+class's public methods check the arguments once and hand the call to
+``select(op, tensor)`` with no subclass overriding anything. The last entry
+takes every operation, so selection never fails.
+
+As with all-reduce, a refusal may depend only on what every rank agrees on
+(the group, dtype, shape, configuration), never on local state such as a
+tensor's contiguity, or ranks would pick different transports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .errors import GroupcoordValueError
+
+logger = logging.getLogger("groupcoord.device_communicators")
+
+OPERATIONS = ("all_gather", "all_gatherv", "reduce_scatter", "broadcast", "send", "recv")
+
+# What a transport that lacks an operation says.
+NOT_OFFERED = "does not offer this operation"
+
+
+class Transport:
+    """One way to move tensors; it implements the operations it does not refuse.
+
+    Every method is called only after ``refusal(op, tensor)`` returned None
+    for its operation, with arguments the communicator already checked:
+    in-group ranks, ``dim`` normalised, ``sizes`` one per rank.
+    """
+
+    name = "transport"
+    # Whether it also serves the communicator's control exchanges (small CPU
+    # tensors on cpu_group: lengths, pids), i.e. it lives on cpu_group.
+    control = False
+
+    def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
+        """None when this transport takes ``op`` on ``tensor``; otherwise why not."""
+        raise NotImplementedError
+
+    def all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's equally shaped ``tensor``, stacked: ``(world, *shape)``."""
+        raise NotImplementedError
+
+    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows."""
+        raise NotImplementedError
+
+    def reduce_scatter_sizes(
+        self, input_: torch.Tensor, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
+        """This rank's ``sizes[rank]`` rows along ``dim`` of the group's sum of ``input_``."""
+        raise NotImplementedError
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite ``tensor`` with rank ``src``'s; returns ``tensor``."""
+        raise NotImplementedError
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        raise NotImplementedError
+
+    def recv_into(self, out: torch.Tensor, src: int) -> None:
+        raise NotImplementedError
+
+
+class TransportChain:
+    """An ordered list of transports; ``select`` returns the first that takes a call."""
+
+    def __init__(self, transports: Sequence[Transport], owner: str = "") -> None:
+        if not transports:
+            raise GroupcoordValueError("transports: a chain needs at least one transport")
+        self.transports = list(transports)
+        self.owner = owner
+        logger.info(
+            "%s transports, in order: %s", owner or "communicator", [t.name for t in transports]
+        )
+
+    def select(self, op: str, tensor: torch.Tensor) -> Transport:
+        reasons = []
+        for transport in self.transports:
+            reason = transport.refusal(op, tensor)
+            if reason is None:
+                return transport
+            reasons.append(f"{transport.name}: {reason}")
+        raise GroupcoordValueError(
+            f"no transport of {self.owner or 'this communicator'} takes {op} of a "
+            f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}: " + "; ".join(reasons)
+        )
+
+    def explain(self, op: str, tensor: torch.Tensor) -> list[tuple[str, str | None]]:
+        """(transport, reason it refuses or None) for each entry, for logs and ``info``."""
+        return [(t.name, t.refusal(op, tensor)) for t in self.transports]
