@@ -34,37 +34,9 @@ from .all2all_base import All2AllManagerBase, Cache, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .shm_small import SmallCalls
-from .transports import Transport, TransportChain
+from .transports import TorchTransport, Transport, TransportChain
 
 __all__ = ["All2AllManagerBase", "Cache", "DeviceCommunicatorBase"]
-
-
-def group_ranks(group: Any, global_ranks: list[int] | None) -> list[int]:
-    """The global ranks of ``group``'s members, in in-group order.
-
-    A group in torch's registry answers itself (``global_ranks``, when given,
-    must agree); a standalone Gloo backend (a ``coordinator.comm`` communicator
-    builds one) is numbered by ``global_ranks``.
-    """
-    try:
-        registered: list[int] | None = dist.get_process_group_ranks(group)
-    except KeyError:  # not in torch's registry
-        registered = None
-    if global_ranks is None:
-        if registered is None:
-            raise GroupcoordValueError(
-                "cpu_group is not a group torch.distributed knows; pass global_ranks "
-                "(the global rank of each of its members, in order)"
-            )
-        return registered
-    given = list(global_ranks)
-    if registered is not None and given != registered:
-        raise GroupcoordValueError(f"global_ranks={given} but cpu_group holds ranks {registered}")
-    if len(given) != group.size():
-        raise GroupcoordValueError(
-            f"global_ranks={given} names {len(given)} ranks, cpu_group has {group.size()}"
-        )
-    return given
 
 
 class DeviceCommunicatorBase:
@@ -94,7 +66,7 @@ class DeviceCommunicatorBase:
         self.device_group = device_group if device_group is not None else cpu_group
         self.unique_name = unique_name
         self.world_size = cpu_group.size()
-        self.ranks: list[int] = group_ranks(cpu_group, global_ranks)
+        self.ranks: list[int] = checks.group_ranks(cpu_group, global_ranks)
         self.rank_in_group = cpu_group.rank()
         self.rank = self.ranks[self.rank_in_group]
         self.all2all_manager: Any = None
@@ -524,62 +496,3 @@ class DeviceCommunicatorBase:
             return None
         joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
         return joined.movedim(0, dim).contiguous()
-
-
-class TorchTransport(Transport):
-    """c10d on ``group`` (the device group; the CPU group for control exchanges):
-    takes every operation. All-gatherv pads each part to the longest and cuts it
-    back, through the communicator's all-gather chain; reduce-scatter is the
-    communicator's all-reduce, then this rank's rows (Gloo has no reduce-scatter:
-    more bytes, but exact, and the best all-reduce the group has)."""
-
-    def __init__(
-        self, comm: DeviceCommunicatorBase, group: ProcessGroup, *, control: bool = False
-    ) -> None:
-        self.comm = comm
-        self.group = group
-        self.control = control
-        self.name = f"torch.distributed({group.name()})"
-
-    def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
-        return None
-
-    def all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
-        comm = self.comm
-        out = torch.empty(
-            (comm.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
-        )
-        operation = "all_gather (sizes)" if self.control else "all_gather"
-        with comm._gloo(operation, group=self.group):
-            c10d_calls.all_gather(
-                self.group, list(out.unbind(0)), tensor.contiguous(), comm._deadline
-            ).wait()
-        return out
-
-    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        out = self.comm._gather_padded(tensor, dim, sizes, dst=None)
-        assert out is not None  # every rank gets the result of an all-gather
-        return out
-
-    def reduce_scatter_sizes(
-        self, input_: torch.Tensor, dim: int, sizes: list[int]
-    ) -> torch.Tensor:
-        rank = self.comm.rank_in_group
-        total = self.comm.all_reduce(input_)
-        return total.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
-
-    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        with self.comm._gloo("broadcast", group=self.group):
-            c10d_calls.broadcast(self.group, work, src, self.comm._deadline).wait()
-        if work is not tensor:
-            tensor.copy_(work)
-        return tensor
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        with self.comm._gloo("send", peer=dst, group=self.group):
-            c10d_calls.send(self.group, tensor.contiguous(), dst).wait()
-
-    def recv_into(self, out: torch.Tensor, src: int) -> None:
-        with self.comm._gloo("recv", peer=src, group=self.group):
-            c10d_calls.recv(self.group, out, src).wait()

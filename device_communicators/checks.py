@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
 
@@ -187,3 +188,31 @@ def write_into(output: Any, result: torch.Tensor) -> torch.Tensor:
             f"{output.dtype}{list(output.shape)}"
         )
     return output.copy_(result)
+
+
+def group_ranks(group: Any, global_ranks: list[int] | None) -> list[int]:
+    """The global ranks of ``group``'s members, in in-group order.
+
+    A group in torch's registry answers itself (``global_ranks``, when given,
+    must agree); a standalone Gloo backend (a ``coordinator.comm`` communicator
+    builds one) is numbered by ``global_ranks``.
+    """
+    try:
+        registered: list[int] | None = dist.get_process_group_ranks(group)
+    except KeyError:  # not in torch's registry
+        registered = None
+    if global_ranks is None:
+        if registered is None:
+            raise GroupcoordValueError(
+                "cpu_group is not a group torch.distributed knows; pass global_ranks "
+                "(the global rank of each of its members, in order)"
+            )
+        return registered
+    given = list(global_ranks)
+    if registered is not None and given != registered:
+        raise GroupcoordValueError(f"global_ranks={given} but cpu_group holds ranks {registered}")
+    if len(given) != group.size():
+        raise GroupcoordValueError(
+            f"global_ranks={given} names {len(given)} ranks, cpu_group has {group.size()}"
+        )
+    return given

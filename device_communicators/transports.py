@@ -16,11 +16,16 @@ tensor's contiguity, or ranks would pick different transports.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
+from torch.distributed import ProcessGroup
 
+from . import c10d_calls
 from .errors import GroupcoordValueError
 
 logger = logging.getLogger("groupcoord.device_communicators")
@@ -73,6 +78,26 @@ class Transport:
         raise NotImplementedError
 
 
+class Owner(Protocol):
+    """What :class:`TorchTransport` uses of its communicator (``DeviceCommunicatorBase``)."""
+
+    world_size: int
+    rank_in_group: int
+
+    def _gloo(
+        self, operation: str, peer: int | None = None, group: ProcessGroup | None = None
+    ) -> AbstractContextManager[None]: ...
+
+    @property
+    def _deadline(self) -> datetime.timedelta: ...
+
+    def _gather_padded(
+        self, tensor: torch.Tensor, dim: int, sizes: list[int], dst: int | None
+    ) -> torch.Tensor | None: ...
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor: ...
+
+
 class TransportChain:
     """An ordered list of transports; ``select`` returns the first that takes a call."""
 
@@ -100,3 +125,60 @@ class TransportChain:
     def explain(self, op: str, tensor: torch.Tensor) -> list[tuple[str, str | None]]:
         """(transport, reason it refuses or None) for each entry, for logs and ``info``."""
         return [(t.name, t.refusal(op, tensor)) for t in self.transports]
+
+
+class TorchTransport(Transport):
+    """c10d on ``group`` (the device group; the CPU group for control exchanges):
+    takes every operation. All-gatherv pads each part to the longest and cuts it
+    back, through the communicator's all-gather chain; reduce-scatter is the
+    communicator's all-reduce, then this rank's rows (Gloo has no reduce-scatter:
+    more bytes, but exact, and the best all-reduce the group has)."""
+
+    def __init__(self, comm: Owner, group: ProcessGroup, *, control: bool = False) -> None:
+        self.comm = comm
+        self.group = group
+        self.control = control
+        self.name = f"torch.distributed({group.name()})"
+
+    def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
+        return None
+
+    def all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        out = torch.empty(
+            (comm.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
+        operation = "all_gather (sizes)" if self.control else "all_gather"
+        with comm._gloo(operation, group=self.group):
+            c10d_calls.all_gather(
+                self.group, list(out.unbind(0)), tensor.contiguous(), comm._deadline
+            ).wait()
+        return out
+
+    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        out = self.comm._gather_padded(tensor, dim, sizes, dst=None)
+        assert out is not None  # every rank gets the result of an all-gather
+        return out
+
+    def reduce_scatter_sizes(
+        self, input_: torch.Tensor, dim: int, sizes: list[int]
+    ) -> torch.Tensor:
+        rank = self.comm.rank_in_group
+        total = self.comm.all_reduce(input_)
+        return total.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        with self.comm._gloo("broadcast", group=self.group):
+            c10d_calls.broadcast(self.group, work, src, self.comm._deadline).wait()
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        with self.comm._gloo("send", peer=dst, group=self.group):
+            c10d_calls.send(self.group, tensor.contiguous(), dst).wait()
+
+    def recv_into(self, out: torch.Tensor, src: int) -> None:
+        with self.comm._gloo("recv", peer=src, group=self.group):
+            c10d_calls.recv(self.group, out, src).wait()
