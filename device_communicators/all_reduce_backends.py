@@ -22,6 +22,7 @@ from shm_broadcast.gloo_errors import gloo_errors
 
 from . import c10d_calls
 from .errors import GroupcoordValueError
+from .transports import first_taker
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
@@ -140,15 +141,8 @@ class AllReduceChain:
         self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> AllReduceBackend:
         """The first back end that can take ``tensor`` and ``op``."""
-        reasons = []
-        for backend in self.backends:
-            reason = backend.refusal(tensor, op)
-            if reason is None:
-                return backend
-            reasons.append(f"{backend.name}: {reason}")
-        raise GroupcoordValueError(
-            f"no all-reduce back end of {self.owner or 'this communicator'} takes a "
-            f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}: " + "; ".join(reasons)
+        return first_taker(
+            self.backends, lambda b: b.refusal(tensor, op), self.owner, "all-reduce of", tensor
         )
 
     def explain(

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch.distributed import ProcessGroup
@@ -78,6 +78,34 @@ class Transport:
         raise NotImplementedError
 
 
+class Named(Protocol):
+    name: str
+
+
+N = TypeVar("N", bound=Named)
+
+
+def first_taker(
+    entries: Sequence[N],
+    refusal: Callable[[N], str | None],
+    owner: str,
+    what: str,
+    tensor: torch.Tensor,
+) -> N:
+    """The first of ``entries`` whose ``refusal`` is None (how every back-end chain
+    picks); when none takes the call, an error listing each one's reason."""
+    reasons = []
+    for entry in entries:
+        reason = refusal(entry)
+        if reason is None:
+            return entry
+        reasons.append(f"{entry.name}: {reason}")
+    raise GroupcoordValueError(
+        f"no back end of {owner or 'this communicator'} takes {what} a {tensor.dtype} "
+        f"tensor of shape {tuple(tensor.shape)}: " + "; ".join(reasons)
+    )
+
+
 class Owner(Protocol):
     """What :class:`TorchTransport` uses of its communicator (``DeviceCommunicatorBase``)."""
 
@@ -111,15 +139,8 @@ class TransportChain:
         )
 
     def select(self, op: str, tensor: torch.Tensor) -> Transport:
-        reasons = []
-        for transport in self.transports:
-            reason = transport.refusal(op, tensor)
-            if reason is None:
-                return transport
-            reasons.append(f"{transport.name}: {reason}")
-        raise GroupcoordValueError(
-            f"no transport of {self.owner or 'this communicator'} takes {op} of a "
-            f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}: " + "; ".join(reasons)
+        return first_taker(
+            self.transports, lambda t: t.refusal(op, tensor), self.owner, f"{op} of", tensor
         )
 
     def explain(self, op: str, tensor: torch.Tensor) -> list[tuple[str, str | None]]:

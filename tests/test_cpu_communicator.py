@@ -461,3 +461,31 @@ def _pids(comm) -> list[int]:
 def test_a_standalone_gloo_backend_works_with_global_ranks(shm: bool) -> None:
     out = run_ranks(_standalone_backend, 2, shm)
     assert out[0]["pid"] != out[1]["pid"]
+
+
+def test_a_chain_that_no_back_end_takes_says_why_each_refused() -> None:
+    from device_communicators.all_reduce_backends import AllReduceBackend, AllReduceChain
+    from device_communicators.transports import NOT_OFFERED, Transport, TransportChain
+
+    class Refuses(AllReduceBackend):
+        name = "picky"
+
+        def refusal(self, tensor, op=None):
+            return f"no {tensor.dtype}"
+
+        def all_reduce(self, tensor, *, op=None):
+            raise AssertionError("never called after a refusal")
+
+    class Offers(Transport):
+        name = "gather-only"
+
+        def refusal(self, op, tensor):
+            return None if op == "all_gather" else NOT_OFFERED
+
+    x = torch.ones(2, dtype=torch.int8)
+    with pytest.raises(GroupcoordValueError, match=r"all-reduce of a torch.int8 .*picky: no"):
+        AllReduceChain([Refuses()], owner="tp").select(x)
+    chain = TransportChain([Offers()], owner="tp")
+    assert chain.select("all_gather", x).name == "gather-only"
+    with pytest.raises(GroupcoordValueError, match="broadcast of .*gather-only: does not offer"):
+        chain.select("broadcast", x)
