@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from device_communicators import checks
-from device_communicators.cpu_communicator import CpuCommunicator
+from device_communicators.cpu_communicator import CpuCommunicator, ShmTransport
 from device_communicators.shm_all_reduce import ShmAllReduce
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import resolve_timeout
@@ -250,18 +250,21 @@ class CommCore:
             work = self._done[op] = Work.completed(self._name, op, self._others())
         return work
 
-    def _shm_takes(self, tensor: torch.Tensor, op: ReduceOp | None = None) -> bool:
-        """Whether the shared-memory back end takes ``tensor`` (and ``op``).
+    def _shm_takes(self, tensor: torch.Tensor, op: ReduceOp | str) -> bool:
+        """Whether the communicator's chains pick its shared-memory back end for
+        ``tensor``: the all-reduce chain for a reduction (``op`` a ReduceOp), the
+        transport chain for a copy (``op`` the operation's name, e.g. "broadcast").
 
-        Its refusals depend on the group, dtype and operator only, so ranks that
-        agree on the call agree on the path (and the back end checks they agree).
+        The chains' choices depend on the group, dtype and operator only, so ranks
+        that agree on the call agree on the path (and the back end checks they agree).
         """
-        if self._lane is None:
+        communicator = self._communicator
+        if self._lane is None or communicator is None:
             return False
-        shm = self._lane.shm
-        if op is None:
-            return shm.copy_refusal(tensor) is None
-        return shm.refusal(tensor, op.c10d_op()) is None
+        if isinstance(op, str):
+            return isinstance(communicator.transports.select(op, tensor), ShmTransport)
+        chosen = communicator.all_reduce_chain.select(tensor, op.c10d_op())
+        return chosen is communicator.shm_all_reduce
 
     # -- teardown ----------------------------------------------------------
     def abort(self) -> None:

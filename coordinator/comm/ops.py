@@ -49,7 +49,7 @@ class CommOps(Reductions):
             async_op,
             hints,
             launch,
-            fast=fast if self._shm_takes(tensor) else None,
+            fast=fast if self._shm_takes(tensor, "broadcast") else None,
         )
 
     def _allgather(
@@ -82,7 +82,7 @@ class CommOps(Reductions):
             async_op,
             hints,
             launch,
-            fast=fast if self._shm_takes(tensor) else None,
+            fast=fast if self._shm_takes(tensor, "all_gather") else None,
         )
 
     def all_gather(
