@@ -184,6 +184,13 @@ class CommCore:
     def _tensors(self, value: Any, argument: str, length: int | None) -> list[torch.Tensor]:
         return checks.tensor_list(value, argument, self._device, length, contiguous=True)
 
+    def _per_rank(self, value: Any, argument: str, like: torch.Tensor) -> list[torch.Tensor]:
+        """``value`` checked as one tensor per rank, each of ``like``'s dtype and shape."""
+        tensors = self._tensors(value, argument, self._size)
+        checks.same_dtype(like, tensors, argument)
+        checks.same_shape(tensors, like, argument)
+        return tensors
+
     @staticmethod
     def _op(op: Any, dtype: torch.dtype, argument: str) -> ReduceOp:
         if not isinstance(op, ReduceOp):

@@ -94,9 +94,7 @@ class CommOps(Reductions):
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         tensor = self._tensor(tensor, "tensor")
-        outputs = self._tensors(tensor_list, "tensor_list", self._size)
-        checks.same_dtype(tensor, outputs, "tensor_list")
-        checks.same_shape(outputs, tensor, "tensor_list")
+        outputs = self._per_rank(tensor_list, "tensor_list", tensor)
         return self._allgather("all_gather", outputs, tensor, async_op, hints, timeout)
 
     def all_gather_single(
@@ -286,9 +284,7 @@ class CommOps(Reductions):
         root = checks.rank(root, "root", self._size)
         outputs: list[torch.Tensor] = []
         if self._rank == root:
-            outputs = self._tensors(output_tensor_list, "output_tensor_list", self._size)
-            checks.same_dtype(input_tensor, outputs, "output_tensor_list")
-            checks.same_shape(outputs, input_tensor, "output_tensor_list")
+            outputs = self._per_rank(output_tensor_list, "output_tensor_list", input_tensor)
 
         def launch(td: datetime.timedelta) -> list[Any]:
             return [c10d_calls.gather(self._pg, outputs, input_tensor, root, td)]
@@ -329,9 +325,7 @@ class CommOps(Reductions):
         root = checks.rank(root, "root", self._size)
         inputs: list[torch.Tensor] = []
         if self._rank == root:
-            inputs = self._tensors(input_tensor_list, "input_tensor_list", self._size)
-            checks.same_dtype(output_tensor, inputs, "input_tensor_list")
-            checks.same_shape(inputs, output_tensor, "input_tensor_list")
+            inputs = self._per_rank(input_tensor_list, "input_tensor_list", output_tensor)
 
         def launch(td: datetime.timedelta) -> list[Any]:
             return [c10d_calls.scatter(self._pg, output_tensor, inputs, root, td)]

@@ -139,9 +139,7 @@ class Reductions(CommCore):
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         output = self._tensor(output, "output")
-        inputs = self._tensors(input_list, "input_list", self._size)
-        checks.same_dtype(output, inputs, "input_list")
-        checks.same_shape(inputs, output, "input_list")
+        inputs = self._per_rank(input_list, "input_list", output)
         op = self._op(op, output.dtype, "output")
         return self._reduce_scatter(
             "reduce_scatter",
