@@ -77,7 +77,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
         return [self.shm_all_reduce]
 
     def _fast_transports(self) -> list[Transport]:
-        return [ShmTransport(self.shm_all_reduce, self.rank_in_group)]
+        return [ShmTransport(self.shm_all_reduce)]
 
     def _local_peer_pids(self) -> dict[int, int]:
         # The shm set-up exchanged pids; a failed Gloo call can then name the dead peer.
@@ -135,9 +135,8 @@ class ShmTransport(Transport):
     name = "shared memory"
     control = True  # its slots are cpu_group's
 
-    def __init__(self, shm: ShmAllReduce, rank_in_group: int) -> None:
+    def __init__(self, shm: ShmAllReduce) -> None:
         self.shm = shm
-        self.rank_in_group = rank_in_group
 
     def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
         if op in ("all_gather", "broadcast"):
@@ -156,7 +155,8 @@ class ShmTransport(Transport):
         self, input_: torch.Tensor, dim: int, sizes: list[int]
     ) -> torch.Tensor:
         # Each rank reduces only its own rows, in shared memory.
-        start, length = sum(sizes[: self.rank_in_group]), sizes[self.rank_in_group]
+        rank = self.shm.rank_in_group
+        start, length = sum(sizes[:rank]), sizes[rank]
         if dim == 0 and input_.dim() == 1 and input_.is_contiguous():
             return self.shm.reduce_range(input_, start, start + length)
         moved = input_.movedim(dim, 0) if dim else input_
