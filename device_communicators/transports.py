@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol, TypeVar
@@ -156,7 +157,11 @@ class TorchTransport(Transport):
     more bytes, but exact, and the best all-reduce the group has)."""
 
     def __init__(self, comm: Owner, group: ProcessGroup, *, control: bool = False) -> None:
-        self.comm = comm
+        # Weak: the communicator holds this transport, and a cycle would leave the
+        # process group to the garbage collector, which may run on one of Gloo's
+        # own threads, where the group's destructor joins that very thread
+        # (std::terminate). Without the cycle, the group goes when its owner drops it.
+        self.comm = weakref.proxy(comm)
         self.group = group
         self.control = control
         self.name = f"torch.distributed({group.name()})"

@@ -489,3 +489,42 @@ def test_a_chain_that_no_back_end_takes_says_why_each_refused() -> None:
     assert chain.select("all_gather", x).name == "gather-only"
     with pytest.raises(GroupcoordValueError, match="broadcast of .*gather-only: does not offer"):
         chain.select("broadcast", x)
+
+
+def _freed_without_the_collector(rank: int, world: int) -> bool:
+    """Dropping a communicator frees it (and a standalone group it holds) at once: no
+    reference cycle leaves them to the garbage collector, which may run on one of
+    Gloo's threads, where the group's destructor would join itself (std::terminate)."""
+    import datetime
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from coordinator.comm import new_comm
+    from device_communicators import CpuCommunicator
+
+    init_gloo(rank, world)
+    gc.disable()
+    pg = dist.ProcessGroupGloo(
+        dist.PrefixStore("freed", dist.distributed_c10d._get_default_store()),
+        rank,
+        world,
+        datetime.timedelta(seconds=30),
+    )
+    comm = CpuCommunicator(pg, unique_name="freed", global_ranks=list(range(world)))
+    comm.all_gather(torch.ones(2), dim=0)  # through both chains' entries
+    gone = weakref.ref(comm)
+    comm.destroy()
+    del comm
+    with new_comm("gloo", "cpu", "freed-comm", rank=rank, size=world) as outer:
+        outer.all_reduce(torch.ones(3))
+        inner = weakref.ref(outer._communicator)
+    del outer
+    freed = gone() is None and inner() is None
+    gc.enable()
+    return freed
+
+
+def test_a_dropped_communicator_is_freed_without_the_garbage_collector() -> None:
+    assert run_ranks(_freed_without_the_collector, 2) == [True, True]
