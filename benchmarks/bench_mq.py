@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         "--json", default="bench_results/mq.json", help="where to write the results"
     )
     parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
+    parser.add_argument(
+        "--cases", default="", help="only cases whose name contains one of these (comma-separated)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="per-world deadline, seconds")
     args = parser.parse_args(argv)
 
@@ -350,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # the forking parent stays single-threaded
     cases = _cases(args.quick)
+    if args.cases:
+        wanted = args.cases.split(",")
+        cases = [c for c in cases if any(w in c["name"] for w in wanted)]
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     for readers in args.readers:

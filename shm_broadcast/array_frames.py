@@ -19,8 +19,9 @@ _DTYPES_BY_NAME: dict[str, Any] = {}  # the reverse, filled on first use
 # Quantized dtypes carry scales and zero points beside their bytes: not sendable as a frame.
 _QUANTIZED = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
 
-# Decoded tensors at least this big get their memory from torch, not a bytearray.
-_LARGE_DECODE_BYTES = 64 * 1024
+# Decoded tensors at least this big get their memory from torch, not a bytearray;
+# a message's frames smaller than this together are copied out as one bytearray.
+LARGE_DECODE_BYTES = 64 * 1024
 
 # A tensor on the wire: u8 dtype code | u32 frame index | u64 per dim. The code
 # is the dtype's index in this table, which is part of the wire format: append
@@ -84,25 +85,6 @@ def tensor_meta(code: int, frame: int, shape: Any) -> bytes:
     return layout.pack(code, frame, *shape)
 
 
-def read_tensor_meta(data: Any) -> tuple[Any, int, list[int]]:
-    """(torch dtype, frame index, shape) from a tensor's wire header."""
-    layout = _TENSOR_META_BY_SIZE.get(len(data))
-    if layout is None:
-        ndim, rest = divmod(len(data) - 5, 8)
-        if ndim < 0 or rest:
-            raise ProtocolError(f"a tensor header of {len(data)} bytes")
-        layout = _TENSOR_META_BY_SIZE[len(data)] = struct.Struct("<BI" + "Q" * ndim)
-    code, frame, *shape = layout.unpack(data)
-    if not _BY_CODE:
-        import torch
-
-        _BY_CODE.extend(getattr(torch, name, None) for name in WIRE_DTYPES)
-    dtype = _BY_CODE[code] if code < len(_BY_CODE) else None
-    if dtype is None:
-        raise ProtocolError(f"tensor dtype code {code} is not known to this torch")
-    return dtype, frame, shape
-
-
 def plain_cpu_tensor(t: Any) -> Any:
     """``t`` as a dense CPU tensor with no autograd, conjugate or negative bit (each
     step taken only when needed: this is the hot path of small-tensor messages)."""
@@ -121,24 +103,59 @@ def plain_cpu_tensor(t: Any) -> Any:
     return t
 
 
-def decode_tensor(dtype: Any, shape: list[int], frame: memoryview, owned: bool = False) -> Any:
-    """The tensor a frame holds: one copy out of ``frame``, or none when ``owned``
-    (the frame is a buffer made for this message, which the tensor then keeps)."""
-    import torch
+def _meta_layout(size: int) -> struct.Struct:
+    """The layout of a tensor header of ``size`` bytes (cached by size)."""
+    ndim, rest = divmod(size - 5, 8)
+    if ndim < 0 or rest:
+        raise ProtocolError(f"a tensor header of {size} bytes")
+    layout = _TENSOR_META_BY_SIZE[size] = struct.Struct("<BI" + "Q" * ndim)
+    return layout
 
+
+def _dtype_of_code(code: int) -> Any:
+    if not _BY_CODE:
+        import torch
+
+        _BY_CODE.extend(getattr(torch, name, None) for name in WIRE_DTYPES)
+    dtype = _BY_CODE[code] if code < len(_BY_CODE) else None
+    if dtype is None:
+        raise ProtocolError(f"tensor dtype code {code} is not known to this torch")
+    return dtype
+
+
+def decode_tensor(meta: Any, frames: Any, owned: bool) -> Any:
+    """The tensor a wire header (``meta``) describes, from its frame in ``frames``:
+    one copy out of the frame, or none when ``owned`` (the frames are buffers made
+    for this message, which the tensor then keeps). The hot path of small-tensor
+    messages: one call, no helper on the common 1-D path."""
+    layout = _TENSOR_META_BY_SIZE.get(len(meta))
+    if layout is None:
+        layout = _meta_layout(len(meta))
+    code, idx, *shape = layout.unpack(meta)
+    dtype = _BY_CODE[code] if code < len(_BY_CODE) else None
+    if dtype is None:
+        dtype = _dtype_of_code(code)
+    if idx >= len(frames):
+        raise ProtocolError(f"message refers to frame {idx} of {len(frames)}")
+    frame = frames[idx]
     nbytes = len(frame)
-    numel = 1
-    for dim in shape:
-        numel *= dim
+    if len(shape) == 1:
+        numel = shape[0]
+    else:
+        numel = 1
+        for dim in shape:
+            numel *= dim
     if numel * dtype.itemsize != nbytes:
         raise ProtocolError(
             f"tensor {dtype}{shape} needs {numel * dtype.itemsize} bytes, got {nbytes}"
         )
+    import torch
+
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     if owned:
         flat = torch.frombuffer(frame, dtype=dtype)  # the tensor keeps the buffer alive
-    elif nbytes >= _LARGE_DECODE_BYTES:
+    elif nbytes >= LARGE_DECODE_BYTES:
         # Through torch's allocator: glibc recycles its large blocks, while a
         # fresh bytearray of MiBs page-faults on every call (8 x 8 MiB measured
         # 23 ms as bytearrays, 2 ms as torch.empty).
@@ -153,7 +170,7 @@ def decode_tensor(dtype: Any, shape: list[int], frame: memoryview, owned: bool =
         flat = torch.frombuffer(bytearray(frame), dtype=dtype)
     if len(shape) == 1:
         return flat
-    return flat.view(*shape) if shape else flat.view(())
+    return flat.view(shape) if shape else flat.view(())
 
 
 def ndarray_descr(dtype: Any) -> Any:

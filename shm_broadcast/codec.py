@@ -26,8 +26,8 @@ import operator
 import pickle
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from itertools import islice
+from collections.abc import Callable, Collection, Sequence
+from itertools import chain, islice
 from typing import Any
 
 import msgspec
@@ -84,6 +84,7 @@ BYTES_FRAME_THRESHOLD = 32 * 1024
 _Ext = msgspec.msgpack.Ext
 _SIMPLE = frozenset({type(None), bool, int, float, str})
 _SIMPLE_KEYS = frozenset({type(None), bool, int, float, str, bytes})
+_LISTS = frozenset({list})
 
 
 class Codec:
@@ -205,23 +206,21 @@ class Codec:
             flat.append(self._walk(v))
         return _Ext(wire.EXT_PAIRS, self._enc.encode(flat))
 
-    def _walk_list(self, items: list[Any]) -> list[Any]:
-        if not self._bigints and _SIMPLE.issuperset(map(type, items)):
+    def _walk_list(self, items: Collection[Any]) -> Collection[Any]:
+        if self._bigints:
+            return [self._walk(v) for v in items]
+        # C-speed type scans: a list of plain scalars, or of lists of them (token
+        # ids per request), needs no rewrite.
+        if _SIMPLE.issuperset(map(type, items)) or (
+            _LISTS.issuperset(map(type, items))
+            and _SIMPLE.issuperset(map(type, chain.from_iterable(items)))
+        ):
             return items
-        new: list[Any] | None = None
         walk = self._walk
-        simple = _SIMPLE if not self._bigints else frozenset()
-        for i, v in enumerate(items):
-            v2 = v if type(v) in simple else walk(v)
-            if new is None:
-                if v2 is v:
-                    continue
-                new = items[:i]
-            new.append(v2)
-        return items if new is None else new
+        return [v if type(v) in _SIMPLE else walk(v) for v in items]
 
     def _walk_tuple(self, obj: tuple[Any, ...]) -> Any:
-        return _Ext(wire.EXT_TUPLE, self._enc.encode(self._walk_list(list(obj))))
+        return _Ext(wire.EXT_TUPLE, self._enc.encode(self._walk_list(obj)))
 
     def _walk_bytes(self, obj: bytes) -> Any:
         if len(obj) >= BYTES_FRAME_THRESHOLD:
@@ -231,7 +230,7 @@ class Codec:
 
     def _walk_set(self, obj: set[Any] | frozenset[Any]) -> Any:
         code = wire.EXT_SET if type(obj) is set else wire.EXT_FROZENSET
-        return _Ext(code, self._enc.encode(self._walk_list(list(obj))))
+        return _Ext(code, self._enc.encode(self._walk_list(obj)))
 
     def _walk_struct(self, obj: msgspec.Struct) -> Any:
         cls = type(obj)
@@ -250,7 +249,7 @@ class Codec:
         return _Ext(wire.EXT_DATACLASS, self._enc.encode([key, dict(zip(fields, values))]))
 
     def _walk_namedtuple(self, obj: tuple[Any, ...]) -> Any:
-        fields = self._walk_list(list(obj))
+        fields = self._walk_list(obj)
         return _Ext(wire.EXT_NAMEDTUPLE, self._enc.encode([type_key(type(obj)), fields]))
 
     def _add_frame(self, frame: Any, nbytes: int) -> int:
@@ -317,12 +316,11 @@ class Codec:
         return self._decoder.decode_header_only(header)
 
 
-def _dataclass_spec(cls: type) -> tuple[str, tuple[str, ...], Callable[[Any], list[Any]]]:
-    """(wire name, constructor fields, a getter of their values as a list) of a dataclass."""
+def _dataclass_spec(cls: type) -> tuple[str, tuple[str, ...], Callable[[Any], Sequence[Any]]]:
+    """(wire name, constructor fields, a getter of their values) of a dataclass."""
     fields = init_fields(cls)
     if len(fields) >= 2:
-        many = operator.attrgetter(*fields)
-        return type_key(cls), fields, lambda obj: list(many(obj))
+        return type_key(cls), fields, operator.attrgetter(*fields)
     return type_key(cls), fields, lambda obj: [getattr(obj, name) for name in fields]
 
 

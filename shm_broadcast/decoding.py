@@ -19,7 +19,6 @@ from .array_frames import (
     decode_ndarray,
     decode_tensor,
     numpy_dtype,
-    read_tensor_meta,
     torch_dtype,
 )
 from .errors import ProtocolError, UndeclaredTypeError
@@ -43,6 +42,7 @@ _MALFORMED = (
     RecursionError,
     struct.error,
 )
+_EXT_TENSOR = wire.EXT_TENSOR
 
 
 class MessageDecoder:
@@ -55,7 +55,6 @@ class MessageDecoder:
         self._frames_owned = False
         self._decoders: dict[int, Callable[[memoryview], Any]] = {
             wire.EXT_TUPLE: self._decode_tuple,
-            wire.EXT_TENSOR: self._decode_tensor,
             wire.EXT_STRUCT: self._decode_struct,
             wire.EXT_PAIRS: self._decode_pairs,
             wire.EXT_BYTES_FRAME: self._decode_bytes_frame,
@@ -102,6 +101,8 @@ class MessageDecoder:
         return self._in_frames[idx]
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == _EXT_TENSOR:  # the hot path, straight there
+            return decode_tensor(data, self._in_frames, self._frames_owned)
         decoder = self._decoders.get(code)
         if decoder is None:
             raise ProtocolError(f"unknown msgpack extension type {code}")
@@ -109,10 +110,6 @@ class MessageDecoder:
 
     def _decode_tuple(self, data: memoryview) -> Any:
         return tuple(self._dec.decode(data))
-
-    def _decode_tensor(self, data: memoryview) -> Any:
-        dtype, idx, shape = read_tensor_meta(data)
-        return decode_tensor(dtype, shape, self._frame(idx), self._frames_owned)
 
     def _decode_struct(self, data: memoryview) -> Any:
         module, qualname, values = self._dec.decode(data)

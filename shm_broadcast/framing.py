@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from .array_frames import LARGE_DECODE_BYTES
 from .errors import ProtocolError
 
 __all__ = [
@@ -55,6 +56,14 @@ EXT_NAMEDTUPLE = 17
 _PREFIX = struct.Struct("<II")
 MESSAGE_PREFIX = _PREFIX  # u32 header_len, u32 n_frames: starts every written message
 _FRAME_LEN = struct.Struct("<Q")
+_FRAME_LENS: dict[int, struct.Struct] = {}  # frame count -> the layout of their lengths
+
+
+def _frame_lens(count: int) -> struct.Struct:
+    layout = _FRAME_LENS.get(count)
+    if layout is None:
+        layout = _FRAME_LENS[count] = struct.Struct(f"<{count}Q")
+    return layout
 
 
 def _align(n: int) -> int:
@@ -79,7 +88,7 @@ class EncodedMessage:
         self.frame_lens = frame_lens
         size = _PREFIX.size + _FRAME_LEN.size * len(frames) + len(header)
         for n in frame_lens:
-            size = _align(size) + n
+            size += (-size & (FRAME_ALIGN - 1)) + n
         self.nbytes = size
 
 
@@ -96,12 +105,12 @@ def write_message(
     _PREFIX.pack_into(dest, offset, len(header), len(frames))
     pos = offset + _PREFIX.size
     if lens:
-        struct.pack_into(f"<{len(lens)}Q", dest, pos, *lens)
+        _frame_lens(len(lens)).pack_into(dest, pos, *lens)
         pos += _FRAME_LEN.size * len(lens)
     end = pos + len(header)
     dest[pos:end] = header
     for frame, n in zip(frames, lens):
-        start = offset + _align(end - offset)
+        start = end + (-(end - offset) & (FRAME_ALIGN - 1))
         end = start + n
         if n == 0:
             continue
@@ -139,40 +148,53 @@ def _copy_strided(src: Any, dest: memoryview) -> None:
 class HeaderDecoder(Protocol):
     """What :func:`read_message` decodes with (a ``Codec``)."""
 
-    def decode(self, header: memoryview, frames: Sequence[memoryview] = ()) -> Any: ...
+    def decode(
+        self, header: memoryview, frames: Sequence[memoryview] = (), *, owned: bool = False
+    ) -> Any: ...
 
 
 def read_message(codec: HeaderDecoder, src: memoryview, offset: int = 0) -> Any:
-    """Decode a message written by :func:`write_message` at ``src[offset:]``."""
+    """Decode a message written by :func:`write_message` at ``src[offset:]``.
+
+    Frames that are small together (an engine step's few small tensors) are
+    copied out as one bytearray the decoded tensors share: one copy, no
+    allocation per tensor."""
     try:
         header_len, n_frames = _PREFIX.unpack_from(src, offset)
         pos = offset + _PREFIX.size
         if pos + _FRAME_LEN.size * n_frames > len(src):
             raise ProtocolError(f"message of {n_frames} frames runs past the buffer")
-        lens = struct.unpack_from(f"<{n_frames}Q", src, pos) if n_frames else ()
+        lens = _frame_lens(n_frames).unpack_from(src, pos) if n_frames else ()
     except struct.error as exc:
         raise ProtocolError(f"truncated message prefix: {exc}") from exc
     pos += _FRAME_LEN.size * n_frames
     end = pos + header_len
     if end > len(src):
         raise ProtocolError(f"message header runs past the buffer ({end} > {len(src)})")
-    header = src[pos:end]
-    frames = []
+    spans = []
     for n in lens:
-        start = offset + _align(end - offset)
+        start = end + (-(end - offset) & (FRAME_ALIGN - 1))
         end = start + n
-        frames.append(src[start:end])
+        spans.append((start, end))
     if end > len(src):
-        header.release()
-        for f in frames:
-            f.release()
         raise ProtocolError(f"message frame runs past the buffer ({end} > {len(src)})")
+    header = src[pos : pos + header_len]
     try:
-        return codec.decode(header, frames)
+        if not spans:
+            return codec.decode(header)
+        first = spans[0][0]
+        if end - first < LARGE_DECODE_BYTES:
+            blob = memoryview(bytearray(src[first:end]))
+            frames = [blob[a - first : b - first] for a, b in spans]
+            return codec.decode(header, frames, owned=True)
+        frames = [src[a:b] for a, b in spans]
+        try:
+            return codec.decode(header, frames)
+        finally:
+            for f in frames:
+                f.release()
     finally:
         header.release()
-        for f in frames:
-            f.release()
 
 
 def frames_as_buffers(msg: EncodedMessage) -> list[Any]:

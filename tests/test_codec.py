@@ -91,6 +91,21 @@ def test_tuples_stay_tuples_and_lists_stay_lists():
     assert type(out["l"][0]) is tuple and type(out["l"][1]) is list
 
 
+def test_lists_of_lists_are_scanned_all_the_way_down():
+    # Lists of lists of scalars (token ids per request) skip the rewrite; one
+    # tuple, set or tensor anywhere below still comes back as itself.
+    for obj in (
+        [[1, 2], [3, "a"], []],
+        [[1, 2], [3, (4, 5)]],
+        [[1], [[2, (3,)]]],
+        [[1, {2}], [3]],
+        [[torch.arange(3)], [1]],
+    ):
+        out = loads(dumps(obj))
+        _same(out, obj)
+    assert type(loads(dumps([[1, 2], [3, (4, 5)]]))[1][1]) is tuple
+
+
 ALL_DTYPES = [
     torch.float32,
     torch.float64,
@@ -180,6 +195,20 @@ def test_decoded_tensors_survive_reuse_of_the_source_buffer():
     _same(out[0], t)
     assert out[1] == b"y" * 40000
     _same(out[2], np.arange(7.0))
+
+
+def test_small_tensors_of_one_message_share_one_copy_but_never_overlap():
+    buf = bytearray(1 << 16)
+    view = memoryview(buf)
+    sent = [torch.arange(i * 10, i * 10 + 5, dtype=torch.int64) for i in range(4)]
+    write_message(Codec().encode(sent), view)
+    out = read_message(Codec(), view)
+    buf[:] = bytes(len(buf))  # reuse the "chunk"
+    for got, want in zip(out, sent):
+        _same(got, want)
+    out[0].fill_(-1)  # writing one decoded tensor leaves the others alone
+    for got, want in zip(out[1:], sent[1:]):
+        _same(got, want)
 
 
 def test_frames_are_aligned_for_every_dtype():
