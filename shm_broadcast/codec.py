@@ -26,8 +26,9 @@ import operator
 import pickle
 import sys
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import chain, islice
+from operator import countOf
 from typing import Any
 
 import msgspec
@@ -210,7 +211,17 @@ class Codec:
         if self._bigints:
             return [self._walk(v) for v in items]
         # C-speed type scans: a list of plain scalars, or of lists of them (token
-        # ids per request), needs no rewrite.
+        # ids per request), needs no rewrite. One type throughout (the common
+        # case) is one countOf pass, 13 ns a value against 17-27 for the set test.
+        if type(items) is list and items:
+            first = items[0]
+            if _one_plain_type(items, first, len(items)):
+                return items
+            if type(first) is list and countOf(map(type, items), list) == len(items):
+                total = sum(map(len, items))
+                head = next((inner[0] for inner in items if inner), None)
+                if not total or _one_plain_type(chain.from_iterable(items), head, total):
+                    return items
         if _SIMPLE.issuperset(map(type, items)) or (
             _LISTS.issuperset(map(type, items))
             and _SIMPLE.issuperset(map(type, chain.from_iterable(items)))
@@ -314,6 +325,12 @@ class Codec:
     def decode_header_only(self, header: bytes | memoryview) -> Any:
         """Decode a message that has no frames (the common small-object case)."""
         return self._decoder.decode_header_only(header)
+
+
+def _one_plain_type(values: Iterable[Any], first: Any, count: int) -> bool:
+    """Whether all ``count`` values are of ``first``'s type, a plain scalar type."""
+    kind = type(first)
+    return kind in _SIMPLE and countOf(map(type, values), kind) == count
 
 
 def _dataclass_spec(cls: type) -> tuple[str, tuple[str, ...], Callable[[Any], Sequence[Any]]]:

@@ -94,6 +94,24 @@ def test_an_engine_step_round_trips_once_its_classes_are_declared():
     assert isinstance(out.requests[1].span, Span) and out.flags == Flags.A | Flags.B
 
 
+def test_an_enum_or_bool_among_many_plain_ints_keeps_its_type():
+    # Long lists of one plain type skip the rewrite after one type count; an
+    # int-like value of another type (IntEnum, bool) anywhere must still be seen.
+    add_safe_types(SAFE)
+    ids = list(range(100))
+    for obj in (
+        ids[:50] + [Priority.HIGH] + ids[50:],
+        ids + [True],
+        [ids, ids[:10] + [Priority.LOW]],
+        [ids, [], [Priority.HIGH]],
+    ):
+        out = loads(dumps(obj))
+        assert out == obj
+        flat = out if type(out[0]) is int else [x for inner in out for x in inner]
+        want = obj if type(obj[0]) is int else [x for inner in obj for x in inner]
+        assert [type(x) for x in flat] == [type(x) for x in want]
+
+
 def test_an_undeclared_class_is_refused_by_name_with_the_fix():
     @dataclasses.dataclass
     class Unknown:

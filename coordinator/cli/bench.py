@@ -56,6 +56,7 @@ BENCHMARKS = (
     Benchmark("all_reduce", "bench_all_reduce.py", "shared-memory all-reduce vs Gloo"),
     Benchmark("collectives", "bench_collectives.py", "GroupCoordinator collectives vs Gloo"),
     Benchmark("mq", "bench_mq.py", "message queue vs broadcast_object_list"),
+    Benchmark("codec", "bench_codec.py", "codec encode + decode vs pickle, one process"),
     Benchmark("comm_overlap", "bench_comm_overlap.py", "async all-reduce overlapped with compute"),
     Benchmark("cuda_all_reduce", "bench_cuda_allreduce.py", "custom all-reduce vs NCCL (GPU)"),
 )

@@ -1,0 +1,145 @@
+"""What one message costs the codec, in one process: encode, write into a chunk,
+read and decode, against pickle (protocol 5, out-of-band buffers: what vLLM's
+queue does with an object) on the same object in the same run.
+
+The payloads are the queue's (``bench_mq.py``): a small dict, an engine's
+per-step scheduler output (a dataclass of 10 fields plus 4 small tensors,
+declared with ``add_safe_types``), the same without its tensors, one 4 KiB
+tensor, and 256 token ids per request for 16 requests. Times are the best of
+7 rounds (the machine's noise only ever adds), in microseconds.
+
+    python benchmarks/bench_codec.py            # full run
+    python benchmarks/bench_codec.py --quick    # a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import os
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import environment, print_table, reproduce_command, write_json  # noqa: E402
+from bench_mq import EngineStep, _engine_step  # noqa: E402
+
+COLUMNS = [
+    "case",
+    "encode_us",
+    "write_us",
+    "read_us",
+    "ours_us",
+    "pickle_dumps_us",
+    "pickle_loads_us",
+    "pickle_us",
+    "ratio",
+]
+ROUNDS = 7
+
+
+def _payloads() -> dict[str, Any]:
+    import torch
+
+    step = _engine_step()
+    return {
+        "small object": {"request": 12345, "step": 7, "tokens": 512, "flags": 3, "name": "r"},
+        "engine step": step,
+        "engine step, no tensors": dataclasses.replace(
+            step, input_ids=None, positions=None, slot_mapping=None, seq_lens=None
+        ),
+        "tensor 4 KiB": torch.arange(1024, dtype=torch.float32),
+        "token ids 16 x 256": [list(range(i, i + 256)) for i in range(16)],
+    }
+
+
+def _best_us(fn: Callable[[], object], calls: int) -> float:
+    for _ in range(max(calls // 10, 10)):  # warm-up
+        fn()
+    best = float("inf")
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def _pickle_round(obj: Any) -> tuple[Callable[[], object], Callable[[], object]]:
+    buffers: list[pickle.PickleBuffer] = []
+
+    def dumps() -> bytes:
+        buffers.clear()
+        return pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+
+    data = dumps()
+    kept = list(buffers)
+    return dumps, lambda: pickle.loads(data, buffers=kept)  # noqa: S301 - our own bytes
+
+
+def measure(calls: int) -> list[dict[str, Any]]:
+    from shm_broadcast import add_safe_types
+    from shm_broadcast.codec import _codec
+
+    add_safe_types([EngineStep])
+    codec = _codec(False)
+    chunk = bytearray(1 << 20)
+    view = memoryview(chunk)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(chunk))
+    rows = []
+    for name, obj in _payloads().items():
+        rows.append(_measure_one(name, obj, calls, codec, view, address))
+    return rows
+
+
+def _measure_one(
+    name: str, obj: Any, calls: int, codec: Any, view: Any, address: int
+) -> dict[str, Any]:
+    from shm_broadcast.codec import encode_message, read_message, write_message
+
+    msg = encode_message(obj)
+    write_message(msg, view, 64, address)
+    row: dict[str, Any] = {"case": name}
+    row["encode_us"] = _best_us(lambda: encode_message(obj), calls)
+    row["write_us"] = _best_us(lambda: write_message(msg, view, 64, address), calls)
+    row["read_us"] = _best_us(lambda: read_message(codec, view, 64), calls)
+    row["ours_us"] = row["encode_us"] + row["write_us"] + row["read_us"]
+    dumps, loads = _pickle_round(obj)
+    row["pickle_dumps_us"] = _best_us(dumps, max(calls // 10, 100))
+    row["pickle_loads_us"] = _best_us(loads, max(calls // 10, 100))
+    row["pickle_us"] = row["pickle_dumps_us"] + row["pickle_loads_us"]
+    row["ratio"] = row["pickle_us"] / row["ours_us"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer calls: a few seconds")
+    parser.add_argument(
+        "--json", default="bench_results/codec.json", help="where to write the results"
+    )
+    args = parser.parse_args(argv)
+    rows = measure(2_000 if args.quick else 20_000)
+    print_table(rows, COLUMNS)
+    print(
+        "\nus per message, best of 7 rounds; ours = encode + write into a chunk + read and "
+        "decode; pickle = dumps + loads (protocol 5, out-of-band buffers); ratio = pickle / ours."
+    )
+    command = reproduce_command(
+        ["benchmarks/bench_codec.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    data = {"benchmark": "codec", "command": command, "environment": environment(), "rows": rows}
+    print(f"JSON: {write_json(args.json, data)}")
+    print(f"reproduce: {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
