@@ -85,7 +85,6 @@ BYTES_FRAME_THRESHOLD = 32 * 1024
 _Ext = msgspec.msgpack.Ext
 _SIMPLE = frozenset({type(None), bool, int, float, str})
 _SIMPLE_KEYS = frozenset({type(None), bool, int, float, str, bytes})
-_LISTS = frozenset({list})
 
 
 class Codec:
@@ -222,10 +221,7 @@ class Codec:
                 head = next((inner[0] for inner in items if inner), None)
                 if not total or _one_plain_type(chain.from_iterable(items), head, total):
                     return items
-        if _SIMPLE.issuperset(map(type, items)) or (
-            _LISTS.issuperset(map(type, items))
-            and _SIMPLE.issuperset(map(type, chain.from_iterable(items)))
-        ):
+        if _SIMPLE.issuperset(map(type, items)):  # mixed plain scalars
             return items
         walk = self._walk
         return [v if type(v) in _SIMPLE else walk(v) for v in items]
