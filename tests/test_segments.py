@@ -69,10 +69,14 @@ def test_segments_of_a_killed_creator_are_removed_by_stale_cleanup() -> None:
         assert time.monotonic() < deadline, "the rank never created its segment"
         time.sleep(0.01)
     group.kill(0)
-    group.collect(killed=[0])
+    # Reap it first: collect() itself sweeps when it finds the rank still exiting
+    # (its pipe closes before it is a zombie), which would leave nothing to test here.
+    group.procs[0].join(10)
+    assert group.procs[0].exitcode is not None
     removed = cleanup_stale_segments()
     assert any(n.startswith(prefix) for n in removed)
     assert not any(n.startswith(prefix) for n in list_segments())
+    group.collect(killed=[0])
 
 
 def test_bad_names_and_sizes_are_refused() -> None:
