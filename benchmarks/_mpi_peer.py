@@ -12,25 +12,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
+from _timing import per_call_seconds
 from mpi4py import MPI
-
-
-def _timed(fn: Callable[[], object], comm: Any, iters: int, batches: int) -> float:
-    per_call = []
-    for batch in range(batches + 1):
-        comm.Barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        if batch:
-            per_call.append((time.perf_counter() - start) / iters)
-    return statistics.median(per_call)
 
 
 def main() -> None:
@@ -43,6 +28,10 @@ def main() -> None:
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     world = comm.Get_size()
+
+    def agree(value: int) -> int:
+        return int(comm.bcast(value, root=0))
+
     rows = []
     for op in args.ops.split(","):
         for nbytes in (int(s) for s in args.sizes.split(",")):
@@ -59,7 +48,7 @@ def main() -> None:
             call, out = calls[op]
             fn = functools.partial(call, x, out)
             iters = max(2, min(args.max_iters, args.budget // max(n * 4, 1)))
-            seconds = _timed(fn, comm, iters, args.batches)
+            seconds = per_call_seconds(fn, agree, iters, args.batches)
             rows.append({"op": op, "bytes": n * 4, "mpi_us": seconds * 1e6})
     if comm.Get_rank() == 0:
         print(json.dumps(rows), flush=True)

@@ -36,7 +36,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,12 +47,12 @@ from _common import (  # noqa: E402 - after the path set-up above
     environment,
     human_bytes,
     init_gloo_rank,
-    median,
     plot_lines,
     print_table,
     reproduce_command,
     write_json,
 )
+from _timing import per_call_seconds  # noqa: E402
 
 OPS = [
     "all_reduce",
@@ -67,23 +66,10 @@ QUICK_SIZES = [4 << 10, 256 << 10, 16 << 20]
 DICT_TENSORS = 8
 
 
-def _timed(fn: Callable[[], Any], barrier: Callable[[], None], iters: int, batches: int) -> float:
-    """Median seconds per call over ``batches`` batches of ``iters`` calls (after one warm batch)."""
-    per_call = []
-    for batch in range(batches + 1):
-        barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        elapsed = (time.perf_counter() - start) / iters
-        if batch:
-            per_call.append(elapsed)
-    return median(per_call)
-
-
 def _iters_for(nbytes: int, quick: bool) -> tuple[int, int]:
+    """(most calls a batch, batches): a batch moves at most the byte budget."""
     budget = (8 << 20) if quick else (64 << 20)
-    iters = max(2, min(200 if not quick else 50, budget // max(nbytes, 1)))
+    iters = max(2, min(2000 if quick else 10000, budget // max(nbytes, 1)))
     return iters, (3 if quick else 5)
 
 
@@ -123,8 +109,13 @@ def _rank_main(
     comm = comm_from_group(group)
     rows = []
 
-    def barrier() -> None:
-        dist.barrier(group=plain)
+    def agree(value: int) -> int:
+        box = torch.tensor([value])
+        dist.broadcast(box, 0, group=plain)
+        return int(box)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        return per_call_seconds(fn, agree, iters, batches)
 
     a, b, small = torch.randn(256, 256), torch.randn(256, 256), torch.ones(16)
 
@@ -148,12 +139,12 @@ def _rank_main(
             ours, theirs, through_comm = _pair(op, group, plain, comm, x, rank, world)
             t_work = None
             if interleave:
-                t_work = _timed(work, barrier, iters, batches)
+                t_work = timed(work)
                 ours, theirs = with_work(ours), with_work(theirs)
                 through_comm = with_work(through_comm) if through_comm else None
-            t_ours = _timed(ours, barrier, iters, batches)
-            t_torch = _timed(theirs, barrier, iters, batches)
-            t_comm = _timed(through_comm, barrier, iters, batches) if through_comm else None
+            t_ours = timed(ours)
+            t_torch = timed(theirs)
+            t_comm = timed(through_comm) if through_comm else None
             rows.append(
                 {
                     "world": world,

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from ready_flags import mark, wait_for
 
 from coordinator import custom_ops
 from coordinator.errors import (
@@ -352,22 +353,24 @@ def test_single_reader_queues_carry_every_rank_to_the_reader() -> None:
     assert got == [{"from": 1}, {"from": 2}]
 
 
-def _barrier_with_a_killed_peer(rank: int, world_size: int) -> str:
+def _barrier_with_a_killed_peer(rank: int, world_size: int, flag_dir: str) -> str:
     g = world_group(rank, world_size, timeout=30.0)
     g.barrier()
     if rank == 1:
+        mark(flag_dir, "set up")
         time.sleep(60)  # killed by the test while rank 0 waits
     start = time.monotonic()
     with pytest.raises(PeerDiedError) as info:
         g.barrier()
-    assert time.monotonic() - start < 15  # ~3 s until the kill, then the pid check names it
+    assert time.monotonic() - start < 15  # ~1 s until the kill, then the pid check names it
     assert info.value.dead == [1]
     return str(info.value)
 
 
-def test_a_killed_peer_is_named_well_before_the_deadline() -> None:
-    group = start_ranks(_barrier_with_a_killed_peer, 2, timeout=60)
-    time.sleep(4)  # both ranks are set up and rank 0 waits in the second barrier
+def test_a_killed_peer_is_named_well_before_the_deadline(tmp_path) -> None:
+    group = start_ranks(_barrier_with_a_killed_peer, 2, str(tmp_path), timeout=60)
+    wait_for(str(tmp_path), "set up")
+    time.sleep(1.0)  # rank 0 waits in the second barrier by now
     group.kill(1)
     message = group.collect(killed=[1])[0]
     assert "barrier failed: peer rank(s) [1] died" in message

@@ -9,6 +9,7 @@ import time
 import pytest
 import zmq
 from fake_writer import fake_remote_writer
+from ready_flags import mark, wait_for
 from test_mq_queue import make_queue
 
 from coordinator.launch import start_ranks
@@ -100,16 +101,11 @@ def test_reader_without_a_writer_times_out():
     assert took < 2.0
 
 
-def _mark(flag_dir, name):
-    with open(os.path.join(flag_dir, name), "w") as fh:
-        fh.write(str(time.monotonic()))
-
-
 def _killed_writer_rank(rank, world_size, n_local, flag_dir):
     _fast_peer_checks()
     mq = make_queue(rank, world_size, n_local)
     if rank == 0:
-        _mark(flag_dir, "ready")
+        mark(flag_dir, "ready")
         i = 0
         while True:  # until SIGKILLed mid-stream
             mq.enqueue(i, timeout=60)
@@ -126,7 +122,7 @@ def _killed_writer_rank(rank, world_size, n_local, flag_dir):
 def test_sigkilled_writer_is_detected_by_readers(n_local):
     with tempfile.TemporaryDirectory() as flag_dir:
         group = start_ranks(_killed_writer_rank, 3, n_local, flag_dir, timeout=60)
-        _wait_for(os.path.join(flag_dir, "ready"))
+        wait_for(flag_dir, "ready")
         time.sleep(0.3)
         killed_at = time.monotonic()
         group.kill(0)
@@ -151,7 +147,7 @@ def _killed_reader_rank(rank, world_size, n_local, flag_dir):
         return detected_at, info.value.dead
     if rank == 2:
         mq.dequeue(timeout=30)
-        _mark(flag_dir, "ready")
+        mark(flag_dir, "ready")
         time.sleep(60)  # SIGKILLed here
     # rank 1 keeps reading until the writer gives up
     with pytest.raises((PeerDiedError, Exception)):
@@ -165,20 +161,13 @@ def _killed_reader_rank(rank, world_size, n_local, flag_dir):
 def test_sigkilled_reader_is_detected_by_the_writer(n_local):
     with tempfile.TemporaryDirectory() as flag_dir:
         group = start_ranks(_killed_reader_rank, 3, n_local, flag_dir, timeout=60)
-        _wait_for(os.path.join(flag_dir, "ready"))
+        wait_for(flag_dir, "ready")
         killed_at = time.monotonic()
         group.kill(2)
         results = group.collect(killed=[2])
     detected_at, dead = results[0]
     assert dead == [2]
     assert detected_at - killed_at < 5.0
-
-
-def _wait_for(path, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
 
 
 def _forged_to_writer_rank(rank, world_size):

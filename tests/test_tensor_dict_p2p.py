@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from ready_flags import mark, wait_for
 
 from coordinator.errors import GroupcoordTimeoutError, PeerDiedError
 from coordinator.group_coordinator import GroupCoordinator
@@ -151,7 +152,7 @@ def test_all_gather_group_slices_travel_through_shared_memory(mode: str) -> None
     assert run_ranks(_pipeline_slices, 4, mode, timeout=90) == [True] * 4
 
 
-def _killed_sender(rank: int, world: int, attached: bool) -> float:
+def _killed_sender(rank: int, world: int, attached: bool, flag_dir: str) -> float:
     g = _group(rank, world, "shm", timeout=60.0)
     if attached:
         # One dict first, so the receiver has joined the ring when the sender dies.
@@ -160,6 +161,7 @@ def _killed_sender(rank: int, world: int, attached: bool) -> float:
         else:
             g.recv_tensor_dict(src=0)
     if rank == 0:
+        mark(flag_dir, "sender up")
         time.sleep(60)  # killed by the test
     with pytest.raises(PeerDiedError) as info:
         g.recv_tensor_dict(src=0)
@@ -170,9 +172,10 @@ def _killed_sender(rank: int, world: int, attached: bool) -> float:
 
 
 @pytest.mark.parametrize("attached", [True, False], ids=["attached", "before-first-send"])
-def test_a_killed_sender_is_named_within_5_s(attached: bool) -> None:
-    group = start_ranks(_killed_sender, 2, attached, timeout=60)
-    time.sleep(3)  # both ranks set up, rank 1 waits in recv_tensor_dict
+def test_a_killed_sender_is_named_within_5_s(attached: bool, tmp_path) -> None:
+    group = start_ranks(_killed_sender, 2, attached, str(tmp_path), timeout=60)
+    wait_for(str(tmp_path), "sender up")
+    time.sleep(1.0)  # rank 1 waits in recv_tensor_dict by now
     killed_at = time.time()
     group.kill(0)
     named_at = group.collect(killed=[0])[1]

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from ready_flags import mark, wait_for
 
 from coordinator import communication_op as comm_op
 from coordinator import parallel_state as ps
@@ -280,11 +281,12 @@ def test_an_idle_reader_sleeps_and_the_next_message_wakes_it():
     assert max(reader["delays"]) < 0.1, reader
 
 
-def _reader_of_a_killed_writer(rank: int, world: int) -> dict:
+def _reader_of_a_killed_writer(rank: int, world: int, flag_dir: str) -> dict:
     from shm_broadcast.errors import PeerDiedError
 
     mq = _queue(rank, world)
     if rank == 0:
+        mark(flag_dir, "queue up")
         time.sleep(60)  # killed by the test while the reader idles
         return {}
     try:
@@ -296,9 +298,10 @@ def _reader_of_a_killed_writer(rank: int, world: int) -> dict:
     return {"detected_at": None}
 
 
-def test_a_reader_idling_on_a_killed_writer_raises_peer_died_within_seconds():
-    group = start_ranks(_reader_of_a_killed_writer, 2, timeout=60)
-    time.sleep(3.0)  # the reader is idle in dequeue()
+def test_a_reader_idling_on_a_killed_writer_raises_peer_died_within_seconds(tmp_path):
+    group = start_ranks(_reader_of_a_killed_writer, 2, str(tmp_path), timeout=60)
+    wait_for(str(tmp_path), "queue up")
+    time.sleep(1.0)  # the reader is idle in dequeue() by now
     killed_at = time.monotonic()
     group.kill(0)
     reader = group.collect(killed=[0])[1]

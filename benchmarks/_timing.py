@@ -1,0 +1,47 @@
+"""How the collective benchmarks time a call, ours and every peer's alike.
+
+No torch here: MPI's side (``_mpi_peer.py``, under ``mpiexec``) imports it too.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+# A batch lasts about this long, at any speed: 200 calls of 5 µs (the old fixed
+# count) is one millisecond, where a single preemption on a 2-core machine
+# doubles the batch; 20 ms spreads such events over many calls. (What the host
+# itself does from one minute to the next still moves whole runs.)
+TARGET_BATCH_S = 0.02
+_PROBE_CALLS = 3
+
+
+def per_call_seconds(
+    fn: Callable[[], object],
+    agree: Callable[[int], int],
+    max_iters: int,
+    batches: int,
+) -> float:
+    """Median seconds per call of ``fn`` over ``batches`` timed batches, after an
+    untimed one. Every rank runs the same number of calls a batch: enough for
+    ``TARGET_BATCH_S`` at rank 0's pace, at least 2, at most ``max_iters``.
+
+    ``agree(value)`` is collective: it returns rank 0's ``value`` on every rank
+    (and so is also the barrier that starts each batch in step).
+    """
+    agree(0)
+    start = time.perf_counter()
+    for _ in range(_PROBE_CALLS):
+        fn()
+    each = (time.perf_counter() - start) / _PROBE_CALLS
+    iters = agree(max(2, min(max_iters, int(TARGET_BATCH_S / max(each, 1e-7)))))
+    per_call = []
+    for batch in range(batches + 1):
+        agree(0)
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        if batch:
+            per_call.append((time.perf_counter() - start) / iters)
+    return statistics.median(per_call)
