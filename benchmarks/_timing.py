@@ -11,10 +11,14 @@ from collections.abc import Callable
 
 # A batch lasts about this long, at any speed: 200 calls of 5 µs (the old fixed
 # count) is one millisecond, where a single preemption on a 2-core machine
-# doubles the batch; 20 ms spreads such events over many calls. (What the host
+# doubles the batch; 50 ms spreads such events over many calls. (What the host
 # itself does from one minute to the next still moves whole runs.)
-TARGET_BATCH_S = 0.02
+TARGET_BATCH_S = 0.05
 _PROBE_CALLS = 3
+# Untimed calls after each batch's barrier: ranks leave a barrier at different
+# times (with more ranks than cores, some only after a sleep); these put them in
+# step, so the batch times the calls, not the wake-up.
+_IN_STEP_CALLS = 2
 
 
 def per_call_seconds(
@@ -24,7 +28,7 @@ def per_call_seconds(
     batches: int,
 ) -> float:
     """Median seconds per call of ``fn`` over ``batches`` timed batches, after an
-    untimed one. Every rank runs the same number of calls a batch: enough for
+    untimed one (and a few untimed calls after each batch's barrier). Every rank runs the same number of calls a batch: enough for
     ``TARGET_BATCH_S`` at rank 0's pace, at least 2, at most ``max_iters``.
 
     ``agree(value)`` is collective: it returns rank 0's ``value`` on every rank
@@ -39,6 +43,8 @@ def per_call_seconds(
     per_call = []
     for batch in range(batches + 1):
         agree(0)
+        for _ in range(_IN_STEP_CALLS):
+            fn()
         start = time.perf_counter()
         for _ in range(iters):
             fn()

@@ -16,7 +16,7 @@ torchcomms-style ``coordinator.comm.Comm`` on the group (``comm_us``;
 ``comm_vs_group`` = Comm time / GroupCoordinator time, 1.0 = same speed).
 
 Numbers are medians over batches after a warm one; a batch is as many calls as
-take about 20 ms (at most the byte budget), the same rule for ours, Gloo's
+take about 50 ms (at most the byte budget), the same rule for ours, Gloo's
 and MPI's (``_timing.py``); ratio = torch time / ours.
 
 ``--threads default,1`` runs each world with torch's default intra-op threads
