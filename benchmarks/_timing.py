@@ -28,8 +28,9 @@ def per_call_seconds(
     batches: int,
 ) -> float:
     """Median seconds per call of ``fn`` over ``batches`` timed batches, after an
-    untimed one (and a few untimed calls after each batch's barrier). Every rank runs the same number of calls a batch: enough for
-    ``TARGET_BATCH_S`` at rank 0's pace, at least 2, at most ``max_iters``.
+    untimed one (and a few untimed calls after each batch's barrier). Every rank
+    runs the same number of calls a batch: enough for ``TARGET_BATCH_S`` at rank
+    0's pace, at least 2, at most ``max_iters``.
 
     ``agree(value)`` is collective: it returns rank 0's ``value`` on every rank
     (and so is also the barrier that starts each batch in step).
