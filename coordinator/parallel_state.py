@@ -38,6 +38,7 @@ from shm_broadcast.host_memory import release_cached_outputs
 from shm_broadcast.segments import cleanup_stale_segments
 from shm_broadcast.topology import in_the_same_node_as as _same_node
 
+from .comm.bootstrap import default_group_store
 from .custom_ops import (
     all_gather_fake,
     all_reduce_fake,
@@ -154,20 +155,21 @@ def init_distributed_environment(
                 "backend='nccl' (vLLM's default) needs a CUDA device and this process has none; "
                 "pass backend='gloo' for CPU ranks"
             )
-        if distributed_init_method == "env://":
-            absent = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-            if absent:
-                raise GroupcoordValueError(
-                    f"distributed_init_method='env://' needs {' and '.join(absent)} in the "
-                    "environment (torchrun sets them), or pass e.g. 'tcp://host:port'"
-                )
-        dist.init_process_group(
-            backend=backend,
-            init_method=distributed_init_method,
-            world_size=world_size,
-            rank=rank,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        td = datetime.timedelta(seconds=timeout_s)
+        found = default_group_store(distributed_init_method, rank, world_size, timeout_s)
+        if found is None:
+            dist.init_process_group(
+                backend=backend,
+                init_method=distributed_init_method,
+                world_size=world_size,
+                rank=rank,
+                timeout=td,
+            )
+        else:
+            store, rank, world_size = found
+            dist.init_process_group(
+                backend=backend, store=store, world_size=world_size, rank=rank, timeout=td
+            )
         _state.owns_default_group = True
     if world_size not in (-1, dist.get_world_size()):
         raise AlreadyInitializedError(

@@ -49,6 +49,29 @@ def test_a_forked_child_exiting_normally_leaves_the_parent_working():
         assert got == {"child_exit": 0, "all_reduce": 2000.0, "queue": {"after": 0}}
 
 
+def _fork_with_a_store(rank: int, world: int) -> tuple[int, bytes, bool]:
+    from coordinator.comm import bootstrap
+
+    port = int(os.environ["MASTER_PORT"])
+    parent = bootstrap.host_store("127.0.0.1", port, 0, 2, 10.0)
+    parent.set("from", "parent")
+    pid = os.fork()
+    if pid == 0:
+        # The parent's store object shares its socket (and names a server thread
+        # the child does not have): the child must get a client of its own.
+        child = bootstrap.host_store("127.0.0.1", port, 1, 2, 10.0)
+        ok = child is not parent and child.get("from") == b"parent"
+        child.set("child", "done")
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    same = bootstrap.host_store("127.0.0.1", port, 0, 2, 10.0) is parent
+    return os.waitstatus_to_exitcode(status), parent.get("child"), same
+
+
+def test_a_forked_child_does_not_share_its_parents_store():
+    assert run_ranks(_fork_with_a_store, 1, timeout=30) == [(0, b"done", True)]
+
+
 def _name_a_segment_then_wait(ready: Any) -> None:
     from shm_broadcast.segments import ShmSegment
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -130,3 +131,38 @@ def test_tp2_dp2_with_expert_parallel_and_explicit_init_method() -> None:
 def test_initialize_model_parallel_before_init_raises() -> None:
     with pytest.raises(NotInitializedError, match="init_distributed_environment"):
         ps.initialize_model_parallel(1, 1)
+
+
+def _reinit_on_one_port(rank: int, world_size: int) -> list[float]:
+    # vLLM's tests tear everything down and initialise again in the same
+    # process; torch's own tcp:// rendezvous fails or hangs when the port is the
+    # same (stale keys, a server torn down while peers still reach it).
+    method = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"
+    sums = []
+    for round_ in range(3):
+        ps.init_distributed_environment(world_size, rank, method, rank, "gloo", timeout=30)
+        ps.initialize_model_parallel(world_size)
+        sums.append(ps.get_tp_group().all_reduce(torch.tensor([float(round_)])).item())
+        if rank == 0:
+            time.sleep(0.3)  # the others start the next round before rank 0 tears down
+        ps.destroy_distributed_environment()
+        assert not dist.is_initialized()
+    return sums
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_init_destroy_init_on_one_port(world: int) -> None:
+    for sums in run_ranks(_reinit_on_one_port, world, timeout=90):
+        assert sums == [0.0, world * 1.0, world * 2.0]
+
+
+def test_init_method_arguments_are_checked() -> None:
+    from coordinator.comm.bootstrap import default_group_store
+
+    with pytest.raises(ValueError, match="needs rank and world_size"):
+        default_group_store("tcp://127.0.0.1:29511", -1, 2, 5.0)
+    with pytest.raises(ValueError, match="need 0 <= rank < size"):
+        default_group_store("tcp://127.0.0.1:29511", 2, 2, 5.0)
+    # Methods we do not resolve are left to torch's rendezvous.
+    assert default_group_store("file:///tmp/rendezvous", 0, 1, 5.0) is None
+    assert default_group_store("tcp://127.0.0.1:29511?rank=0", 0, 1, 5.0) is None
