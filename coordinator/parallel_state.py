@@ -156,11 +156,12 @@ def init_distributed_environment(
                 "pass backend='gloo' for CPU ranks"
             )
         td = datetime.timedelta(seconds=timeout_s)
-        found = default_group_store(distributed_init_method, rank, world_size, timeout_s)
+        method = distributed_init_method or "env://"  # torch's reading of None
+        found = default_group_store(method, rank, world_size, timeout_s)
         if found is None:
             dist.init_process_group(
                 backend=backend,
-                init_method=distributed_init_method,
+                init_method=method,
                 world_size=world_size,
                 rank=rank,
                 timeout=td,

@@ -43,7 +43,7 @@ from shm_broadcast.host_memory import empty_output
 from .errors import GroupcoordValueError
 from .shm_phases import PhaseLines
 from .shm_reduce import SHM_DTYPES, OneTorchThread, combine, refused_op
-from .shm_setup import ShmBase
+from .shm_setup import ShmBase, one_at_a_time
 from .shm_slots import align_up
 
 # Pieces up to this size are reduced by every rank (one barrier); larger ones
@@ -82,6 +82,7 @@ class ShmAllReduce(ShmBase):
             return reason
         return None
 
+    @one_at_a_time
     def all_reduce(
         self,
         tensor: torch.Tensor,
@@ -93,6 +94,7 @@ class ShmAllReduce(ShmBase):
         shape and dtype (``tensor`` itself is fine: each piece is read before written)."""
         return self._all_reduce(self.refusal(tensor, op), tensor, op, out)
 
+    @one_at_a_time
     def reduce_in_chain(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
         # The chain took this back end because its refusal was None: not asked again.
         return self._all_reduce(None, tensor, op, None)
@@ -132,6 +134,7 @@ class ShmAllReduce(ShmBase):
                 self._reduce_piece(lines, src[start:stop], flat_out[start:stop], op)
         return out
 
+    @one_at_a_time
     def reduce_range(
         self,
         flat: torch.Tensor,
@@ -191,6 +194,7 @@ class ShmAllReduce(ShmBase):
             return f"tensor is on {tensor.device}, not the CPU"
         return None
 
+    @one_at_a_time
     def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``,
         new or written into contiguous ``out`` of as many elements and ``tensor``'s dtype."""
@@ -227,6 +231,7 @@ class ShmAllReduce(ShmBase):
                     dst[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
         return out
 
+    @one_at_a_time
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite ``tensor`` with in-group rank ``src``'s; returns ``tensor``."""
         lines = self._start("broadcast", self.copy_refusal(tensor), tensor, root=src)

@@ -11,8 +11,12 @@ small calls is :mod:`.shm_small`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,23 @@ logger = logging.getLogger("groupcoord.device_communicators")
 # with a barrier per piece (16 MiB at world 2: 4.2 ms with 1 MiB pieces against
 # 4.7-9 ms with one 16 MiB piece).
 PIPELINE_PIECE_BYTES = 1024 * 1024
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def one_at_a_time(method: _Method) -> _Method:
+    """Run a collective of a :class:`ShmBase` under its ``call_lock``: two threads
+    of one rank calling at once take turns, as on a Gloo group (in the order
+    they take the lock, which the ranks must agree on, as with torch), instead
+    of writing the same slots and control line."""
+
+    @functools.wraps(method)
+    def serialized(self: ShmBase, *args: Any, **kwargs: Any) -> Any:
+        with self.call_lock:
+            return method(self, *args, **kwargs)
+
+    return serialized  # type: ignore[return-value]
 
 
 class _DesyncGuard:
@@ -107,6 +128,9 @@ class ShmBase(AllReduceBackend):
         self.generation = 0
         self._failure: str | None = None
         self._desync_guard = _DesyncGuard(self)
+        # Calls from several threads of this rank run one at a time, whole (the
+        # slots, generations and control line are shared); see one_at_a_time.
+        self.call_lock = threading.RLock()
         self._slots: SlotSegment | None = None
         self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
         # The lean path of small calls (shm_small), on the slots while they are up.
@@ -213,6 +237,7 @@ class ShmBase(AllReduceBackend):
         self._lines.generation = self.generation
         return self.generation
 
+    @one_at_a_time
     def suspend(self) -> None:
         """Sleep mode: unmap the segment (its name is long gone, so the pages are
         freed once every rank unmapped) and refuse tensors until :meth:`resume`."""
@@ -222,6 +247,7 @@ class ShmBase(AllReduceBackend):
         self.disabled_reason = SUSPENDED
         self._suspended = True
 
+    @one_at_a_time
     def resume(self, group: ProcessGroup) -> None:
         """Map a fresh segment through ``group`` (collective, like the constructor)."""
         if not self._suspended:
@@ -238,9 +264,10 @@ class ShmBase(AllReduceBackend):
     def close(self) -> None:
         """Unmap (not collective). Call it only when no call is in progress: a wait in
         another thread must end first (``abandon``)."""
-        self.disabled_reason = self.disabled_reason or "closed"
-        self._suspended = False
-        self._release()
+        with self.call_lock:
+            self.disabled_reason = self.disabled_reason or "closed"
+            self._suspended = False
+            self._release()
 
     def abandon(self, reason: str) -> None:
         """From another thread: end the call in progress (it raises ``ClosedError`` naming

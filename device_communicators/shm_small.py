@@ -44,6 +44,7 @@ class _Owner(Protocol):
 
     what: str
     rank_in_group: int
+    call_lock: Any  # a threading.RLock: one call at a time, whole
     generation: int
     _failure: str | None
     _lines: PhaseLines | None
@@ -125,31 +126,37 @@ class SmallCalls:
         self, tensor: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """A SUM all-reduce."""
-        plan = self._plan_for(_SUM, tensor, 0, out)
-        if plan is None:
-            return None
-        return self._sum(plan.reads[self._exchange(plan, tensor, "all_reduce")], plan, out)
+        with self.owner.call_lock:
+            plan = self._plan_for(_SUM, tensor, 0, out)
+            if plan is None:
+                return None
+            return self._sum(plan.reads[self._exchange(plan, tensor, "all_reduce")], plan, out)
 
     def all_gather(
         self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """Every rank's tensor concatenated along ``dim`` (rank-major)."""
-        plan = self._plan_for(_GATHER, tensor, dim, out)
-        if plan is None:
-            return None
-        parts = plan.reads[self._exchange(plan, tensor, "all_gather")]
-        # cat: 1.4 us at 4 KiB; a clone of a (world, *shape) view then a view of the
-        # result's shape cost twice that.
-        return torch.cat(parts, plan.dim) if out is None else torch.cat(parts, plan.dim, out=out)
+        with self.owner.call_lock:
+            plan = self._plan_for(_GATHER, tensor, dim, out)
+            if plan is None:
+                return None
+            parts = plan.reads[self._exchange(plan, tensor, "all_gather")]
+            # cat: 1.4 us at 4 KiB; a clone of a (world, *shape) view then a view of the
+            # result's shape cost twice that.
+            if out is None:
+                return torch.cat(parts, plan.dim)
+            return torch.cat(parts, plan.dim, out=out)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The SUM over the group of this rank's equal slice along ``dim``."""
-        plan = self._plan_for(_SCATTER, tensor, dim, out)
-        if plan is None:
-            return None
-        return self._sum(plan.reads[self._exchange(plan, tensor, "reduce_scatter")], plan, out)
+        with self.owner.call_lock:
+            plan = self._plan_for(_SCATTER, tensor, dim, out)
+            if plan is None:
+                return None
+            parts = plan.reads[self._exchange(plan, tensor, "reduce_scatter")]
+            return self._sum(parts, plan, out)
 
     def _plan_for(
         self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None

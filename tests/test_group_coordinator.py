@@ -16,6 +16,7 @@ from ready_flags import mark, wait_for
 
 from coordinator import custom_ops
 from coordinator.errors import (
+    GroupcoordError,
     GroupcoordTimeoutError,
     GroupcoordTypeError,
     GroupcoordValueError,
@@ -426,3 +427,50 @@ def _failed_constructor(rank: int, world_size: int) -> None:
 
 def test_a_constructor_that_fails_part_way_leaves_nothing_behind() -> None:
     run_ranks(_failed_constructor, 2, timeout=60)
+
+
+def _two_threads_on_one_group(rank: int, world_size: int) -> list[str]:
+    import threading
+
+    g = world_group(rank, world_size)
+    problems: list[str] = []
+    sums = {2.0, 11.0, 20.0}  # thread k of every rank sends 10**k; pairs may cross
+
+    def reduce(value: float, numel: int) -> None:
+        for i in range(150):
+            got = set(g.all_reduce(torch.full((numel,), value)).tolist())
+            if len(got) != 1 or not got <= sums:
+                problems.append(f"all_reduce {numel} call {i}: {sorted(got)[:4]}")
+
+    def gather(value: float, numel: int) -> None:
+        for i in range(150):
+            for row in g.all_gather(torch.full((numel,), value), dim=0).view(2, numel):
+                got = set(row.tolist())
+                if len(got) != 1 or not got <= {1.0, 10.0}:
+                    problems.append(f"all_gather call {i}: {sorted(got)[:4]}")
+
+    # Both threads make the same kind of call (the ranks' threads may pair up
+    # either way, as on a Gloo group); each result must be one whole pairing,
+    # never a mix of two calls' data. The lean path, the general one, a gather.
+    for body, numel in ((reduce, 1024), (reduce, 65536), (gather, 256)):
+
+        def run(value: float, body=body, numel=numel) -> None:
+            try:
+                body(value, numel)
+            except (GroupcoordError, RuntimeError, AssertionError) as exc:
+                problems.append(f"{type(exc).__name__}: {exc}")  # the test fails on it
+
+        threads = [threading.Thread(target=run, args=(10.0**k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    g.destroy()
+    return problems
+
+
+def test_two_threads_calling_one_group_take_turns() -> None:
+    # Before the calls took turns, the threads wrote one slot set and control
+    # line at once: out-of-step errors naming identical calls, timeouts
+    # waiting for the rank itself.
+    assert run_ranks(_two_threads_on_one_group, 2, timeout=120) == [[], []]
