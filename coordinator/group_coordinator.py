@@ -315,8 +315,10 @@ class GroupCoordinator(GroupMessaging):
         all_gather_group: GroupCoordinator | None = None,
         all_gather_tensors: Mapping[str, bool] | None = None,
     ) -> list[Handle]:
-        """:meth:`send_tensor_dict`; the send is complete when this returns (our
-        shared-memory and Gloo paths buffer it), so the handles are complete."""
+        """:meth:`send_tensor_dict`; the send is complete when this returns, so the
+        handles are complete. A dict that fits the pair's shared-memory ring is
+        buffered there; a larger one returns once the receiver has read all but
+        the ring's last 64 MiB (docs/coordinator.md)."""
         self.send_tensor_dict(tensor_dict, dst, all_gather_group, all_gather_tensors)
         return [COMPLETED]
 

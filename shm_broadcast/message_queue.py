@@ -42,7 +42,15 @@ def _check_int(name: str, value: Any, low: int) -> int:
 
 
 class MessageQueue(WriterEnd, ReaderEnd):
-    """Single-writer multi-reader broadcast queue (vLLM-compatible API)."""
+    """Single-writer multi-reader broadcast queue (vLLM-compatible API).
+
+    Our keyword-only additions: ``name`` (in errors and segment names),
+    ``allow_pickle``, ``writer_rank``, and ``reader_pids``: the local readers'
+    process ids when the writer knows them before they attach (a
+    point-to-point channel does), so that a wait for a reader that has not
+    attached yet ends with :class:`PeerDiedError` once its process is gone
+    (otherwise only the deadline ends it).
+    """
 
     def __init__(
         self,
@@ -57,6 +65,7 @@ class MessageQueue(WriterEnd, ReaderEnd):
         name: str | None = None,
         allow_pickle: bool = False,
         writer_rank: int = 0,
+        reader_pids: list[int] | None = None,
     ) -> None:
         if enable_shm_tensor_arena:
             raise NotSupportedError.by_groupcoord(
@@ -88,6 +97,14 @@ class MessageQueue(WriterEnd, ReaderEnd):
         max_chunks = _check_int(
             "max_chunks", cfg.mq_max_chunks if max_chunks is None else max_chunks, 1
         )
+        if reader_pids is not None and (
+            len(reader_pids) != n_local_reader
+            or any(type(pid) is not int or pid <= 0 for pid in reader_pids)
+        ):
+            raise GroupcoordValueError(
+                f"reader_pids={reader_pids!r} must hold {n_local_reader} process ids "
+                "(one per local reader, in local_reader_ranks' order)"
+            )
         if connect_ip in ("*", "0.0.0.0", "::"):
             raise GroupcoordValueError(f"connect_ip must name one interface, got {connect_ip!r}")
         self._set_up(
@@ -103,6 +120,8 @@ class MessageQueue(WriterEnd, ReaderEnd):
             key=secrets.token_bytes(32),
             window=max(16, max_chunks),
         )
+        if reader_pids is not None:
+            self._reader_pids = list(reader_pids)
         try:
             if n_local_reader:
                 self._ring = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks)

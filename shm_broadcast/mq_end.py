@@ -126,6 +126,9 @@ class QueueEnd:
         self._local_index = -1
         self._handle = None
         self._owner_pid = os.getpid()
+        # The writer's view of local readers not attached yet (0: unknown; see
+        # MessageQueue's reader_pids): a wait for one ends once that process is gone.
+        self._reader_pids = [0] * self.n_local_reader
         _live_queues.add(self)
 
     def _end_call(self) -> None:

@@ -158,7 +158,7 @@ class WriterEnd(QueueEnd):
         def check() -> None:
             dead = []
             for r in range(self.n_local_reader):
-                pid = ring.reader_pid(r)
+                pid = ring.reader_pid(r) or self._reader_pids[r]
                 if pid == READER_DETACHED:
                     raise ClosedError(
                         f"{self.what}: reader rank {self.local_reader_ranks[r]} shut down"

@@ -73,9 +73,6 @@ P2P_MIN_CHUNK_BYTES = 16 * 1024 * 1024
 logger = logging.getLogger("groupcoord.shm_broadcast")
 # Stored instead of a handle when the sender's ring did not fit in /dev/shm.
 _USE_GLOO = b"gloo"
-# Enqueue waits in slices this long, checking the receiver's pid in between
-# (the queue only watches readers that have attached).
-_SLICE_S = 0.5
 # At close or exit, how long a sender waits at most for a living receiver that
 # neither reads nor shuts its end (bounded, so an exit never hangs on a peer).
 P2P_LINGER_S = 30.0
@@ -168,6 +165,7 @@ class P2PChannels:
                 P2P_MAX_CHUNKS,
                 name=f"{self.name}:p2p{self.rank}to{dst}",
                 writer_rank=self.rank,
+                reader_pids=[self.peers[dst]],
             )
         except ShmSpaceError as exc:
             # A small /dev/shm (containers often have 64 MiB): this pair keeps
@@ -187,28 +185,23 @@ class P2PChannels:
         return mq
 
     def _put(self, mq: MessageQueue, obj: Any, dst: int, operation: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            wait = min(_SLICE_S, deadline - time.monotonic())
-            try:
-                mq.enqueue(obj, timeout=max(wait, 0.001))
-                return
-            except GroupcoordTimeoutError as exc:
-                if not process_alive(self.peers[dst]):
-                    raise PeerDiedError(
-                        self.name, operation, [dst], f"receiver pid {self.peers[dst]} is gone"
-                    ) from exc
-                if time.monotonic() >= deadline:
-                    raise GroupcoordTimeoutError(
-                        self.name,
-                        operation,
-                        self.timeout_s,
-                        [dst],
-                        f"sender rank {self.rank}",
-                        "the receiver has not read the shared-memory channel",
-                    ) from exc
-            except PeerDiedError as exc:
-                raise PeerDiedError(self.name, operation, [dst], str(exc)) from exc
+        # One wait to the deadline: a message larger than the ring streams
+        # through it, and a stream cut by a timeout cannot resume (a receiver
+        # busy elsewhere for a while is not an error). The queue knows the
+        # receiver's pid, attached or not, and ends the wait if it dies.
+        try:
+            mq.enqueue(obj, timeout=self.timeout_s)
+        except GroupcoordTimeoutError as exc:
+            raise GroupcoordTimeoutError(
+                self.name,
+                operation,
+                self.timeout_s,
+                [dst],
+                f"sender rank {self.rank}",
+                "the receiver has not read the shared-memory channel",
+            ) from exc
+        except PeerDiedError as exc:
+            raise PeerDiedError(self.name, operation, [dst], str(exc)) from exc
 
     def send_message(self, dst: int, msg: EncodedMessage, operation: str) -> None:
         """Send an encoded object (a tensor dict's head), whatever its size: the

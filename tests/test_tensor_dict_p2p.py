@@ -182,6 +182,55 @@ def test_a_killed_sender_is_named_within_5_s(attached: bool, tmp_path) -> None:
     assert named_at - killed_at < 5.0
 
 
+def _late_receiver(rank: int, world: int) -> int:
+    # A dict larger than the pair's ring (4 x 16 MiB) streams through it; the
+    # receiver is busy elsewhere for 2 s first (a pipeline stage in a long step).
+    g = _group(rank, world, "shm", timeout=30.0)
+    big = {"h": torch.arange(24 << 20, dtype=torch.float32)}  # 96 MiB
+    if rank == 0:
+        g.send_tensor_dict(big, dst=1)
+        received = 0
+    else:
+        time.sleep(2.0)
+        got = g.recv_tensor_dict(src=0)
+        assert got is not None and torch.equal(got["h"], big["h"])
+        received = got["h"].numel()
+    g.destroy()
+    return received
+
+
+def test_a_dict_larger_than_the_ring_waits_for_a_late_receiver() -> None:
+    # The sender used to wait in 0.5 s slices, and a slice that ran out cut
+    # the stream: ClosedError for the sender, PeerDiedError for the receiver.
+    assert run_ranks(_late_receiver, 2, timeout=90) == [0, 24 << 20]
+
+
+def _sender_to_a_dead_receiver(rank: int, world: int, flag_dir: str) -> float:
+    g = _group(rank, world, "shm", timeout=60.0)
+    if rank == 1:
+        mark(flag_dir, "receiver up")
+        time.sleep(60)  # killed by the test before it ever receives
+    wait_for(flag_dir, "receiver killed")
+    big = {"h": torch.ones(24 << 20)}  # more than the ring: the sender must wait
+    with pytest.raises(PeerDiedError) as info:
+        g.send_tensor_dict(big, dst=1)
+    assert info.value.dead == [1] and "send_tensor_dict" in str(info.value)
+    named_at = time.time()
+    g.destroy()
+    return named_at
+
+
+def test_a_receiver_killed_before_it_attached_is_named_within_5_s(tmp_path) -> None:
+    group = start_ranks(_sender_to_a_dead_receiver, 2, str(tmp_path), timeout=60)
+    wait_for(str(tmp_path), "receiver up")
+    group.kill(1)
+    group.procs[1].join(10)
+    killed_at = time.time()
+    mark(str(tmp_path), "receiver killed")
+    named_at = group.collect(killed=[1])[0]
+    assert named_at - killed_at < 5.0
+
+
 def _waits_time_out(rank: int, world: int) -> str:
     g = _group(rank, world, "shm", timeout=1.5)
     message = ""

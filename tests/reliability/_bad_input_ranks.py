@@ -218,6 +218,7 @@ def mq_case(rank: int, world: int) -> dict[str, Outcome]:
             ("MessageQueue: connect_ip any-interface", lambda: MessageQueue(2, 1, connect_ip="*")),
             ("MessageQueue: tiny max_chunk_bytes", lambda: MessageQueue(1, 1, max_chunk_bytes=8)),
             ("MessageQueue: local_reader_ranks repeated", lambda: MessageQueue(2, 2, [1, 1])),
+            ("MessageQueue: reader_pids of 0", lambda: MessageQueue(1, 1, reader_pids=[0])),
             ("create_from_handle: not a handle", lambda: MessageQueue.create_from_handle({}, 1)),
         ]:
             out[label] = _attempt(call)

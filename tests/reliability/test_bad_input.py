@@ -101,6 +101,7 @@ BAD_INPUT_TABLE: list[Bad] = [
         ValueError,
         "local_reader_ranks",
     ),
+    Bad("MessageQueue", "MessageQueue: reader_pids of 0", ValueError, "reader_pids"),
     Bad("MessageQueue", "create_from_handle: not a handle", ValueError, "handle"),
     Bad("MessageQueue", "enqueue: unsupported object", TypeError, "object"),
     Bad("MessageQueue", "enqueue: non-positive timeout", ValueError, "timeout"),
