@@ -1,14 +1,16 @@
 """The groups this process built, in one state object, and vLLM's getters for
 them (``get_tp_group()`` ...). ``parallel_state`` builds and destroys them and
-re-exports every getter; this module only reads them."""
+re-exports every getter; this module only reads them, and checks that every
+rank asked for the same sizes (:func:`agree_on_sizes`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 
-from .errors import NotInitializedError
+from .errors import GroupcoordValueError, NotInitializedError
 from .group_coordinator import GroupCoordinator
 
 # In the order they are built (every rank the same): suspend_device_comms and the
@@ -24,6 +26,29 @@ class ModelParallelSizes:
     dcp: int
     dp: int
     expert_parallel: bool
+
+
+def agree_on_sizes(world: GroupCoordinator, sizes: ModelParallelSizes) -> None:
+    """Raise on every rank, naming them, unless all asked for the same layout (ranks
+    building different groups would otherwise wait on each other until the deadline)."""
+    if world.world_size == 1:
+        return
+    fields = [f.name for f in dataclasses.fields(sizes)]
+    mine = torch.tensor([int(getattr(sizes, f)) for f in fields], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in world.ranks]
+    world._collective("initialize_model_parallel", dist.all_gather, everyone, mine, world.cpu_group)
+    asked: dict[tuple[int, ...], list[int]] = {}
+    for rank, values in zip(world.ranks, everyone):
+        asked.setdefault(tuple(values.tolist()), []).append(rank)
+    if len(asked) > 1:
+        sides = "; ".join(
+            f"rank(s) {ranks}: " + ", ".join(f"{f}={v}" for f, v in zip(fields, values))
+            for values, ranks in asked.items()
+        )
+        raise GroupcoordValueError(
+            f"initialize_model_parallel: the ranks asked for different layouts ({sides}); "
+            "every rank must pass the same sizes"
+        )
 
 
 @dataclasses.dataclass

@@ -51,6 +51,7 @@ from .parallel_groups import MODEL_GROUPS as _MODEL_GROUPS
 from .parallel_groups import (
     ModelParallelSizes,
     ParallelState,
+    agree_on_sizes,
     get_dcp_group,
     get_dcp_world_size_and_rank,
     get_dp_group,
@@ -265,6 +266,7 @@ def initialize_model_parallel(
             f"model parallel groups exist with {_state.sizes}; asked for {sizes}: "
             "call destroy_model_parallel() first"
         )
+    agree_on_sizes(world, sizes)
     layout = compute_layout(
         world.world_size,
         sizes.tp,

@@ -166,3 +166,25 @@ def test_init_method_arguments_are_checked() -> None:
     # Methods we do not resolve are left to torch's rendezvous.
     assert default_group_store("file:///tmp/rendezvous", 0, 1, 5.0) is None
     assert default_group_store("tcp://127.0.0.1:29511?rank=0", 0, 1, 5.0) is None
+
+
+def _different_layouts(rank: int, world_size: int) -> str:
+    method = f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}"
+    ps.init_distributed_environment(world_size, rank, method, rank, "gloo", timeout=30)
+    start = time.monotonic()
+    # Rank 3 asks for TP 4 where the others ask for TP 2 x PP 2: each would
+    # build other groups and wait on the others until the deadline.
+    with pytest.raises(ValueError) as info:
+        ps.initialize_model_parallel(4 if rank == 3 else 2, 1 if rank == 3 else 2)
+    assert time.monotonic() - start < 5
+    assert not ps.model_parallel_is_initialized()
+    ps.initialize_model_parallel(2, 2)  # then the same sizes everywhere work
+    assert ps.get_tp_group().all_reduce(torch.ones(1)).item() == 2.0
+    ps.destroy_distributed_environment()
+    return str(info.value)
+
+
+def test_ranks_asking_for_different_layouts_get_an_error_naming_them() -> None:
+    for message in run_ranks(_different_layouts, 4, timeout=90):
+        assert "rank(s) [0, 1, 2]: tp=2, pp=2" in message
+        assert "rank(s) [3]: tp=4, pp=1" in message
