@@ -37,6 +37,7 @@ import multiprocessing.util
 import os
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,19 +190,31 @@ class P2PChannels:
         # through it, and a stream cut by a timeout cannot resume (a receiver
         # busy elsewhere for a while is not an error). The queue knows the
         # receiver's pid, attached or not, and ends the wait if it dies.
+        self._queue_wait(
+            lambda: mq.enqueue(obj, timeout=self.timeout_s),
+            dst,
+            operation,
+            "sender",
+            "the receiver has not read the shared-memory channel",
+        )
+
+    def _queue_wait(
+        self, call: Callable[[], Any], peer: int, operation: str, role: str, waiting_for: str
+    ) -> Any:
+        """One enqueue or dequeue; its errors name the group, the operation and the peer."""
         try:
-            mq.enqueue(obj, timeout=self.timeout_s)
+            return call()
         except GroupcoordTimeoutError as exc:
             raise GroupcoordTimeoutError(
                 self.name,
                 operation,
                 self.timeout_s,
-                [dst],
-                f"sender rank {self.rank}",
-                "the receiver has not read the shared-memory channel",
+                [peer],
+                f"{role} rank {self.rank}",
+                waiting_for,
             ) from exc
         except PeerDiedError as exc:
-            raise PeerDiedError(self.name, operation, [dst], str(exc)) from exc
+            raise PeerDiedError(self.name, operation, [peer], str(exc)) from exc
 
     def send_message(self, dst: int, msg: EncodedMessage, operation: str) -> None:
         """Send an encoded object (a tensor dict's head), whatever its size: the
@@ -263,19 +276,13 @@ class P2PChannels:
         return mq
 
     def _get(self, mq: MessageQueue, src: int, operation: str) -> Any:
-        try:
-            return mq.dequeue(timeout=self.timeout_s)
-        except GroupcoordTimeoutError as exc:
-            raise GroupcoordTimeoutError(
-                self.name,
-                operation,
-                self.timeout_s,
-                [src],
-                f"receiver rank {self.rank}",
-                "nothing arrived on the shared-memory channel",
-            ) from exc
-        except PeerDiedError as exc:
-            raise PeerDiedError(self.name, operation, [src], str(exc)) from exc
+        return self._queue_wait(
+            lambda: mq.dequeue(timeout=self.timeout_s),
+            src,
+            operation,
+            "receiver",
+            "nothing arrived on the shared-memory channel",
+        )
 
     def recv_message(self, src: int, operation: str) -> Any:
         """The object :meth:`send_message` sent."""
