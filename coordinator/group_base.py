@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 
 from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
+from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.liveness import dead_peers, host_key
@@ -75,6 +76,7 @@ class GroupBase:
             raise GroupcoordValueError(
                 "torch.distributed is not initialised: call init_distributed_environment first"
             )
+        settle_torch_pool()
         self.rank = dist.get_rank()
         self.local_rank = local_rank
         self.timeout_s = resolve_timeout(timeout)

@@ -5,12 +5,20 @@ that keeps its copies off torch's thread pool.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 from torch.distributed import ReduceOp
 
-__all__ = ["PARALLEL_MIN_BYTES", "SHM_DTYPES", "OneTorchThread", "combine", "refused_op"]
+__all__ = [
+    "PARALLEL_MIN_BYTES",
+    "SHM_DTYPES",
+    "OneTorchThread",
+    "combine",
+    "refused_op",
+    "settle_torch_pool",
+]
 
 SHM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -52,6 +60,27 @@ def combine(
 # torch splits an elementwise op over its intra-op pool from 32768 elements
 # (at::internal::GRAIN_SIZE); below this many bytes nothing is split anyway.
 PARALLEL_MIN_BYTES = 32 * 1024
+
+
+_settled_in_pid = 0
+
+
+def settle_torch_pool() -> None:
+    """Rebuild torch's thread pool in this thread, once per process.
+
+    After a fork, torch rebuilds its pool on the first call that asks for it,
+    and that rebuild races: when two threads of a forked child make their
+    first parallel op at once, one of them can fail with "Invalid thread
+    pool!" (torch's ParallelOpenMP.cpp; 34 of 300 forks here, each with two
+    threads running torch.full((65536,), 1.0)). A rank is often a forked child
+    and may call a group from several threads, so the group's constructor
+    does the rebuild first, on the thread that builds it.
+    """
+    global _settled_in_pid
+    pid = os.getpid()
+    if _settled_in_pid != pid:
+        torch.set_num_threads(torch.get_num_threads())
+        _settled_in_pid = pid
 
 
 class OneTorchThread:

@@ -72,6 +72,45 @@ def test_a_forked_child_does_not_share_its_parents_store():
     assert run_ranks(_fork_with_a_store, 1, timeout=30) == [(0, b"done", True)]
 
 
+def _first_parallel_op(errors: list[str]) -> None:
+    try:
+        torch.full((65536,), 1.0).sum()
+    except RuntimeError as exc:  # torch's "Invalid thread pool!"
+        errors.append(str(exc))
+
+
+def _forks_whose_two_threads_start_at_once(rank: int, world: int) -> int:
+    import threading
+
+    from device_communicators.shm_reduce import settle_torch_pool
+
+    torch.set_num_threads(2)
+    torch.full((65536,), 1.0)  # the pool has run in the parent, as in a test runner
+    failed = 0
+    for _ in range(150):
+        pid = os.fork()
+        if pid == 0:
+            settle_torch_pool()  # what a group's constructor does
+            errors: list[str] = []
+            threads = [
+                threading.Thread(target=_first_parallel_op, args=(errors,)) for _ in range(2)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            os._exit(1 if errors else 0)
+        _, status = os.waitpid(pid, 0)
+        failed += os.waitstatus_to_exitcode(status) != 0
+    return failed
+
+
+def test_two_threads_of_a_forked_rank_can_start_torch_ops_at_once():
+    # Without settle_torch_pool, about 1 fork in 9 failed here (torch rebuilds its
+    # pool after a fork on first use, and two threads at once race in it).
+    assert run_ranks(_forks_whose_two_threads_start_at_once, 1, timeout=60) == [0]
+
+
 def _name_a_segment_then_wait(ready: Any) -> None:
     from shm_broadcast.segments import ShmSegment
 
