@@ -21,6 +21,7 @@ import torch.distributed as dist
 from device_communicators import checks
 from device_communicators.cpu_communicator import CpuCommunicator, ShmTransport
 from device_communicators.shm_all_reduce import ShmAllReduce
+from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import resolve_timeout
 
@@ -77,6 +78,7 @@ class CommCore:
         hints: dict[str, str],
         owns_pg: bool = True,
     ) -> None:
+        settle_torch_pool()  # before the lane's thread and the caller's race torch's rebuild
         # c10d's stubs lack the backend's collective methods, hence Any.
         self._pg: Any = pg
         self._owns_pg = owns_pg  # False when borrowed from an existing group (adapters.py)
