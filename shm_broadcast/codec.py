@@ -59,6 +59,7 @@ from .safe_types import (
     init_fields,
     is_namedtuple,
     type_key,
+    wire_module,
 )
 
 __all__ = [
@@ -242,7 +243,8 @@ class Codec:
     def _walk_struct(self, obj: msgspec.Struct) -> Any:
         cls = type(obj)
         values = self._walk_list([getattr(obj, name) for name in cls.__struct_fields__])
-        return _Ext(wire.EXT_STRUCT, self._enc.encode([cls.__module__, cls.__qualname__, values]))
+        key = [wire_module(cls), cls.__qualname__, values]
+        return _Ext(wire.EXT_STRUCT, self._enc.encode(key))
 
     def _walk_enum(self, obj: enum.Enum) -> Any:
         return _Ext(wire.EXT_ENUM, self._enc.encode([type_key(type(obj)), self._walk(obj.value)]))

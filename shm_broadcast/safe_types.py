@@ -26,9 +26,22 @@ _SAFE_TYPES: dict[str, type] = {}
 _SAFE_LOCK = threading.Lock()
 
 
+def wire_module(cls: type) -> str:
+    """The module a class is named by on the wire.
+
+    A ``multiprocessing`` child started by spawn or forkserver (how vLLM starts
+    its workers) runs the parent's main script as ``__mp_main__`` and also
+    lists it as ``sys.modules["__main__"]``: a class the script defines is
+    ``__main__.X`` in the parent and ``__mp_main__.X`` in the child. The wire
+    says ``__main__`` for both, so the class has one name in every process.
+    """
+    module = cls.__module__
+    return "__main__" if module == "__mp_main__" else module
+
+
 def type_key(cls: type) -> str:
     """A class's name on the wire."""
-    return f"{cls.__module__}:{cls.__qualname__}"
+    return f"{wire_module(cls)}:{cls.__qualname__}"
 
 
 def is_namedtuple(cls: type) -> bool:

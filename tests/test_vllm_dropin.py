@@ -346,3 +346,82 @@ def test_stateless_torch_process_groups_outside_the_default_world():
     ports = [free_port(), free_port()]
     for got in run_ranks(_stateless_groups, 2, ports, timeout=60):
         assert got == {"sum": [3.0] * 4, "max": 1, "store": "yes"}
+
+
+SPAWNED_EXECUTOR = """
+import dataclasses, enum, multiprocessing, sys
+import msgspec, torch
+from shm_broadcast import MessageQueue, add_safe_types
+
+class Kind(enum.Enum):
+    RUN = 1
+    STOP = 2
+
+@dataclasses.dataclass
+class Call:
+    kind: Kind
+    args: tuple
+
+class Reply(msgspec.Struct):
+    rank: int
+    doubled: int
+    ids: torch.Tensor
+
+def worker(rank, handle, conn):
+    # In this process the script is __mp_main__: Call is __mp_main__.Call here.
+    add_safe_types([Call, Kind])
+    requests = MessageQueue.create_from_handle(handle, rank)
+    replies = MessageQueue(1, 1)
+    conn.send(replies.export_handle())
+    requests.wait_until_ready()
+    replies.wait_until_ready()
+    while (call := requests.dequeue(timeout=30)).kind is Kind.RUN:
+        replies.enqueue(Reply(rank, 2 * call.args[0], torch.arange(3) + rank))
+    replies.enqueue(Kind.STOP)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context(sys.argv[1])
+    add_safe_types([Call, Kind])
+    requests = MessageQueue(2, 2)
+    workers, pipes = [], []
+    for rank in range(2):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=worker, args=(rank, requests.export_handle(), theirs))
+        p.start()
+        workers.append(p)
+        pipes.append(mine)
+    replies = [MessageQueue.create_from_handle(pipe.recv(), 0) for pipe in pipes]
+    requests.wait_until_ready()
+    for q in replies:
+        q.wait_until_ready()
+    got = []
+    for i in range(3):
+        requests.enqueue(Call(Kind.RUN, (i,)))
+        got += [(r.rank, r.doubled, r.ids.tolist()) for r in (q.dequeue(timeout=30) for q in replies)]
+    requests.enqueue(Call(Kind.STOP, ()))
+    assert [q.dequeue(timeout=30) for q in replies] == [Kind.STOP, Kind.STOP]
+    for p in workers:
+        p.join(30)
+    print(got, [p.exitcode for p in workers])
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_classes_of_the_main_script_cross_to_spawned_workers_and_back(tmp_path, method):
+    # vLLM starts its workers with spawn: there the script runs as __mp_main__,
+    # and its classes must keep the one name the driver gives them, both ways.
+    import subprocess
+    import sys
+
+    script = tmp_path / "executor.py"
+    script.write_text(SPAWNED_EXECUTOR)
+    proc = subprocess.run(
+        [sys.executable, str(script), method],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = [(r, 2 * i, [r, r + 1, r + 2]) for i in range(3) for r in (0, 1)]
+    assert proc.stdout.strip() == f"{expected} [0, 0]"
