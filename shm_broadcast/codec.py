@@ -4,7 +4,9 @@ Supported, round-tripping exactly: None, bool, int (any size), float, str,
 bytes, list, tuple (stays a tuple), dict (any supported hashable keys), set,
 frozenset, msgspec Structs, torch tensors (every dtype, any shape,
 non-contiguous), torch dtypes / devices / ``torch.Size``, numpy arrays and
-numpy scalars; and dataclasses, enums and NamedTuples, which the receiver
+numpy scalars, the standard-library values of :mod:`.std_values` (slice,
+range, complex, bytearray, datetime family, UUID, Decimal, OrderedDict,
+deque); and dataclasses, enums and NamedTuples, which the receiver
 rebuilds only when it declared them with :func:`add_safe_types`.
 Anything else raises :class:`GroupcoordTypeError` naming the type, unless the
 caller passes ``allow_pickle=True`` on both sides.
@@ -61,6 +63,7 @@ from .safe_types import (
     type_key,
     wire_module,
 )
+from .std_values import STD_TYPES, std_parts
 
 __all__ = [
     "FRAME_ALIGN",
@@ -157,6 +160,8 @@ class Codec:
             return self._walk_dataclass
         if is_namedtuple(t):
             return self._walk_namedtuple
+        if t in STD_TYPES:
+            return self._walk_std
         torch = sys.modules.get("torch")
         if torch is not None:
             if issubclass(t, torch.Tensor):
@@ -261,6 +266,9 @@ class Codec:
         fields = self._walk_list(obj)
         return _Ext(wire.EXT_NAMEDTUPLE, self._enc.encode([type_key(type(obj)), fields]))
 
+    def _walk_std(self, obj: Any) -> Any:
+        return _Ext(wire.EXT_STD, self._enc.encode(std_parts(obj, self._walk)))
+
     def _add_frame(self, frame: Any, nbytes: int) -> int:
         self._frames.append(frame)
         self._frame_lens.append(nbytes)
@@ -356,7 +364,9 @@ def _refuse(obj: Any) -> Any:
     raise GroupcoordTypeError(
         f"cannot encode an object of type {t.__module__}.{t.__qualname__} without pickle; "
         "supported: None, bool, int, float, str, bytes, list, tuple, dict, set, frozenset, "
-        "dataclasses, enums, NamedTuples, msgspec.Struct, torch.Tensor, numpy.ndarray "
+        "dataclasses, enums, NamedTuples, msgspec.Struct, torch.Tensor, numpy.ndarray, "
+        "slice, range, complex, bytearray, datetime/date/time/timedelta, UUID, Decimal, "
+        "OrderedDict, deque "
         "(or create the queue with allow_pickle=True)"
     )
 

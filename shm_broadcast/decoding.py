@@ -23,6 +23,7 @@ from .array_frames import (
 )
 from .errors import ProtocolError, UndeclaredTypeError
 from .safe_types import imported_struct, safe_type
+from .std_values import rebuild
 
 __all__ = ["MessageDecoder"]
 
@@ -36,7 +37,7 @@ _MALFORMED = (
     TypeError,
     KeyError,
     IndexError,
-    OverflowError,
+    ArithmeticError,  # OverflowError, and decimal.InvalidOperation for a bad Decimal
     AttributeError,
     RuntimeError,
     RecursionError,
@@ -69,6 +70,7 @@ class MessageDecoder:
             wire.EXT_NAMEDTUPLE: self._decode_namedtuple,
             wire.EXT_SET: self._decode_set,
             wire.EXT_FROZENSET: self._decode_frozenset,
+            wire.EXT_STD: self._decode_std,
             wire.EXT_PICKLE: self._decode_pickle,
         }
 
@@ -154,6 +156,9 @@ class MessageDecoder:
 
     def _decode_frozenset(self, data: memoryview) -> Any:
         return frozenset(self._dec.decode(data))
+
+    def _decode_std(self, data: memoryview) -> Any:
+        return rebuild(self._dec.decode(data))
 
     def _decode_pickle(self, data: memoryview) -> Any:
         if not self.allow_pickle:

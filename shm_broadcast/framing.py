@@ -52,6 +52,7 @@ EXT_ENUM = 14
 EXT_SET = 15
 EXT_FROZENSET = 16
 EXT_NAMEDTUPLE = 17
+EXT_STD = 18  # a standard-library value (slice, datetime, UUID ...): std_values.py
 
 _PREFIX = struct.Struct("<II")
 MESSAGE_PREFIX = _PREFIX  # u32 header_len, u32 n_frames: starts every written message

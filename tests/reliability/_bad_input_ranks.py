@@ -8,6 +8,7 @@ bad call's outcome is recorded: (exception type, message, is ValueError, is Type
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +66,7 @@ COORDINATOR_BAD: list[BadCall] = [
         "send_tensor_dict: all_gather_group not a group",
         lambda g: g.send_tensor_dict({"x": T}, dst=1, all_gather_group="tp"),
     ),
-    ("queue enqueue: unsupported object", lambda g: g.mq_broadcaster.enqueue(range(2))),
+    ("queue enqueue: unsupported object", lambda g: g.mq_broadcaster.enqueue(threading.Lock())),
     ("queue enqueue: non-positive timeout", lambda g: g.mq_broadcaster.enqueue(1, timeout=0)),
 ]
 

@@ -119,6 +119,8 @@ _ext_body = st.one_of(
     _tensor_like,
     _tensor_header,
     st.tuples(_dtype_names, st.binary(max_size=16)).map(list),
+    # A standard-library value's [tag, parts] (std_values.py), with hostile parts.
+    st.tuples(st.integers(-1, 13), _plain | st.lists(_plain, max_size=8)).map(list),
 )
 
 
@@ -155,6 +157,12 @@ KNOWN_HOSTILE = {
     "torch.Size of strings": (ext(11, ["a"]), []),
     "big int that is not a number": (ext(6, b"12x"), []),
     "nesting 100,000 deep": (b"\x91" * 100_000 + b"\xc0", []),
+    "bytearray made from an int (10**12 zeros)": (ext(18, [3, 10**12]), []),
+    "UUID made from an int": (ext(18, [8, 10**12]), []),
+    "Decimal that is not a number": (ext(18, [9, "abc"]), []),
+    "datetime in month 13": (ext(18, [4, [[2020, 13, 1, 0, 0, 0, 0], 0, None]]), []),
+    "deque with a negative maxlen": (ext(18, [11, [[1], -1]]), []),
+    "standard-library tag out of range": (ext(18, [12, 0]), []),
 }
 
 
