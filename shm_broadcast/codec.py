@@ -58,7 +58,7 @@ from .framing import (
 )
 from .safe_types import (
     add_safe_types,
-    init_fields,
+    dataclass_fields,
     is_namedtuple,
     type_key,
     wire_module,
@@ -340,8 +340,8 @@ def _one_plain_type(values: Iterable[Any], first: Any, count: int) -> bool:
 
 
 def _dataclass_spec(cls: type) -> tuple[str, tuple[str, ...], Callable[[Any], Sequence[Any]]]:
-    """(wire name, constructor fields, a getter of their values) of a dataclass."""
-    fields = init_fields(cls)
+    """(wire name, fields, a getter of their values) of a dataclass."""
+    fields = dataclass_fields(cls)
     if len(fields) >= 2:
         return type_key(cls), fields, operator.attrgetter(*fields)
     return type_key(cls), fields, lambda obj: [getattr(obj, name) for name in fields]

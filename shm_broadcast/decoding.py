@@ -141,7 +141,7 @@ class MessageDecoder:
 
     def _decode_dataclass(self, data: memoryview) -> Any:
         key, values = self._dec.decode(data)
-        return safe_type(key, "dataclass")(**values)
+        return safe_type(key, "dataclass").rebuild(values)
 
     def _decode_enum(self, data: memoryview) -> Any:
         key, value = self._dec.decode(data)

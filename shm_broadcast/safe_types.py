@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import sys
 import threading
 from collections.abc import Sequence
@@ -21,8 +22,9 @@ from .errors import GroupcoordTypeError, ProtocolError, UndeclaredTypeError
 
 __all__ = ["add_safe_types"]
 
-# Classes a receiver may rebuild from a message, keyed by module:qualname.
-_SAFE_TYPES: dict[str, type] = {}
+# Classes a receiver may rebuild from a message, keyed by module:qualname
+# (a dataclass by its DataclassPlan).
+_SAFE_TYPES: dict[str, Any] = {}
 _SAFE_LOCK = threading.Lock()
 
 
@@ -48,9 +50,72 @@ def is_namedtuple(cls: type) -> bool:
     return issubclass(cls, tuple) and hasattr(cls, "_fields") and hasattr(cls, "_make")
 
 
-def init_fields(cls: type) -> tuple[str, ...]:
-    """The names a dataclass's constructor takes, in order."""
-    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+def dataclass_fields(cls: type) -> tuple[str, ...]:
+    """The fields a dataclass instance holds, in order: what travels.
+
+    Raises when the constructor needs an argument that is not a field (an
+    ``InitVar`` without a default, a hand-written ``__init__``): the receiver
+    could not call it, and a default in its place could rebuild different
+    values without a word.
+    """
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the constructor decides
+        return names
+    needed = [
+        p.name
+        for p in params
+        if p.name not in names
+        and p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if needed:
+        raise GroupcoordTypeError(
+            f"cannot send dataclass {cls.__module__}.{cls.__qualname__} without pickle: its "
+            f"constructor needs {needed}, which are not fields, so a receiver cannot "
+            "rebuild it from its fields (give them defaults, or use allow_pickle=True)"
+        )
+    return names
+
+
+class DataclassPlan:
+    """How a receiver rebuilds one declared dataclass from its fields' values.
+
+    The constructor runs (``__post_init__`` included, so attributes it sets
+    that are not fields exist), with the fields it takes. When that may not
+    give back the sender's values (a ``__post_init__``, fields with
+    ``init=False``, a constructor not written by ``dataclasses``), every field
+    is then set to the value sent, as unpickling would restore it: a field
+    the sender changed after construction, or one ``__post_init__`` derives
+    from an ``InitVar``, arrives as it was sent.
+    """
+
+    __slots__ = ("cls", "exact", "init", "names")
+
+    def __init__(self, cls: type) -> None:
+        fields = dataclasses.fields(cls)
+        self.cls = cls
+        self.names = tuple(f.name for f in fields)
+        self.init = tuple(f.name for f in fields if f.init)
+        init_fn = cls.__dict__.get("__init__")
+        generated = getattr(getattr(init_fn, "__code__", None), "co_filename", "") == "<string>"
+        self.exact = (
+            generated and len(self.init) == len(self.names) and not hasattr(cls, "__post_init__")
+        )
+
+    def rebuild(self, values: dict[str, Any]) -> Any:
+        if self.exact:
+            return self.cls(**values)
+        if len(values) != len(self.names):
+            raise ProtocolError(
+                f"dataclass {self.cls.__qualname__}: {len(values)} values for "
+                f"{len(self.names)} fields"
+            )
+        obj = self.cls(**{name: values[name] for name in self.init})
+        for name in self.names:  # declared names only, whatever keys the message holds
+            object.__setattr__(obj, name, values[name])
+        return obj
 
 
 def add_safe_types(types: Sequence[type]) -> None:
@@ -59,7 +124,9 @@ def add_safe_types(types: Sequence[type]) -> None:
     ``typing.NamedTuple`` classes (named after ``torch.serialization.add_safe_globals``).
 
     Decoding calls nothing but a declared class's constructor (or, for an enum, its
-    value lookup) and never imports a module. Sending needs no declaration; an
+    value lookup), then sets a dataclass's declared fields to the values sent
+    where the constructor may have changed them (:class:`DataclassPlan`), and
+    never imports a module. Sending needs no declaration; an
     undeclared class in a received message raises ``GroupcoordTypeError`` naming it.
     msgspec Structs, sets and frozensets need none.
     """
@@ -72,9 +139,9 @@ def add_safe_types(types: Sequence[type]) -> None:
                 f"add_safe_types: {cls!r} is not a dataclass, enum or NamedTuple class"
             )
         checked.append(cls)
+    entries = {type_key(c): DataclassPlan(c) if dataclasses.is_dataclass(c) else c for c in checked}
     with _SAFE_LOCK:
-        for cls in checked:
-            _SAFE_TYPES[type_key(cls)] = cls
+        _SAFE_TYPES.update(entries)
 
 
 def safe_type(key: str, kind: str) -> Any:

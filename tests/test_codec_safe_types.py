@@ -90,8 +90,70 @@ def test_an_engine_step_round_trips_once_its_classes_are_declared():
     assert torch.equal(out.block_table, want.block_table)
     out.block_table = want.block_table = None
     assert out == want
-    assert out.computed == 2  # computed by the constructor, not sent
+    assert out.computed == 2
     assert isinstance(out.requests[1].span, Span) and out.flags == Flags.A | Flags.B
+
+
+@dataclasses.dataclass
+class Progress:
+    ids: list[int]
+    computed: int = dataclasses.field(init=False, default=0)  # the scheduler advances it
+
+
+@dataclasses.dataclass
+class Scaled:
+    base: int
+    scale: dataclasses.InitVar[int] = 1
+    value: int = dataclasses.field(init=False)
+
+    def __post_init__(self, scale: int) -> None:
+        self.value = self.base * scale
+        self._memo: dict[int, int] = {}  # not a field: only the constructor makes it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shifted:
+    start: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start", self.start + 1)  # not idempotent
+
+
+@dataclasses.dataclass
+class NeedsScale:
+    base: int
+    scale: dataclasses.InitVar[int]
+
+
+def test_dataclasses_arrive_with_the_senders_field_values():
+    # Rebuilt by the constructor alone, each of these arrived different, silently:
+    # computed 0, value 2 (the InitVar's default), start 3.
+    add_safe_types([Progress, Scaled, Shifted])
+    progress = Progress([1, 2])
+    progress.computed = 7
+    out = loads(dumps([progress, Scaled(2, scale=5), Shifted(1)]))
+    assert out == [progress, Scaled(2, scale=5), Shifted(1)]
+    assert [out[0].computed, out[1].value, out[2].start] == [7, 10, 2]
+    assert out[1]._memo == {}  # the constructor ran
+
+
+def test_a_dataclass_whose_constructor_needs_more_than_its_fields_is_refused_when_sent():
+    with pytest.raises(GroupcoordTypeError, match=r"NeedsScale.*\['scale'\].*allow_pickle"):
+        dumps({"x": NeedsScale(1, 2)})
+
+
+def test_a_crafted_dataclass_message_sets_only_declared_fields():
+    from shm_broadcast import framing as wire
+    from shm_broadcast.codec import Codec
+    from shm_broadcast.errors import ProtocolError
+    from shm_broadcast.safe_types import type_key
+
+    add_safe_types([Progress])
+    for values in ({"ids": [1], "computed": 1, "__class__": "int"}, {"ids": [1]}):
+        body = msgspec.msgpack.encode([type_key(Progress), values])
+        header = msgspec.msgpack.encode(msgspec.msgpack.Ext(wire.EXT_DATACLASS, body))
+        with pytest.raises(ProtocolError, match="values for 2 fields"):
+            Codec().decode(header)
 
 
 def test_an_enum_or_bool_among_many_plain_ints_keeps_its_type():
