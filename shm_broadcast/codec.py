@@ -259,7 +259,12 @@ class Codec:
         if spec is None:
             spec = self._dataclasses[type(obj)] = _dataclass_spec(type(obj))
         key, fields, getter = spec
-        values = self._walk_list(getter(obj))
+        try:
+            values = getter(obj)
+        except AttributeError:  # an init=False field never set: it travels unset
+            fields = tuple(name for name in fields if hasattr(obj, name))
+            values = [getattr(obj, name) for name in fields]
+        values = self._walk_list(values)
         return _Ext(wire.EXT_DATACLASS, self._enc.encode([key, dict(zip(fields, values))]))
 
     def _walk_namedtuple(self, obj: tuple[Any, ...]) -> Any:

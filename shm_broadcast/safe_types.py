@@ -107,14 +107,15 @@ class DataclassPlan:
     def rebuild(self, values: dict[str, Any]) -> Any:
         if self.exact:
             return self.cls(**values)
-        if len(values) != len(self.names):
+        unknown = values.keys() - set(self.names)
+        if unknown:
             raise ProtocolError(
-                f"dataclass {self.cls.__qualname__}: {len(values)} values for "
-                f"{len(self.names)} fields"
+                f"dataclass {self.cls.__qualname__} has no fields {sorted(map(str, unknown))}"
             )
         obj = self.cls(**{name: values[name] for name in self.init})
-        for name in self.names:  # declared names only, whatever keys the message holds
-            object.__setattr__(obj, name, values[name])
+        for name in self.names:  # declared names only (an unset init=False field stays unset)
+            if name in values:
+                object.__setattr__(obj, name, values[name])
         return obj
 
 
