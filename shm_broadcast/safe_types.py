@@ -91,12 +91,13 @@ class DataclassPlan:
     from an ``InitVar``, arrives as it was sent.
     """
 
-    __slots__ = ("cls", "exact", "init", "names")
+    __slots__ = ("cls", "exact", "init", "known", "names")
 
     def __init__(self, cls: type) -> None:
         fields = dataclasses.fields(cls)
         self.cls = cls
         self.names = tuple(f.name for f in fields)
+        self.known = frozenset(self.names)
         self.init = tuple(f.name for f in fields if f.init)
         init_fn = cls.__dict__.get("__init__")
         generated = getattr(getattr(init_fn, "__code__", None), "co_filename", "") == "<string>"
@@ -107,7 +108,7 @@ class DataclassPlan:
     def rebuild(self, values: dict[str, Any]) -> Any:
         if self.exact:
             return self.cls(**values)
-        unknown = values.keys() - set(self.names)
+        unknown = values.keys() - self.known
         if unknown:
             raise ProtocolError(
                 f"dataclass {self.cls.__qualname__} has no fields {sorted(map(str, unknown))}"

@@ -71,9 +71,7 @@ def std_parts(obj: Any, walk: _Walk) -> list[Any]:
     t = type(obj)
     tag = _TAGS[t]
     parts: Any
-    if t is slice:
-        parts = [walk(obj.start), walk(obj.stop), walk(obj.step)]
-    elif t is range:
+    if t is slice or t is range:
         parts = [walk(obj.start), walk(obj.stop), walk(obj.step)]
     elif t is complex:
         parts = [obj.real, obj.imag]
