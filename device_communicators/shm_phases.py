@@ -45,9 +45,12 @@ _BELL = 5  # int32 index within a line (bytes 20..23)
 # The fingerprint of the rank's calls: two slots of two int64s (bytes 32..63),
 # used by call parity, since a peer can be at most one call ahead of a rank
 # that has not checked yet (it cannot pass the next call's first barrier).
-# Per slot: operation/dtype/reduce-op/root packed; call number << 44 | count.
+# Per slot: operation/dtype/reduce-op/root packed; call number << 44 | count,
+# the call number's low 19 bits only, so the word stays a positive int64 for
+# ever (20 bits overflowed it at call 2**19 and every later call raised).
 _FP_SLOTS = (6, 4)  # by call parity: even calls, odd calls
 _COUNT_BITS = 44
+_CALL_MASK = (1 << (63 - _COUNT_BITS)) - 1
 
 OPERATIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 _DTYPES = (
@@ -87,10 +90,15 @@ def _make_code(operation: str, dtype: torch.dtype, reduce_op: object, root: int)
     )
 
 
-def _describe_stamp(stamp: tuple[int, int]) -> str:
+def _describe_stamp(stamp: tuple[int, int], near: int) -> str:
+    """The call of a stamp, numbered as the call nearest ``near`` (this rank's call
+    number) whose low bits the stamp holds."""
     code, word = stamp
     count = word & ((1 << _COUNT_BITS) - 1)
-    return f"{describe_call(code, count)} as call #{word >> _COUNT_BITS}"
+    offset = ((word >> _COUNT_BITS) - near) & _CALL_MASK
+    if offset > _CALL_MASK // 2:
+        offset -= _CALL_MASK + 1
+    return f"{describe_call(code, count)} as call #{near + offset}"
 
 
 def describe_call(code: int, count: int) -> str:
@@ -201,7 +209,7 @@ class PhaseLines:
         at = self._my_stamp[calls & 1]
         counters = self._counters
         counters[at] = code
-        counters[at + 1] = ((calls & 0xFFFFF) << _COUNT_BITS) | count
+        counters[at + 1] = ((calls & _CALL_MASK) << _COUNT_BITS) | count
         self._check_pending = True
 
     def _check_agreement(self) -> None:
@@ -217,9 +225,9 @@ class PhaseLines:
                 r = at // _QWORDS
                 raise DesyncError(
                     f"{self.what}: rank {self.ranks[self.rank_in_group]} called "
-                    f"{_describe_stamp((code, word))}, rank {self.ranks[r]} called "
-                    f"{_describe_stamp((counters[at], counters[at + 1]))}: the ranks' "
-                    "collectives are out of step (no result returned)"
+                    f"{_describe_stamp((code, word), self.calls)}, rank {self.ranks[r]} "
+                    f"called {_describe_stamp((counters[at], counters[at + 1]), self.calls)}: "
+                    "the ranks' collectives are out of step (no result returned)"
                 )
 
     # ---- publish and wait ---------------------------------------------------------

@@ -4,6 +4,7 @@ sides, before any result is returned; the group stays usable."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -107,3 +108,38 @@ def test_debug_desync_catches_the_same_on_the_gloo_path(case, world):
         assert rank0_side in got["raised"] and other_side in got["raised"], got["raised"]
         assert "dsy" in got["raised"] and "call #" in got["raised"]
         assert got["after"] == [float(sum(range(world)))] * 100
+
+
+CALLS_PAST_WRAP = (1 << 19) + 3  # the call number's stamp holds 19 bits
+
+
+def _many_calls(rank: int, world: int) -> dict:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.errors import DesyncError
+
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="long")
+    try:
+        x = torch.ones(4)
+        for _ in range(CALLS_PAST_WRAP):
+            y = group.all_reduce(x)
+        try:
+            group.all_reduce(torch.ones(4096 if rank == 0 else 8192))
+            raised = ""
+        except DesyncError as exc:
+            raised = str(exc)
+        return {"last": y.tolist(), "raised": raised}
+    finally:
+        group.destroy()
+
+
+def test_a_group_keeps_working_and_checking_past_two_to_the_19_calls():
+    # The stamp once held 20 bits of the call number and overflowed its int64 at
+    # call 2**19: every call after it raised (a few thousand engine steps).
+    results = run_ranks(_many_calls, 2, timeout=240)
+    for got in results:
+        assert got["last"] == [2.0] * 4
+        assert "all_reduce(float32[4096], SUM)" in got["raised"], got["raised"]
+        assert "all_reduce(float32[8192], SUM)" in got["raised"], got["raised"]
+    numbers = {int(n) for n in re.findall(r"as call #(\d+)", results[0]["raised"])}
+    assert len(numbers) == 1 and numbers.pop() > CALLS_PAST_WRAP, results[0]["raised"]
