@@ -177,8 +177,7 @@ class ShmAllReduce(ShmBase):
                 self._view(s, me, flat.dtype, b - a).copy_(flat[a:b])
                 # One barrier per piece is enough: the next piece uses the other
                 # set, and this set is rewritten only after the barrier after next.
-                lines.publish(2 * gen - 1)
-                lines.wait_all(2 * gen - 1)
+                lines.arrive(2 * gen - 1)
                 x, y = max(a, lo), min(b, hi)
                 if y > x:
                     self._combine_slots(s, flat.dtype, x - a, y - a, out[x - lo : y - lo], op)
@@ -225,8 +224,7 @@ class ShmAllReduce(ShmBase):
                 gen = self._next_generation()
                 s = gen & 1
                 self._view(s, self.rank_in_group, torch.uint8, stop - start).copy_(src[start:stop])
-                lines.publish(2 * gen - 1)
-                lines.wait_all(2 * gen - 1)
+                lines.arrive(2 * gen - 1)
                 for r in range(self.world_size):
                     dst[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
         return out
@@ -250,8 +248,7 @@ class ShmAllReduce(ShmBase):
                     slot.copy_(data[start:stop])
                 # Everyone publishes and waits for everyone (not just src): the
                 # double-buffering argument needs every call to be a full barrier.
-                lines.publish(2 * gen - 1)
-                lines.wait_all(2 * gen - 1)
+                lines.arrive(2 * gen - 1)
                 if not sender:
                     data[start:stop].copy_(slot)
         if work is not tensor:
@@ -268,8 +265,7 @@ class ShmAllReduce(ShmBase):
         n = src.numel()
         me = self.rank_in_group
         self._view(s, me, src.dtype, n).copy_(src)
-        lines.publish(2 * gen - 1)
-        lines.wait_all(2 * gen - 1)
+        lines.arrive(2 * gen - 1)
         if n * src.element_size() <= ONE_SHOT_MAX_BYTES:
             self._combine_slots(s, src.dtype, 0, n, dst, op)
             return
@@ -277,8 +273,7 @@ class ShmAllReduce(ShmBase):
         lo, hi = min(me * chunk, n), min((me + 1) * chunk, n)
         if hi > lo:
             self._combine_slots(s, src.dtype, lo, hi, self._view(s, 0, src.dtype, n)[lo:hi], op)
-        lines.publish(2 * gen)
-        lines.wait_all(2 * gen)
+        lines.arrive(2 * gen)
         dst.copy_(self._view(s, 0, src.dtype, n))
 
     def _combine_slots(

@@ -152,6 +152,8 @@ class PhaseLines:
         )
         self._address = self._address_holder.data_ptr()
         self._counter_index = [r * _QWORDS for r in range(self.world_size)]
+        self._my_counter = rank_in_group * _QWORDS
+        self._other_counters = [r * _QWORDS for r in range(self.world_size) if r != rank_in_group]
         self._others = [r for r in range(self.world_size) if r != rank_in_group]
         self.use_futex = futex_available()
         self.spin_s = SPIN_BEFORE_SLEEP_S
@@ -239,23 +241,25 @@ class PhaseLines:
                 return False
         return True
 
-    def publish(self, phase: int) -> None:
-        """Store this rank's phase, then wake any peer asleep on its doorbell."""
-        self._counters[self.rank_in_group * _QWORDS] = phase
-        if not self.use_futex:
-            return
-        memory_fence()  # the counter store must be visible before we read "asleep"
-        words = self._words
-        for r in self._others:
-            if words[r * _DWORDS + _ASLEEP]:
-                bell = r * _DWORDS + _BELL
-                words[bell] = (words[bell] + 1) & 0x7FFFFFFF
-                futex_wake(self._bell_address(r))
-
-    def wait_all(self, phase: int) -> None:
-        """Wait until every rank's counter reaches ``phase``: yield-spin, then sleep;
-        the first wait of a call then checks that every rank made the same call."""
-        self._wait_all(phase)
+    def arrive(self, phase: int) -> None:
+        """Publish ``phase`` (waking any peer asleep on its doorbell), then wait until
+        every rank's counter reaches it: yield-spin, then sleep. The first barrier of
+        a call then checks that every rank made the same call. One flat method: it
+        runs twice per small collective."""
+        counters = self._counters
+        counters[self._my_counter] = phase
+        if self.use_futex:
+            memory_fence()  # the counter store must be visible before we read "asleep"
+            words = self._words
+            for r in self._others:
+                if words[r * _DWORDS + _ASLEEP]:
+                    bell = r * _DWORDS + _BELL
+                    words[bell] = (words[bell] + 1) & 0x7FFFFFFF
+                    futex_wake(self._bell_address(r))
+        for i in self._other_counters:
+            if counters[i] < phase:
+                self._wait_all(phase)
+                break
         if self._check_pending:
             self._check_agreement()
 

@@ -219,8 +219,7 @@ class ShmBase(AllReduceBackend):
         gen = self._next_generation()
         s = gen & 1
         slots.shaped(s, self.rank_in_group, tensor.dtype, tensor.shape).copy_(tensor)
-        lines.publish(2 * gen - 1)
-        lines.wait_all(2 * gen - 1)
+        lines.arrive(2 * gen - 1)
         return slots, s
 
     def _empty_barrier(self, lines: PhaseLines) -> None:
@@ -228,8 +227,7 @@ class ShmBase(AllReduceBackend):
         calls in step (and checks them), so calls can never pair up shifted."""
         with self._desync_guard:
             gen = self._next_generation()
-            lines.publish(2 * gen - 1)
-            lines.wait_all(2 * gen - 1)
+            lines.arrive(2 * gen - 1)
 
     def _next_generation(self) -> int:
         assert self._lines is not None

@@ -79,9 +79,9 @@ class _Plan:
         self.pair = slots.world_size == 2 and tensor.dtype not in _HALF
 
 
-def _takes(plan: _Plan, out: torch.Tensor | None, tensor: torch.Tensor) -> bool:
-    """Whether ``out`` (when given) can hold the result: its shape and dtype, dense."""
-    return out is None or (
+def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``out`` can hold the result: its shape and dtype, dense."""
+    return (
         type(out) is torch.Tensor
         and out.shape == plan.out_shape
         and out.dtype == tensor.dtype
@@ -162,21 +162,20 @@ class SmallCalls:
         self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
     ) -> _Plan | None:
         """The plan of this call, made on first sight; None: not a call the path takes."""
-        if (
-            type(tensor) is not torch.Tensor
-            or type(dim) is not int
-            or not tensor.is_cpu
-            or self.slots is None
-        ):
+        if type(tensor) is not torch.Tensor or type(dim) is not int:
             return None
         plans = self._plans[kind]
         key = (tensor.dtype, tensor.shape, dim)
         plan = plans.get(key, _UNSEEN)
         if plan is _UNSEEN:
+            if self.slots is None:  # the path is down (attach() drops every plan)
+                return None
             if len(plans) >= _PLAN_ENTRIES:
                 plans.clear()
             plan = plans[key] = self._makers[kind](tensor, dim)
-        if plan is None or tensor.layout is not torch.strided or not _takes(plan, out, tensor):
+        if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
+            return None
+        if out is not None and not _takes(plan, out, tensor):
             return None
         return plan
 
@@ -185,7 +184,7 @@ class SmallCalls:
         if not plan.pair:
             return combine(parts, out, ReduceOp.SUM)
         if out is None:
-            return torch.add(parts[0], parts[1])
+            return parts[0].add(parts[1])  # the method: 0.8 us less than torch.add's parsing
         return torch.add(parts[0], parts[1], out=out)
 
     # ---- one call ---------------------------------------------------------------------
@@ -208,9 +207,8 @@ class SmallCalls:
             _memmove(plan.address[s], tensor.data_ptr(), plan.nbytes)
         else:
             plan.mine[s].copy_(tensor)
-        lines.publish(2 * gen - 1)
         try:
-            lines.wait_all(2 * gen - 1)
+            lines.arrive(2 * gen - 1)
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
             # The peers no longer agree on the generation: the path is done for.
             owner._failure = str(exc)
