@@ -4,7 +4,9 @@ Run by ``bench_collectives.py`` under ``mpiexec -n WORLD`` (MPICH's shared-memor
 transport on one machine); rank 0 prints one JSON list of rows on stdout:
 ``{"op", "bytes", "mpi_us"}``. Buffers are float32 numpy arrays of the same
 bytes per rank as ours; all_reduce is out-of-place (``Allreduce(send, recv)``),
-all_gather is ``Allgather``, reduce_scatter ``Reduce_scatter_block``.
+all_gather is ``Allgather``, reduce_scatter ``Reduce_scatter_block``, send_recv
+a ``Send``/``Recv`` ping-pong between ranks 0 and 1 into a fresh array, timed
+per one-way trip as ours is.
 """
 
 from __future__ import annotations
@@ -16,6 +18,17 @@ import json
 import numpy as np
 from _timing import per_call_seconds
 from mpi4py import MPI
+
+
+def _ping_pong(comm: MPI.Comm, x: np.ndarray, _: None) -> None:
+    rank = comm.Get_rank()
+    if rank == 0:
+        comm.Send(x, dest=1)
+        comm.Recv(np.empty_like(x), source=1)
+    elif rank == 1:
+        got = np.empty_like(x)
+        comm.Recv(got, source=0)
+        comm.Send(got, dest=0)
 
 
 def main() -> None:
@@ -42,6 +55,7 @@ def main() -> None:
                 "all_reduce": (comm.Allreduce, np.empty_like(x)),
                 "all_gather": (comm.Allgather, np.empty(n * world, dtype=np.float32)),
                 "reduce_scatter": (comm.Reduce_scatter_block, np.empty(n // world, np.float32)),
+                "send_recv": (functools.partial(_ping_pong, comm), None),
             }
             if op not in calls:
                 continue
@@ -49,7 +63,8 @@ def main() -> None:
             fn = functools.partial(call, x, out)
             iters = max(2, min(args.max_iters, args.budget // max(n * 4, 1)))
             seconds = per_call_seconds(fn, agree, iters, args.batches)
-            rows.append({"op": op, "bytes": n * 4, "mpi_us": seconds * 1e6})
+            trips = 2 if op == "send_recv" else 1
+            rows.append({"op": op, "bytes": n * 4, "mpi_us": seconds * 1e6 / trips})
     if comm.Get_rank() == 0:
         print(json.dumps(rows), flush=True)
 

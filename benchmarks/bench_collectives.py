@@ -1,12 +1,13 @@
 """GroupCoordinator collectives vs plain torch.distributed over Gloo, same ranks, same run.
 
 Ops: all_reduce, all_gather, reduce_scatter, broadcast_tensor_dict (8 tensors
-plus plain values), send/recv_tensor_dict (rank 0 -> 1 -> 0 ping-pong, time
-per one-way trip). Sizes are total bytes per rank. The torch side is what an
-engine would write without groupcoord: ``dist.all_reduce``,
-``dist.all_gather_single``, ``dist.reduce_scatter_single``,
-``broadcast_object_list`` of the metadata then one ``broadcast`` per tensor,
-and ``send_object_list`` then one ``send`` per tensor.
+plus plain values), send/recv_tensor_dict and send_recv (one tensor: ``send``
+then ``recv``); the last two are rank 0 -> 1 -> 0 ping-pongs, timed per one-way
+trip. Sizes are total bytes per rank. The torch side is what an engine would
+write without groupcoord: ``dist.all_reduce``, ``dist.all_gather_single``,
+``dist.reduce_scatter_single``, ``broadcast_object_list`` of the metadata then
+one ``broadcast`` per tensor, ``send_object_list`` then one ``send`` per
+tensor, and ``dist.send``/``dist.recv`` into a fresh tensor.
 
     python benchmarks/bench_collectives.py --quick
     python benchmarks/bench_collectives.py --worlds 2,4 --plot
@@ -26,7 +27,7 @@ small Gloo all-reduce) on both sides: times then include that work (its own
 time alone is ``work_us``), the case where a thread pool left spinning by
 torch ops competes with the collective. MPI (mpi4py over MPICH's shared-memory transport, started with
 ``mpiexec``; the ``bench`` extra installs both) is a third column for
-all_reduce, all_gather and reduce_scatter: ``mpi_us`` and ``mpi_ratio`` = MPI
+all_reduce, all_gather, reduce_scatter and send_recv: ``mpi_us`` and ``mpi_ratio`` = MPI
 time / ours (> 1: ours is faster); without it the column says why it is empty.
 """
 
@@ -62,6 +63,7 @@ OPS = [
     "reduce_scatter",
     "broadcast_tensor_dict",
     "send_recv_tensor_dict",
+    "send_recv",
 ]
 FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 256 << 10, 16 << 20]
@@ -224,6 +226,29 @@ def _pair(
                 dist.broadcast(b, src=0, group=plain)
 
         return ours_b, torch_b, None
+    if op == "send_recv":
+        if rank > 1:
+            return (lambda: None), (lambda: None), None
+        peer = 1 - rank
+
+        def ours_t() -> None:
+            if rank == 0:
+                group.send(x, dst=1)
+                group.recv(x.shape, x.dtype, src=1)
+            else:
+                group.send(group.recv(x.shape, x.dtype, src=0), dst=0)
+
+        def torch_t() -> None:
+            # A fresh receive buffer per message, as group.recv returns one.
+            if rank == 0:
+                dist.send(x, dst=peer, group=plain)
+                dist.recv(torch.empty_like(x), src=peer, group=plain)
+            else:
+                got = torch.empty_like(x)
+                dist.recv(got, src=peer, group=plain)
+                dist.send(got, dst=peer, group=plain)
+
+        return ours_t, torch_t, None
     if op == "send_recv_tensor_dict":
         if rank > 1:
             return (lambda: None), (lambda: None), None
@@ -265,7 +290,7 @@ def _pair(
     raise ValueError(f"unknown op {op!r}")
 
 
-MPI_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+MPI_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 def mpi_rows(world: int, sizes: list[int], ops: list[str], quick: bool) -> list[dict] | str:
@@ -316,7 +341,7 @@ def run_world(
     )[0]
     # send/recv is a round trip: report the one-way time.
     for row in rows:
-        if row["op"] == "send_recv_tensor_dict":
+        if row["op"] in ("send_recv", "send_recv_tensor_dict"):
             row["ours_us"] /= 2
             row["torch_us"] /= 2
             row["ours_GBps"] *= 2

@@ -162,6 +162,13 @@ class GroupBase:
             )
         if self.device_communicator is not None:
             self._small = self.device_communicator.small_calls
+            channels = self.device_communicator.p2p_channels
+            if channels is not None:
+                # One channel per pair for the group: its tensor dicts, objects and
+                # tensors (send/recv, through the communicator) keep one order and
+                # one ring.
+                self._p2p_channels.close()
+                self._p2p_channels = channels
         if use_mq and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
 

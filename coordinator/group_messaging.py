@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from shm_broadcast.codec import dumps, loads
+from shm_broadcast.codec import dumps, encode_message, loads, message_bytes
 from shm_broadcast.group_io import broadcast_bytes
 
 from .errors import GroupcoordTypeError
@@ -82,13 +82,22 @@ class GroupMessaging(GroupBase):
         return obj_list
 
     def send_object(self, obj: Any, dst: int) -> None:
-        """Send ``obj`` to in-group rank ``dst`` (msgspec, no pickle)."""
+        """Send ``obj`` to in-group rank ``dst`` (msgspec, no pickle): through the
+        pair's shared-memory channel to a peer on this node, else over Gloo."""
         self._check_peer(dst, "dst")
-        self._send_bytes(dumps(obj), dst, "send_object")
+        msg = encode_message(obj)  # refuses what it cannot carry, before sending
+        peer = self.ranks[dst]
+        if self._p2p_channels.open_to(peer, "send_object"):
+            self._p2p_channels.send_message(peer, msg, "send_object")
+        else:
+            self._send_bytes(message_bytes(msg), dst, "send_object")
 
     def recv_object(self, src: int) -> Any:
         """The next object that in-group rank ``src`` sent with ``send_object``."""
         self._check_peer(src, "src")
+        peer = self.ranks[src]
+        if self._p2p_channels.open_from(peer, "recv_object"):
+            return self._p2p_channels.recv_message(peer, "recv_object")
         return loads(self._recv_bytes(src, "recv_object"))
 
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:

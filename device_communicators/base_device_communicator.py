@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.gloo_errors import gloo_errors
 from shm_broadcast.liveness import host_key
+from shm_broadcast.p2p_channels import P2PChannels
 
 from . import c10d_calls, checks
 from .all2all import create_all2all_manager
@@ -45,6 +46,11 @@ class DeviceCommunicatorBase:
     ``cpu_group`` is a Gloo group used for control; ``device_group`` carries
     the tensors (it defaults to ``cpu_group``, right for CPU tensors).
     """
+
+    # The shared-memory channels to peers on this node that ``send``/``recv`` use,
+    # when this communicator has them (the CPU one); a GroupCoordinator sends its
+    # tensor dicts and objects through the same ones.
+    p2p_channels: P2PChannels | None = None
 
     def __init__(
         self,
@@ -361,8 +367,7 @@ class DeviceCommunicatorBase:
             src = (self.rank_in_group - 1) % self.world_size
         checks.rank(src, "src", self.world_size, self.rank_in_group)
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        self.transports.select("recv", out).recv_into(out, src)
-        return out
+        return self.transports.select("recv", out).recv(out, src)
 
     # ---- expert parallelism -----------------------------------------------------
 

@@ -196,8 +196,9 @@ class NcclTransport(Transport):
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.pynccl.send(tensor.contiguous(), dst)
 
-    def recv_into(self, out: torch.Tensor, src: int) -> None:
+    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
         self.pynccl.recv(out, src)
+        return out
 
 
 # ---- NCCL calls shaped as the transport needs (arguments already checked) --------------------

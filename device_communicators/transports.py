@@ -75,7 +75,10 @@ class Transport:
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         raise NotImplementedError
 
-    def recv_into(self, out: torch.Tensor, src: int) -> None:
+    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        """What ``src`` sent: written into ``out`` (fresh, the shape and dtype asked for)
+        and ``out`` returned, or a tensor of that shape and dtype that already holds it
+        (``out``'s pages, never touched, then cost nothing)."""
         raise NotImplementedError
 
 
@@ -205,6 +208,7 @@ class TorchTransport(Transport):
         with self.comm._gloo("send", peer=dst, group=self.group):
             c10d_calls.send(self.group, tensor.contiguous(), dst).wait()
 
-    def recv_into(self, out: torch.Tensor, src: int) -> None:
+    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
         with self.comm._gloo("recv", peer=src, group=self.group):
             c10d_calls.recv(self.group, out, src).wait()
+        return out

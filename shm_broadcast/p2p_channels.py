@@ -47,6 +47,7 @@ from .codec import EncodedMessage, dumps, loads
 from .config import get_config
 from .errors import (
     ClosedError,
+    DesyncError,
     GroupcoordTimeoutError,
     PeerDiedError,
     ProtocolError,
@@ -80,6 +81,10 @@ P2P_LINGER_S = 30.0
 # The channels of this process that have sent something (see deliver_pending_sends).
 _senders: weakref.WeakSet[P2PChannels] = weakref.WeakSet()
 _exit_hook_pid: int | None = None
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def deliver_pending_sends() -> None:
@@ -137,15 +142,21 @@ class P2PChannels:
         return f"groupcoord/p2p/{self.name}/{src}->{dst}"
 
     def _store_call(self, operation: str, peer: int, fn: Any, *args: Any) -> Any:
-        """A call on the default TCPStore; its failure (its host died, often the peer) names the peer."""
+        """A call on the default TCPStore, which a pair's first message needs (the
+        handle of its ring). It fails when the store's host has gone: a dead peer is
+        named as such; with the peer alive, the store's host is what went away."""
         try:
             return fn(*args)
         except RuntimeError as exc:
-            gone = not process_alive(self.peers[peer])
-            detail = (
-                f"pid {self.peers[peer]} is gone" if gone else f"the store did not answer: {exc}"
-            )
-            raise PeerDiedError(self.name, operation, [peer], detail) from exc
+            if not process_alive(self.peers[peer]):
+                raise PeerDiedError(
+                    self.name, operation, [peer], f"pid {self.peers[peer]} is gone"
+                ) from exc
+            raise ClosedError(
+                f"{self.name}: {operation} with rank {peer} (alive) could not open the pair's "
+                "shared-memory channel: torch's TCPStore did not answer (its host, rank 0 "
+                f"under torchrun, has likely exited): {exc}"
+            ) from exc
 
     # ---- sender -------------------------------------------------------------
 
@@ -291,19 +302,23 @@ class P2PChannels:
     def recv_tensor(
         self, src: int, dtype: torch.dtype, shape: tuple[int, ...], operation: str
     ) -> torch.Tensor:
+        """The tensor ``src`` sent with :meth:`send_tensor`, shaped ``shape``; a tensor
+        of another dtype or size, or anything else, is a ``DesyncError`` naming both
+        sides (the message is consumed: the channel stays in step)."""
         got = self._get(self._readers[src], src, operation)
         numel = 1
         for s in shape:
             numel *= s
         if not isinstance(got, torch.Tensor) or got.dtype != dtype or got.numel() != numel:
-            what = (
-                f"{got.dtype}[{got.numel()}]"
+            sent = (
+                f"a {_short(got.dtype)}[{got.numel()}] tensor"
                 if isinstance(got, torch.Tensor)
-                else type(got).__name__
+                else f"a {type(got).__name__}, not a tensor"
             )
-            raise ProtocolError(
-                f"{self.name}: expected a {dtype} tensor of {numel} elements from rank {src}, "
-                f"got {what}"
+            raise DesyncError(
+                f"{self.name}: rank {self.rank} called {operation}({_short(dtype)}[{numel}]) "
+                f"from rank {src}, which sent {sent}: the ranks' point-to-point calls "
+                "are out of step"
             )
         return got.reshape(shape)
 

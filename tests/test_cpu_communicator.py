@@ -157,6 +157,9 @@ def _collectives(rank: int, world: int, shm: bool) -> bool:
             comm.send(data(rank, (2, 2)) + rank)
         prev = (rank - 1) % world
         assert torch.equal(got, data(prev, (2, 2)) + prev)
+        # A pair's first message opens its channel through torch's store, which
+        # rank 0 hosts: it must not exit while another pair is still opening one.
+        torch.distributed.barrier()
         return True
     finally:
         comm.destroy()
@@ -369,7 +372,7 @@ def _tensor_dicts(rank: int, world: int, shm: bool) -> dict:
         assert got["step"] == want["step"] and got["names"] == want["names"]
         with pytest.raises(GroupcoordValueError, match="dst"):
             comm.send_tensor_dict(sent, dst=rank)  # itself
-        return {"shm_channels": bool(comm._p2p_channels._writers)}
+        return {"shm_channels": bool(comm.p2p_channels._writers)}
     finally:
         comm.destroy()
 
@@ -419,15 +422,17 @@ def _standalone_backend(rank: int, world: int, shm: bool) -> dict:
         # then c10d; the control exchanges use the same, both on cpu_group.
         from device_communicators.transports import NOT_OFFERED
 
-        for chain in (comm.transports, comm.control_transports):
-            assert [t.name for t in chain.transports] == [
-                "shared memory",
-                "torch.distributed(gloo)",
-            ]
-        (_, shm_reason), (_, torch_reason) = comm.transports.explain("all_gather", x)
+        names = ["shared memory", "shared-memory channels", "torch.distributed(gloo)"]
+        assert [t.name for t in comm.transports.transports] == names
+        assert [t.name for t in comm.control_transports.transports] == [names[0], names[2]]
+        (_, shm_reason), (_, channel_reason), (_, torch_reason) = comm.transports.explain(
+            "all_gather", x
+        )
         assert (shm_reason is None) == shm and torch_reason is None
+        assert channel_reason == NOT_OFFERED
         assert comm.transports.explain("send", x)[0][1] == NOT_OFFERED
-        assert comm.transports.select("send", x).name == "torch.distributed(gloo)"
+        # One tensor to a peer on this node: its channel, unless shm p2p is off.
+        assert comm.transports.select("send", x).name == names[1 if shm else 2]
         gathered = comm.all_gather(x, dim=0)
         assert torch.equal(gathered, torch.cat([data(r, (3, 4)) for r in range(world)]))
         assert torch.equal(comm.broadcast(x.clone(), src=1), data(1, (3, 4)))

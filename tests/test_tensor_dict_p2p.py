@@ -336,3 +336,73 @@ def test_a_dict_is_delivered_after_its_sender_returns_and_exits(delay_s: float) 
     # multiprocessing's exit skips atexit: still nothing of theirs is left behind.
     pids = {str(pid) for _, pid in outcome.values()}
     assert [s for s in list_segments() if s.split("_")[1] in pids] == []
+
+
+def _mixed_point_to_point(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """Tensors, a dict and an object one way, a tensor back: one channel, in order."""
+    g = _group(rank, world, mode)
+    step = _sample(7)
+    if rank == 0:
+        g.send(step["view"])  # default dst: the next rank; not contiguous
+        g.send_tensor_dict(step, dst=1)
+        g.send_object({"ids": [1, 2, 3], "done": False}, dst=1)
+        g.send(step["bf16"], dst=1)
+        reply = g.recv(torch.Size([5, 3]), torch.float32, src=1)
+        assert torch.equal(reply, step["f32"] * 2)
+    else:
+        view = g.recv(step["view"].shape, step["view"].dtype)  # default src: the previous
+        assert torch.equal(view, step["view"])
+        _same(g.recv_tensor_dict(src=0), step)
+        assert g.recv_object(src=0) == {"ids": [1, 2, 3], "done": False}
+        bf16 = g.recv(40_000, torch.bfloat16, src=0)  # vLLM callers pass a count too
+        assert torch.equal(bf16, step["bf16"])
+        bf16.add_(1)  # what came owns writable memory
+        g.send(step["f32"] * 2, dst=0)
+    channels = g._p2p_channels
+    shared = g.device_communicator is not None and channels is g.device_communicator.p2p_channels
+    used = bool(channels._writers) and bool(channels._readers)
+    g.barrier()
+    g.destroy()
+    return {"shared": shared, "used": used}
+
+
+@pytest.mark.parametrize("mode", ["shm", "shm-split", "gloo"])
+def test_tensors_objects_and_dicts_share_one_channel_in_order(mode: str) -> None:
+    for got in run_ranks(_mixed_point_to_point, 2, mode, timeout=90):
+        # The group's tensor dicts and objects use its CPU communicator's channels,
+        # which send/recv use: one ring per pair (none with shm p2p off).
+        assert got == {"shared": True, "used": mode != "gloo"}
+
+
+def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
+    from shm_broadcast.errors import DesyncError
+
+    g = _group(rank, world, mode)
+    try:
+        if rank == 0:
+            g.send(torch.arange(8.0), dst=1)
+            g.send(torch.arange(6, dtype=torch.int32), dst=1)
+            g.send_object("not a tensor", dst=1)
+            g.send(torch.arange(4.0), dst=1)
+            g.barrier()
+            return ""
+        raised = []
+        for size, dtype in (((16,), torch.float32), ((6,), torch.float32), ((2,), torch.int64)):
+            with pytest.raises(DesyncError) as info:
+                g.recv(size, dtype, src=0)
+            raised.append(str(info.value))
+        # Each mismatched message was consumed: the channel is still in step.
+        assert g.recv((2, 2), torch.float32, src=0).tolist() == [[0.0, 1.0], [2.0, 3.0]]
+        g.barrier()
+        return "\n".join(raised)
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize("mode", ["shm", "shm-split"])
+def test_a_recv_that_disagrees_with_the_send_names_both_and_the_channel_goes_on(mode):
+    raised = run_ranks(_recv_of_another_size, 2, mode, timeout=60)[1].splitlines()
+    assert "called recv(float32[16]) from rank 0, which sent a float32[8] tensor" in raised[0]
+    assert "called recv(float32[6]) from rank 0, which sent a int32[6] tensor" in raised[1]
+    assert "called recv(int64[2]) from rank 0, which sent a str, not a tensor" in raised[2]
+    assert all(line.startswith("pp:0/cpu_communicator: rank 1") for line in raised), raised

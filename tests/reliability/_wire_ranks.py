@@ -238,6 +238,7 @@ def pickle_through_groups(rank: int, world: int, path: str, port: int) -> Any:
     """Hostile rank 0 sends a pickle where GroupCoordinator/StatelessProcessGroup expect objects."""
     from coordinator.group_coordinator import GroupCoordinator
     from coordinator.stateless_group import StatelessProcessGroup
+    from shm_broadcast.codec import Codec, loads
     from shm_broadcast.group_io import broadcast_bytes
 
     from ._wire import pickle_bomb
@@ -259,7 +260,12 @@ def pickle_through_groups(rank: int, world: int, path: str, port: int) -> Any:
         if rank == 0:
             broadcast_bytes(g.cpu_group, bomb, 0)  # as broadcast_object does
             broadcast_bytes(g.cpu_group, bomb, 0)  # as broadcast_object_list does
-            g._send_bytes(bomb, 1, "send_object")  # as send_object does
+            # As send_object does to a peer on this node: through the pair's channel ...
+            assert g._p2p_channels.open_to(1, "send_object")
+            channel = g._p2p_channels._writers[1]
+            channel._codec = Codec(allow_pickle=True)  # bypass the sender's own refusal
+            channel.enqueue(CreatesFile(path))
+            g._send_bytes(bomb, 1, "send_object")  # ... and over Gloo to one elsewhere
             s.store.set("p2p/0/1/0", bomb)  # as send_obj does
             s.store.set("bcast/0/0", bomb)  # as broadcast_obj does
         else:
@@ -268,6 +274,10 @@ def pickle_through_groups(rank: int, world: int, path: str, port: int) -> Any:
                 "GroupCoordinator.broadcast_object_list", lambda: g.broadcast_object_list([None])
             )
             refused("GroupCoordinator.recv_object", lambda: g.recv_object(src=0))
+            refused(
+                "GroupCoordinator.recv_object over Gloo",
+                lambda: loads(g._recv_bytes(0, "recv_object")),
+            )
             refused("StatelessProcessGroup.recv_obj", lambda: s.recv_obj(src=0))
             refused("StatelessProcessGroup.broadcast_obj", lambda: s.broadcast_obj(None, src=0))
         # The same groups then complete good calls.
