@@ -244,8 +244,8 @@ class PhaseLines:
     def arrive(self, phase: int) -> None:
         """Publish ``phase`` (waking any peer asleep on its doorbell), then wait until
         every rank's counter reaches it: yield-spin, then sleep. The first barrier of
-        a call then checks that every rank made the same call. One flat method: it
-        runs twice per small collective."""
+        a call then checks that every rank made the same call. One flat method: every
+        shared-memory collective runs it once or twice."""
         counters = self._counters
         counters[self._my_counter] = phase
         if self.use_futex:
