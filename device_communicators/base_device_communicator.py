@@ -80,6 +80,7 @@ class DeviceCommunicatorBase:
         # The lean path of small all_reduce/all_gather/reduce_scatter calls
         # (shm_small.SmallCalls), when a fast back end offers one.
         self.small_calls: SmallCalls | None = None
+        self._recv_like: dict[torch.dtype, torch.Tensor] = {}  # see _like
         register_communicator(self)  # managers built from cpu_group alone find this one
         # Errors start with the group's name, like the coordinator's own errors.
         self.what = unique_name or type(self).__name__
@@ -366,8 +367,16 @@ class DeviceCommunicatorBase:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         checks.rank(src, "src", self.world_size, self.rank_in_group)
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        return self.transports.select("recv", out).recv(out, src)
+        return self.transports.select("recv", self._like(dtype)).recv(shape, dtype, src)
+
+    def _like(self, dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor of ``dtype`` on this device: what the chain's refusals look
+        at for a ``recv``, whose result the chosen transport makes (one per dtype,
+        kept: a fresh ``torch.empty`` costs 2 us, a tenth of a small recv)."""
+        like = self._recv_like.get(dtype)
+        if like is None:
+            like = self._recv_like[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return like
 
     # ---- expert parallelism -----------------------------------------------------
 

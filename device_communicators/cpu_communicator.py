@@ -202,9 +202,9 @@ class ChannelTransport(Transport):
         else:
             self.fallback.send(tensor, dst)
 
-    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
+    def recv(self, shape: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
         peer = self.ranks[src]
         if self.channels.open_from(peer, "recv"):
-            # The decoded tensor owns its memory: no copy into ``out``.
-            return self.channels.recv_tensor(peer, out.dtype, tuple(out.shape), "recv")
-        return self.fallback.recv(out, src)
+            # The decoded tensor owns its memory: nothing to allocate or copy into.
+            return self.channels.recv_tensor(peer, dtype, shape, "recv")
+        return self.fallback.recv(shape, dtype, src)

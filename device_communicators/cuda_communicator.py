@@ -196,7 +196,8 @@ class NcclTransport(Transport):
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.pynccl.send(tensor.contiguous(), dst)
 
-    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
+    def recv(self, shape: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=self.pynccl.device)
         self.pynccl.recv(out, src)
         return out
 

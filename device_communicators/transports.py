@@ -75,10 +75,10 @@ class Transport:
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         raise NotImplementedError
 
-    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
-        """What ``src`` sent: written into ``out`` (fresh, the shape and dtype asked for)
-        and ``out`` returned, or a tensor of that shape and dtype that already holds it
-        (``out``'s pages, never touched, then cost nothing)."""
+    def recv(self, shape: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
+        """What ``src`` sent, as a tensor of ``shape`` and ``dtype`` on the chain's
+        device: a transport that receives into memory allocates it here, one that
+        decodes a fresh tensor (the shared-memory channel) allocates nothing."""
         raise NotImplementedError
 
 
@@ -208,7 +208,8 @@ class TorchTransport(Transport):
         with self.comm._gloo("send", peer=dst, group=self.group):
             c10d_calls.send(self.group, tensor.contiguous(), dst).wait()
 
-    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
+    def recv(self, shape: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=self.comm.device)
         with self.comm._gloo("recv", peer=src, group=self.group):
             c10d_calls.recv(self.group, out, src).wait()
         return out

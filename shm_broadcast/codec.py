@@ -89,6 +89,7 @@ BYTES_FRAME_THRESHOLD = 32 * 1024
 _Ext = msgspec.msgpack.Ext
 _SIMPLE = frozenset({type(None), bool, int, float, str})
 _SIMPLE_KEYS = frozenset({type(None), bool, int, float, str, bytes})
+_EMPTY: Any = object()  # what next() gives for a list of empty lists
 
 
 class Codec:
@@ -223,9 +224,12 @@ class Codec:
             if _one_plain_type(items, first, len(items)):
                 return items
             if type(first) is list and countOf(map(type, items), list) == len(items):
-                total = sum(map(len, items))
-                head = next((inner[0] for inner in items if inner), None)
-                if not total or _one_plain_type(chain.from_iterable(items), head, total):
+                flat = chain.from_iterable(items)
+                head = next(flat, _EMPTY)
+                if head is _EMPTY or (
+                    type(head) in _SIMPLE
+                    and countOf(map(type, flat), type(head)) == sum(map(len, items)) - 1
+                ):
                     return items
         if _SIMPLE.issuperset(map(type, items)):  # mixed plain scalars
             return items
@@ -264,8 +268,12 @@ class Codec:
         except AttributeError:  # an init=False field never set: it travels unset
             fields = tuple(name for name in fields if hasattr(obj, name))
             values = [getattr(obj, name) for name in fields]
-        values = self._walk_list(values)
-        return _Ext(wire.EXT_DATACLASS, self._enc.encode([key, dict(zip(fields, values))]))
+        # One pass that builds the field map: the hot path of an engine's step
+        # (a plain value goes as is, anything else through its walker).
+        walk = self._walk
+        simple = _SIMPLE if not self._bigints else ()
+        named = {name: v if type(v) in simple else walk(v) for name, v in zip(fields, values)}
+        return _Ext(wire.EXT_DATACLASS, self._enc.encode([key, named]))
 
     def _walk_namedtuple(self, obj: tuple[Any, ...]) -> Any:
         fields = self._walk_list(obj)
