@@ -1,9 +1,8 @@
 """MessageQueue: one writer, many readers, in order, nothing lost.
 
 Local readers (same node) read a :class:`ShmRingBuffer`. A message fits one
-chunk, or spans several consecutive chunks (contiguous in the segment, so it
-is decoded in place), or, larger than the whole ring, streams through the
-chunks in order while the readers copy it out. Remote readers get every
+chunk (decoded in place), or streams through the chunks in order while the
+readers copy it out (:mod:`.ring_messages`). Remote readers get every
 message over TCP (:mod:`.tcp_channel`: MACs, credit flow control). Every wait
 has a deadline; a dead peer raises :class:`PeerDiedError`;
 :meth:`MessageQueue.shutdown` wakes a waiting reader. Local readers also

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 _MAGIC = 0x47435242  # "GCRB"
-_VERSION = 2
+_VERSION = 3
 # magic, version, n_reader, max_chunks, max_chunk_bytes, writer_pid, pid_ns, shutdown
 _CONTROL = struct.Struct("<IIIIQQQQ")
 _PID = struct.Struct("<Q")

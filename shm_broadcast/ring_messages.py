@@ -1,20 +1,19 @@
-"""How a queue's messages sit in a ring's chunks: one chunk, a span, or a stream.
+"""How a queue's messages sit in a ring's chunks: in one chunk, or streamed.
 
 The first byte of a chunk says what it holds; the message itself starts
 ``MSG_OFFSET`` bytes in, so its frames are 64-byte aligned:
 
 * ``INLINE``: the whole encoded message in this chunk.
-* ``SPAN``: a message larger than a chunk that fits the ring. It starts at the
-  first chunk's ``MSG_OFFSET`` and runs on through the next chunks (their memory
-  is contiguous), so readers decode it in place; the first chunk says how many
-  chunks (uint32 after the kind byte), the others are message bytes throughout.
-  When too few chunks are left before the ring wraps, they are marked ``PAD``
-  and the span starts at chunk 0.
-* ``STREAM``: a message larger than the whole ring. Its bytes stream through
-  the chunks in order, each filled and published as the writer gets to it,
-  while readers copy each out. The first chunk holds the stream's length
-  (uint64 at byte 8); the stream is ``[u32 parts][u64 length per part][parts]``,
-  the parts being the codec's header and frames, each 64-byte aligned.
+* ``STREAM``: a message larger than a chunk. Its bytes run through as many
+  chunks as it needs, in ring order, each published as soon as the writer has
+  filled it, while readers copy each out as it is published: the copy in and
+  the copy out overlap, chunk by chunk. A message that fits the ring waits
+  until all the chunks it needs are free before any is written, so a timeout
+  leaves nothing half-sent; one larger than the ring waits chunk by chunk.
+  The first chunk holds the stream's length (uint64 at byte 8); the stream is
+  ``[u32 parts][u64 length per part][parts]``, the parts being the codec's
+  header and frames, each 64-byte aligned. A reader copies each part into a
+  buffer of its own, so a decoded tensor holds its own memory only.
 * ``RAW``: bytes written through ``MessageQueue.acquire_write``.
 
 A :class:`RingCursor` is one queue end's position in the ring. Waiting for a
@@ -30,6 +29,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .array_frames import LARGE_DECODE_BYTES
 from .codec import MESSAGE_PREFIX, Codec, EncodedMessage, read_message, write_message
 from .errors import ProtocolError
 from .ring import ShmRingBuffer
@@ -39,11 +39,9 @@ __all__ = ["MSG_OFFSET", "RingCursor"]
 INLINE = 1
 STREAM = 2
 RAW = 3
-SPAN = 4
-PAD = 5
 MSG_OFFSET = 64
-_SPAN_COUNT = struct.Struct("<I")
 _STREAM_LEN = struct.Struct("<Q")
+_PART_COUNT = struct.Struct("<I")
 
 WaitFor = Callable[[int], None]
 
@@ -64,8 +62,8 @@ class RingCursor:
         self.capacity = ring.max_chunk_bytes - MSG_OFFSET  # message bytes in one chunk
         self.broken = False
 
-    def _advance(self, count: int = 1) -> None:
-        self.idx = (self.idx + count) % self.ring.max_chunks
+    def _advance(self) -> None:
+        self.idx = (self.idx + 1) % self.ring.max_chunks
 
     # ---- writer ---------------------------------------------------------------
 
@@ -74,10 +72,10 @@ class RingCursor:
             wait_free(idx)
 
     def write(self, msg: EncodedMessage, wait_free: WaitFor) -> bool:
-        """Write ``msg`` in one chunk or a span; False (nothing written) when it is
-        larger than the whole ring: then :meth:`write_stream` it."""
+        """Write ``msg`` in one chunk; False (nothing written) when it is larger than
+        a chunk: then :meth:`write_stream` it."""
         if msg.nbytes > self.capacity:
-            return self._write_span(msg, wait_free)
+            return False
         buf, at, idx = self._begin(INLINE, wait_free)
         if msg.frames:
             write_message(msg, buf, at + MSG_OFFSET, self.ring.address)
@@ -100,40 +98,12 @@ class RingCursor:
         buf[at] = kind
         return buf, at, idx
 
-    def _write_span(self, msg: EncodedMessage, wait_free: WaitFor) -> bool:
-        ring = self.ring
-        count = -(-(msg.nbytes + MSG_OFFSET) // ring.chunk_stride)
-        if count > ring.max_chunks:
-            return False
-        if self.idx + count > ring.max_chunks:
-            # Not enough chunks before the ring wraps: pad them, start at chunk 0.
-            for pad in range(self.idx, ring.max_chunks):
-                self._free(pad, wait_free)
-                ring.begin_write(pad)[ring.chunk_at[pad]] = PAD
-                ring.publish(pad)
-            self.idx = 0
-        idx = self.idx
-        for j in range(idx, idx + count):
-            self._free(j, wait_free)
-        for j in range(idx, idx + count):
-            buf = ring.begin_write(j)
-        at = ring.chunk_at[idx]
-        write_message(msg, buf, at + MSG_OFFSET, self.ring.address)
-        buf[at] = SPAN
-        _SPAN_COUNT.pack_into(buf, at + 1, count)
-        # The first chunk last: a reader that sees it written finds the rest written.
-        for j in range(idx + 1, idx + count):
-            ring.publish(j)
-        ring.publish(idx)
-        self._advance(count)
-        return True
-
     def write_stream(self, parts: list[Any], wait_free: WaitFor) -> None:
-        """Stream a message larger than the ring (``parts``: header, then frames)."""
+        """Stream a message larger than a chunk (``parts``: header, then frames)."""
         ring = self.ring
         views = [memoryview(p).cast("B") for p in parts]
         table = struct.pack(f"<I{len(views)}Q", len(views), *(len(v) for v in views))
-        # Each part starts 64-byte aligned in the stream (tensors are built on it).
+        # Each part starts 64-byte aligned in the stream (a reader finds it there).
         segments = []
         total = 0
         for v in [memoryview(table), *views]:
@@ -142,6 +112,11 @@ class RingCursor:
                 segments.append(memoryview(bytes(pad)))
             segments.append(v)
             total += pad + len(v)
+        count = -(-total // self.capacity)
+        if count <= ring.max_chunks:
+            # It fits the ring: every chunk it needs is free before any is written.
+            for j in range(count):
+                self._free((self.idx + j) % ring.max_chunks, wait_free)
         first = True
         try:
             while segments:
@@ -182,42 +157,29 @@ class RingCursor:
 
     # ---- reader ----------------------------------------------------------------
 
-    def _next_message_chunk(self, me: int, wait_ready: WaitFor) -> int:
-        """Wait for the next chunk that starts a message, releasing pad chunks."""
-        ring = self.ring
-        while True:
-            idx = self.idx
-            if not ring.ready(idx, me):
-                wait_ready(idx)
-            if ring.buf[ring.chunk_at[idx]] != PAD:
-                return idx
-            ring.release(idx, me)
-            self._advance()
+    def _wait_written(self, me: int, wait_ready: WaitFor) -> int:
+        """The next chunk, once written: its index."""
+        idx = self.idx
+        if not self.ring.ready(idx, me):
+            wait_ready(idx)
+        return idx
 
     def read(self, me: int, wait_ready: WaitFor) -> Any:
         """The next message for local reader ``me``, decoded."""
         ring = self.ring
-        idx = self._next_message_chunk(me, wait_ready)
+        idx = self._wait_written(me, wait_ready)
         buf = ring.buf
         at = ring.chunk_at[idx]
         kind = buf[at]
-        count = 1
-        if kind == INLINE:
-            pos = at + MSG_OFFSET
-            header_len, n_frames = MESSAGE_PREFIX.unpack_from(buf, pos)
-            if n_frames == 0:
-                try:
-                    return self.codec.decode_header_only(buf[pos + 8 : pos + 8 + header_len])
-                finally:
-                    ring.release(idx, me)
-                    self._advance()
-        elif kind == SPAN:
-            count = _SPAN_COUNT.unpack_from(buf, at + 1)[0]
-        elif kind == STREAM:
+        if kind == STREAM:
             return self._read_stream(me, wait_ready)
         try:
-            if kind == INLINE or kind == SPAN:
-                return read_message(self.codec, buf, at + MSG_OFFSET)
+            if kind == INLINE:
+                pos = at + MSG_OFFSET
+                header_len, n_frames = MESSAGE_PREFIX.unpack_from(buf, pos)
+                if n_frames == 0:
+                    return self.codec.decode_header_only(buf[pos + 8 : pos + 8 + header_len])
+                return read_message(self.codec, buf, pos)
             if kind == RAW:
                 raise ProtocolError(
                     f"{self.what}: chunk {idx} holds raw bytes written with acquire_write: "
@@ -226,54 +188,41 @@ class RingCursor:
             raise ProtocolError(f"{self.what}: chunk {idx} has unknown kind {kind}")
         finally:
             # Released even when decoding failed, so the queue stays usable.
-            for j in range(idx, idx + count):
-                ring.release(j, me)
-            self._advance(count)
+            ring.release(idx, me)
+            self._advance()
 
     def _read_stream(self, me: int, wait_ready: WaitFor) -> Any:
-        """Copy a streamed message out chunk by chunk (releasing each), then decode it."""
-        import torch
-
-        from .host_memory import empty_output  # imports torch: only when a stream arrives
-
+        """Copy a streamed message's parts out as its chunks arrive (releasing each),
+        each part into a buffer of its own, then decode them."""
         ring = self.ring
         total = _STREAM_LEN.unpack_from(ring.buf, ring.chunk_at[self.idx] + 8)[0]
-        view = empty_output((total,), torch.uint8).numpy().data
-        got = 0
+        stream = _StreamIn(self, me, wait_ready, total)
         try:
-            while got < total:
-                idx = self.idx
-                if not ring.ready(idx, me):
-                    wait_ready(idx)
-                n = min(self.capacity, total - got)
-                pos = ring.chunk_at[idx] + MSG_OFFSET
-                view[got : got + n] = ring.buf[pos : pos + n]
-                got += n
-                ring.release(idx, me)
-                self._advance()
+            (count,) = _PART_COUNT.unpack(stream.take(_PART_COUNT.size))
+            lens = struct.unpack(f"<{count}Q", stream.take(8 * count)) if count else ()
+            at = _PART_COUNT.size + 8 * count
+            parts = []
+            for n in lens:
+                stream.skip(-at % 64)
+                at += -at % 64 + n
+                parts.append(stream.take(n))
+            stream.finish()
         except BaseException:
+            stream.abandon()
             self.broken = True
             raise
-        (count,) = struct.unpack_from("<I", view, 0)
-        lens = struct.unpack_from(f"<{count}Q", view, 4)
-        offset = 4 + 8 * count
-        parts = []
-        for n in lens:
-            offset += -offset % 64
-            parts.append(view[offset : offset + n])
-            offset += n
-        if offset != total or not parts:
-            raise ProtocolError(f"{self.what}: a streamed message's parts do not add up")
-        # The buffer is this message's own: tensors are built on it, not copied.
+        if not parts:
+            raise ProtocolError(f"{self.what}: a streamed message has no header")
+        # Each part is a buffer of its own: tensors are built on it, not copied.
         return self.codec.decode(parts[0], parts[1:], owned=True)
 
     @contextlib.contextmanager
     def raw_read(self, me: int, wait_ready: WaitFor) -> Iterator[memoryview]:
         """A view of the next chunk's payload, released to the writer when the block ends."""
         ring = self.ring
-        idx = self._next_message_chunk(me, wait_ready)
+        idx = self._wait_written(me, wait_ready)
         at = ring.chunk_at[idx]
-        if ring.buf[at] in (STREAM, SPAN):
+        if ring.buf[at] == STREAM:
             raise ProtocolError(
                 f"{self.what}: chunk {idx} starts a message larger than a chunk "
                 "(sent by enqueue): read it with dequeue"
@@ -284,3 +233,77 @@ class RingCursor:
         finally:
             ring.release(idx, me)
             self._advance()
+
+
+class _StreamIn:
+    """A reader's pass over one stream: its bytes in order, chunk by chunk, each
+    chunk released once every byte of it has been taken."""
+
+    def __init__(self, cursor: RingCursor, me: int, wait_ready: WaitFor, total: int) -> None:
+        self.cursor = cursor
+        self.me = me
+        self.wait_ready = wait_ready
+        self.left = total  # stream bytes not yet in a chunk view
+        self.idx = cursor.idx  # the chunk ``view`` lies in (already written)
+        ring = cursor.ring
+        pos = ring.chunk_at[self.idx] + MSG_OFFSET
+        self.view = self._open(pos)
+
+    def _open(self, pos: int) -> memoryview:
+        n = min(self.cursor.capacity, self.left)
+        self.left -= n
+        return self.cursor.ring.buf[pos : pos + n]
+
+    def _next_chunk(self) -> None:
+        """Release the chunk taken in full; wait for the next one."""
+        cursor = self.cursor
+        self.view.release()
+        if self.left <= 0:
+            raise ProtocolError(f"{cursor.what}: a streamed message's parts run past its end")
+        cursor.ring.release(self.idx, self.me)
+        cursor._advance()
+        self.idx = cursor._wait_written(self.me, self.wait_ready)
+        self.view = self._open(cursor.ring.chunk_at[self.idx] + MSG_OFFSET)
+
+    def _copy(self, dest: memoryview | None, n: int) -> None:
+        done = 0
+        while done < n:
+            if not len(self.view):
+                self._next_chunk()
+            k = min(len(self.view), n - done)
+            if dest is not None:
+                dest[done : done + k] = self.view[:k]
+            rest = self.view[k:]
+            self.view.release()
+            self.view = rest
+            done += k
+
+    def take(self, n: int) -> memoryview:
+        """The next ``n`` bytes, in a buffer of their own (pooled when large)."""
+        if n >= LARGE_DECODE_BYTES:
+            import torch
+
+            from .host_memory import empty_output  # imports torch: only for large parts
+
+            dest = empty_output((n,), torch.uint8).numpy().data
+        else:
+            dest = memoryview(bytearray(n))
+        self._copy(dest, n)
+        return dest
+
+    def skip(self, n: int) -> None:
+        self._copy(None, n)
+
+    def finish(self) -> None:
+        """Release the last chunk; the stream must end exactly here."""
+        cursor = self.cursor
+        unread = self.left + len(self.view)
+        self.view.release()
+        if unread:
+            raise ProtocolError(f"{cursor.what}: a streamed message's parts do not add up")
+        cursor.ring.release(self.idx, self.me)
+        cursor._advance()
+
+    def abandon(self) -> None:
+        """After a failure: drop the view into the ring (the queue is broken anyway)."""
+        self.view.release()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import mmap
+import multiprocessing.util
 import os
 import re
 import secrets
@@ -85,6 +86,7 @@ class ShmSegment:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         with _owned_lock:
             _owned[name] = os.getpid()
+        _hook_exit()
         try:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
@@ -199,3 +201,14 @@ def list_segments() -> list[str]:
 
 
 atexit.register(cleanup_owned_segments)
+_exit_hook_pid: int | None = None
+
+
+def _hook_exit() -> None:
+    """Once per process that creates a segment: unlink what it still owns at
+    multiprocessing's exit too, which a worker it started runs instead of atexit
+    (lowest priority: after the hooks that deliver pending messages)."""
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        multiprocessing.util.Finalize(None, cleanup_owned_segments, exitpriority=0)

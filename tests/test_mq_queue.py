@@ -550,20 +550,26 @@ def test_spin_condition_spins_while_busy_sleeps_when_idle_and_wakes_on_notify():
         ctx.term()
 
 
-_SPAN_SIZES = [3000, 6000, 15000, 20000, 9000, 100, 12000, 7000]  # bytes, 4 KiB chunks
+_STREAM_SIZES = [3000, 6000, 15000, 20000, 9000, 100, 12000, 7000]  # bytes, 4 KiB chunks
+_CHUNK = 1 << 12
 
 
-def _span_message(i: int) -> dict:
-    n = _SPAN_SIZES[i % len(_SPAN_SIZES)]
+def _stream_message(i: int) -> dict:
+    n = _STREAM_SIZES[i % len(_STREAM_SIZES)]
     return {"i": i, "t": torch.arange(n // 4, dtype=torch.int32) + i}
 
 
-def _spanning_rank(rank, world_size, count):
+def _two_tensors() -> dict:
+    return {"a": torch.arange(100_000), "b": torch.arange(70_000, dtype=torch.float32)}
+
+
+def _streaming_rank(rank, world_size, count):
     import torch.distributed as dist
 
-    # 4 chunks of 4 KiB: messages of 2-4 chunks span them (padding at the ring's
-    # end), a 20000-byte one is larger than the ring and streams through it.
-    mq = make_queue(rank, world_size, 2, max_chunk_bytes=1 << 12, max_chunks=4)
+    # 4 chunks of 4 KiB: a message of 2-4 chunks streams through them, the reader
+    # copying each chunk out as it is published; a 20000-byte one is larger than
+    # the ring and the writer waits for chunks as it goes.
+    mq = make_queue(rank, world_size, 2, max_chunk_bytes=_CHUNK, max_chunks=4)
     result = 0
     if rank == 0:
         cursor = mq._cursor  # the writer's place in the ring
@@ -576,21 +582,63 @@ def _spanning_rank(rank, world_size, count):
 
         cursor.write_stream = counting
         for i in range(count):
-            mq.enqueue(_span_message(i), timeout=60)
+            mq.enqueue(_stream_message(i), timeout=60)
         result = len(streamed)
+        mq.enqueue(_two_tensors(), timeout=60)
     else:
         for i in range(count):
             got = mq.dequeue(timeout=60)
-            want = _span_message(i)
+            want = _stream_message(i)
             assert got["i"] == i and torch.equal(got["t"], want["t"]), i
         result = count
+        # Each tensor of a streamed message owns its memory: holding one does
+        # not hold the other's (nor the whole message's).
+        got = mq.dequeue(timeout=60)
+        a, b = got["a"], got["b"]
+        assert torch.equal(a, _two_tensors()["a"]) and torch.equal(b, _two_tensors()["b"])
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        assert a.untyped_storage().nbytes() < 2 * a.nbytes
     dist.barrier()
     mq.shutdown()
     return result
 
 
-def test_messages_larger_than_a_chunk_span_the_ring_in_order():
+def test_messages_larger_than_a_chunk_stream_through_the_ring_in_order():
     count = 200
-    results = run_ranks(_spanning_rank, 4, count, timeout=120)  # 2 ring readers, 1 over TCP
-    too_big = sum(1 for i in range(count) if _SPAN_SIZES[i % len(_SPAN_SIZES)] > 16000)
-    assert results == [too_big, count, count, count]
+    results = run_ranks(_streaming_rank, 4, count, timeout=120)  # 2 ring readers, 1 over TCP
+    larger = sum(1 for i in range(count) if _STREAM_SIZES[i % len(_STREAM_SIZES)] > _CHUNK)
+    assert results == [larger, count, count, count]
+
+
+def _admission_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from shm_broadcast.errors import GroupcoordTimeoutError
+
+    mq = make_queue(rank, world_size, 1, max_chunk_bytes=_CHUNK, max_chunks=4)
+    if rank == 0:
+        mq.enqueue(_stream_message(1), timeout=10)  # 6000 bytes: 2 chunks
+        mq.enqueue(_stream_message(9), timeout=10)  # 2 more: the ring is full
+        dist.barrier()  # the reader takes the first: 2 chunks free
+        dist.barrier()
+        # 9000 bytes need 3 chunks and 2 are free: it waits for all 3 before
+        # writing any, so the timeout leaves nothing half-sent.
+        with pytest.raises(GroupcoordTimeoutError):
+            mq.enqueue(_stream_message(4), timeout=0.3)
+        assert not mq._cursor.broken
+        dist.barrier()
+        mq.enqueue(_stream_message(4), timeout=10)
+        got = None
+    else:
+        dist.barrier()
+        got = [mq.dequeue(timeout=10)["i"]]
+        dist.barrier()
+        dist.barrier()
+        got += [mq.dequeue(timeout=10)["i"] for _ in range(2)]
+    dist.barrier()
+    mq.shutdown()
+    return got
+
+
+def test_a_timeout_before_a_streamed_message_leaves_the_queue_usable():
+    assert run_ranks(_admission_rank, 2, timeout=60) == [None, [1, 9, 4]]

@@ -54,6 +54,25 @@ def test_owned_segments_are_cleaned_up() -> None:
     assert seg.name not in list_segments()
 
 
+def _create_and_return(names) -> None:
+    names.put(ShmSegment.create(1024, tag="child").name)
+
+
+def test_a_multiprocessing_child_unlinks_what_it_created_when_it_returns() -> None:
+    # A multiprocessing worker ends with os._exit after multiprocessing's own exit
+    # hooks, never running atexit: the segment must go anyway.
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    names = ctx.Queue()
+    child = ctx.Process(target=_create_and_return, args=(names,))
+    child.start()
+    name = names.get(timeout=20)
+    child.join(20)
+    assert child.exitcode == 0
+    assert name not in list_segments()
+
+
 def _create_and_wait(rank: int, world_size: int) -> None:
     ShmSegment.create(1024, tag="orphan")
     time.sleep(30)

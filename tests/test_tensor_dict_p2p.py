@@ -8,6 +8,7 @@ the config in code: forked ranks inherit the parent's already-read config.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -27,9 +28,8 @@ from shm_broadcast.segments import list_segments
 def _setup(mode: str) -> None:
     set_config(disable_shm_p2p=mode == "gloo")
     if mode == "shm-split":
-        # Chunks of 4 KiB: every separate tensor and big metadata go in pieces.
-        set_config(mq_max_chunk_bytes=4096 + 4096 + 256)
-        p2p_channels.P2P_MIN_CHUNK_BYTES = 0
+        # Chunks of 8 KiB: every larger tensor and big metadata stream in pieces.
+        p2p_channels.P2P_CHUNK_BYTES = 4096 + 4096 + 256
 
 
 def _group(rank: int, world: int, mode: str, **kwargs: Any) -> GroupCoordinator:
@@ -244,7 +244,8 @@ def _waits_time_out(rank: int, world: int) -> str:
     torch.distributed.barrier()
     if rank == 0:
         # More messages than the ring holds and nobody receives: the sender's wait names rank 1.
-        big = {f"t{i}": torch.ones(p2p_channels.P2P_MIN_CHUNK_BYTES // 8) for i in range(4)}
+        ring = p2p_channels.P2P_CHUNK_BYTES * p2p_channels.P2P_MAX_CHUNKS
+        big = {f"t{i}": torch.ones(ring // 8) for i in range(4)}
         with pytest.raises(GroupcoordTimeoutError) as info:
             g.send_tensor_dict(big, dst=1)
         assert info.value.missing == [1]
@@ -264,7 +265,7 @@ def test_waits_time_out_naming_the_peer() -> None:
 def _no_room(rank: int, world: int) -> Any:
     g = _group(rank, world, "shm")
     # A ring far larger than /dev/shm: the sender cannot create it.
-    p2p_channels.P2P_MIN_CHUNK_BYTES = 1 << 40
+    p2p_channels.P2P_CHUNK_BYTES = 1 << 40
     if rank == 0:
         g.send_tensor_dict(_sample(1), dst=1)
         g.send_tensor_dict(_sample(2), dst=1)
@@ -296,6 +297,9 @@ def _send_and_leave(rank: int, port: int, delay_s: float, results: Any) -> None:
         if rank == 0:
             group.send_tensor_dict(sample, dst=1)
             results.put((rank, "sent", os.getpid()))
+            # Dropped without destroy() and collected: what it sent is still delivered.
+            del group
+            gc.collect()
             return
         time.sleep(delay_s)  # the sender is gone or going by now
         got = group.recv_tensor_dict(src=0)
