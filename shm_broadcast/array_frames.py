@@ -8,6 +8,7 @@ pure-Python scheduler can use the codec without paying for torch.
 from __future__ import annotations
 
 import struct
+import sys
 from typing import Any
 
 from .errors import GroupcoordTypeError, ProtocolError
@@ -101,6 +102,32 @@ def plain_cpu_tensor(t: Any) -> Any:
     if t.is_neg():
         t = t.resolve_neg()
     return t
+
+
+def lone_tensor_meta(obj: Any) -> bytes | None:
+    """The wire header of ``obj`` when it is a plain tensor that can be sent as its
+    bytes alone (an exact ``torch.Tensor``, dense, contiguous, on the CPU, no
+    autograd, conjugate or negative bit, a dtype in the wire table); else None,
+    and the codec sends it. No torch import: a tensor means torch is loaded."""
+    torch = sys.modules.get("torch")
+    if (
+        torch is None
+        or type(obj) is not torch.Tensor
+        or obj.requires_grad
+        or not obj.is_cpu
+        or obj.layout is not torch.strided
+        or not obj.is_contiguous()
+        or obj.is_conj()
+        or obj.is_neg()
+    ):
+        return None
+    code = DTYPE_CODES.get(obj.dtype)
+    if code is None:
+        name = str(obj.dtype)[6:]
+        if name not in WIRE_DTYPES:
+            return None
+        code = dtype_code(obj.dtype)
+    return tensor_meta(code, 0, obj.shape)
 
 
 def _meta_layout(size: int) -> struct.Struct:

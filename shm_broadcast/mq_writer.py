@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from .array_frames import lone_tensor_meta
 from .codec import EncodedMessage, frames_as_buffers
 from .errors import ClosedError, GroupcoordTimeoutError, GroupcoordValueError, PeerDiedError
 from .mq_end import READY, QueueEnd, deadline_of
@@ -91,19 +92,29 @@ class WriterEnd(QueueEnd):
             raise GroupcoordValueError(f"{self.what}: enqueue on a {self.role} (rank {self.rank})")
         if self._closed:
             self._check_open()
+        cursor = self._cursor
+        # A lone plain CPU tensor to local readers only: its bytes, no codec.
+        meta = None
+        if cursor is not None and self._tcp_writer is None:
+            meta = lone_tensor_meta(obj)
         # Encoding refuses bad objects before anything is sent.
-        msg = obj if isinstance(obj, EncodedMessage) else self._codec.encode(obj)
+        msg = (
+            obj if meta is not None or isinstance(obj, EncodedMessage) else self._codec.encode(obj)
+        )
         timeout_s, deadline = deadline_of(timeout)
         self._notice = None if timeout is not None else "enqueue"
         self._busy = True
         try:
             body: list[Any] | None = None
-            cursor = self._cursor
             if cursor is not None:
 
                 def wait_free(idx: int) -> None:
                     self._writer_wait_chunk(idx, deadline, timeout_s)
 
+                if meta is not None:
+                    if cursor.write_tensor(obj, meta, wait_free):
+                        return
+                    msg = self._codec.encode(obj)
                 if not cursor.write(msg, wait_free):
                     body = frames_as_buffers(msg)
                     cursor.write_stream(body, wait_free)

@@ -14,6 +14,10 @@ The first byte of a chunk says what it holds; the message itself starts
   ``[u32 parts][u64 length per part][parts]``, the parts being the codec's
   header and frames, each 64-byte aligned. A reader copies each part into a
   buffer of its own, so a decoded tensor holds its own memory only.
+* ``TENSOR``: a lone plain CPU tensor that fits the chunk, without the codec:
+  at ``MSG_OFFSET`` the header's length (u8) and the tensor's byte count
+  (u64), then the codec's binary tensor header (dtype code, shape); its bytes
+  start 64 bytes further. A small ``send``/``recv`` is mostly this path.
 * ``RAW``: bytes written through ``MessageQueue.acquire_write``.
 
 A :class:`RingCursor` is one queue end's position in the ring. Waiting for a
@@ -25,11 +29,12 @@ written (reader), or raises.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .array_frames import LARGE_DECODE_BYTES
+from .array_frames import LARGE_DECODE_BYTES, decode_tensor
 from .codec import MESSAGE_PREFIX, Codec, EncodedMessage, read_message, write_message
 from .errors import ProtocolError
 from .ring import ShmRingBuffer
@@ -39,7 +44,9 @@ __all__ = ["MSG_OFFSET", "RingCursor"]
 INLINE = 1
 STREAM = 2
 RAW = 3
+TENSOR = 6
 MSG_OFFSET = 64
+_TENSOR_HEAD = struct.Struct("<BQ")  # the tensor header's length, the tensor's bytes
 _STREAM_LEN = struct.Struct("<Q")
 _PART_COUNT = struct.Struct("<I")
 
@@ -84,6 +91,24 @@ class RingCursor:
             pos = at + MSG_OFFSET
             MESSAGE_PREFIX.pack_into(buf, pos, len(header), 0)
             buf[pos + 8 : pos + 8 + len(header)] = header
+        self.ring.publish(idx)
+        self._advance()
+        return True
+
+    def write_tensor(self, tensor: Any, meta: bytes, wait_free: WaitFor) -> bool:
+        """Write a lone plain CPU tensor (``meta``: its wire header, from
+        ``lone_tensor_meta``) as its bytes; False (nothing written) when it does not
+        fit one chunk that way: then encode it."""
+        nbytes = tensor.nbytes
+        if nbytes > self.capacity - MSG_OFFSET or _TENSOR_HEAD.size + len(meta) > MSG_OFFSET:
+            return False
+        buf, at, idx = self._begin(TENSOR, wait_free)
+        pos = at + MSG_OFFSET
+        _TENSOR_HEAD.pack_into(buf, pos, len(meta), nbytes)
+        start = pos + _TENSOR_HEAD.size
+        buf[start : start + len(meta)] = meta
+        if nbytes:
+            ctypes.memmove(self.ring.address + pos + MSG_OFFSET, tensor.data_ptr(), nbytes)
         self.ring.publish(idx)
         self._advance()
         return True
@@ -180,6 +205,8 @@ class RingCursor:
                 if n_frames == 0:
                     return self.codec.decode_header_only(buf[pos + 8 : pos + 8 + header_len])
                 return read_message(self.codec, buf, pos)
+            if kind == TENSOR:
+                return self._read_tensor(buf, at + MSG_OFFSET)
             if kind == RAW:
                 raise ProtocolError(
                     f"{self.what}: chunk {idx} holds raw bytes written with acquire_write: "
@@ -190,6 +217,15 @@ class RingCursor:
             # Released even when decoding failed, so the queue stays usable.
             ring.release(idx, me)
             self._advance()
+
+    def _read_tensor(self, buf: memoryview, pos: int) -> Any:
+        meta_len, nbytes = _TENSOR_HEAD.unpack_from(buf, pos)
+        start = pos + _TENSOR_HEAD.size
+        if start + meta_len > pos + MSG_OFFSET or nbytes > self.capacity - MSG_OFFSET:
+            raise ProtocolError(f"{self.what}: a tensor chunk's header is out of bounds")
+        data = pos + MSG_OFFSET
+        with buf[start : start + meta_len] as meta, buf[data : data + nbytes] as frame:
+            return decode_tensor(meta, (frame,), owned=False)
 
     def _read_stream(self, me: int, wait_ready: WaitFor) -> Any:
         """Copy a streamed message's parts out as its chunks arrive (releasing each),
