@@ -123,10 +123,10 @@ def lone_tensor_meta(obj: Any) -> bytes | None:
         return None
     code = DTYPE_CODES.get(obj.dtype)
     if code is None:
-        name = str(obj.dtype)[6:]
-        if name not in WIRE_DTYPES:
+        try:
+            code = dtype_code(obj.dtype)
+        except GroupcoordTypeError:  # not on the wire: the codec says so
             return None
-        code = dtype_code(obj.dtype)
     return tensor_meta(code, 0, obj.shape)
 
 
