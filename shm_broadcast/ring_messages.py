@@ -34,7 +34,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .array_frames import LARGE_DECODE_BYTES, decode_tensor
+from .array_frames import LARGE_DECODE_BYTES, decode_tensor, large_buffer
 from .codec import MESSAGE_PREFIX, Codec, EncodedMessage, read_message, write_message
 from .errors import ProtocolError
 from .ring import ShmRingBuffer
@@ -316,14 +316,7 @@ class _StreamIn:
 
     def take(self, n: int) -> memoryview:
         """The next ``n`` bytes, in a buffer of their own (pooled when large)."""
-        if n >= LARGE_DECODE_BYTES:
-            import torch
-
-            from .host_memory import empty_output  # imports torch: only for large parts
-
-            dest = empty_output((n,), torch.uint8).numpy().data
-        else:
-            dest = memoryview(bytearray(n))
+        dest = large_buffer(n) if n >= LARGE_DECODE_BYTES else memoryview(bytearray(n))
         self._copy(dest, n)
         return dest
 
