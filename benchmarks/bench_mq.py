@@ -191,8 +191,141 @@ def _spin_until(t: float) -> None:
         os.sched_yield()
 
 
+# vLLM's remote readers sit behind an XPUB socket with no flow control: once a
+# reader is about 1,000 messages behind, messages to it are dropped (measured:
+# 5,000 sent as fast as they go, 4,406 delivered). A reader that waits for every
+# message then waits for ever, so on a ``lossy`` queue a reader ends a round when
+# nothing has come for LOSS_WAIT_S, counts what it missed, and the round's time
+# ends at its last delivery.
+LOSS_WAIT_S = 1.0
+
+
+def _dequeue(mq: Any, count: int, lossy: bool) -> tuple[int, float]:
+    """Dequeue ``count`` messages: (how many came, perf_counter after the last)."""
+    if not lossy:
+        for _ in range(count):
+            mq.dequeue()
+        return count, time.perf_counter()
+    got, last = 0, time.perf_counter()
+    for _ in range(count):
+        try:
+            mq.dequeue(timeout=LOSS_WAIT_S)
+        except TimeoutError:
+            break
+        got += 1
+        last = time.perf_counter()
+    return got, last
+
+
+def _throughput_and_latency(
+    mq: Any, payload: Any, case: dict[str, Any], rank: int, lossy: bool = False
+) -> tuple[float, list[float], int]:
+    """(median seconds per delivered message, one-way latencies seen by this rank,
+    messages lost by all readers) of a queue: ours or vLLM's, the same
+    ``enqueue``/``dequeue`` calls in the same loops."""
+    import torch
+    import torch.distributed as dist
+
+    # Throughput: the writer streams n messages in ROUNDS rounds; each round
+    # lasts until the last reader has all of it; the median round counts.
+    n = case["n"]
+    warm_up = min(200, n)
+    if rank == 0:
+        for _ in range(warm_up):
+            mq.enqueue(payload)
+    else:
+        _dequeue(mq, warm_up, lossy)
+    per_round = max(n // ROUNDS, 1)
+    rounds = []
+    lost = 0
+    for _ in range(ROUNDS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        got, end = per_round, 0.0
+        if rank == 0:
+            for _ in range(per_round):
+                mq.enqueue(payload)
+            end = time.perf_counter()
+        else:
+            got, end = _dequeue(mq, per_round, lossy)
+        lost += per_round - got
+        seconds = torch.tensor([(end - t0) / max(got, 1)], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        rounds.append(seconds.item())
+    s_per_msg = median(rounds)
+
+    # Latency: a timestamp travels with the payload; messages are spaced so
+    # each finds the queue empty. perf_counter is CLOCK_MONOTONIC: one clock
+    # for every process on the machine.
+    gap = max(2.0 * s_per_msg, 50e-6)
+    lat = []
+    dist.barrier()
+    for _ in range(case["lat"]):
+        if rank == 0:
+            mq.enqueue((time.perf_counter(), payload))
+            _spin_until(time.perf_counter() + gap)
+        else:
+            try:
+                sent, _ = mq.dequeue(timeout=LOSS_WAIT_S) if lossy else mq.dequeue()
+            except TimeoutError:
+                lost += 1
+                continue
+            lat.append(time.perf_counter() - sent)
+    total_lost = torch.tensor([lost])
+    dist.all_reduce(total_lost)
+    return s_per_msg, lat, int(total_lost)
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM's queue cannot be the peer column here, or None. Asked in the parent
+    without importing vllm (the forking parent stays light); the ranks import it."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed (bash scripts/setup_vllm_peer.sh)"
+    return None
+
+
+def _import_vllm_queue() -> Any:
+    """vLLM's MessageQueue class, imported at a rank's start so that every case,
+    ours and vLLM's, runs in the same process state (the import takes ~2 s)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    return MessageQueue
+
+
+def _vllm_queue(
+    queue_class: Any,
+    group: Any,
+    rank: int,
+    world: int,
+    case: dict[str, Any],
+    chunk: int,
+    chunks: int,
+) -> Any:
+    """vLLM 0.33's queue for the same case: the same ring geometry, its own
+    GroupCoordinator's (4 MiB x 6) for the default-ring rows, every reader remote
+    for the TCP rows."""
+    import torch.distributed as dist
+
+    if case.get("defaults"):
+        chunk, chunks = 1 << 22, 6  # vllm/distributed/parallel_state.py
+    if not case.get("tcp"):
+        return queue_class.create_from_process_group(group, chunk, chunks)
+    box: list[Any] = [None]
+    if rank == 0:
+        mq = queue_class(world - 1, 0, None, chunk, chunks, connect_ip="127.0.0.1")
+        box[0] = mq.export_handle()
+    dist.broadcast_object_list(box, src=0, group=group)  # vLLM's handle is a dataclass
+    if rank != 0:
+        mq = queue_class.create_from_handle(box[0], rank)
+    mq.wait_until_ready()
+    return mq
+
+
 def _bench_rank(
-    rank: int, world: int, port: int, cases: list[dict[str, Any]]
+    rank: int, world: int, port: int, cases: list[dict[str, Any]], with_vllm: bool
 ) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
@@ -200,6 +333,7 @@ def _bench_rank(
     from shm_broadcast.config import get_config
     from shm_broadcast.message_queue import MessageQueue
 
+    vllm = _import_vllm_queue() if with_vllm else None
     init_gloo_rank(rank, world, port, timeout_s=300)
     group = dist.group.WORLD
     results = []
@@ -217,44 +351,15 @@ def _bench_rank(
             mq = MessageQueue.create_from_process_group(group, chunk, chunks)
         payload = _payload(case["kind"], size) if rank == 0 else None
         out: dict[str, Any] = {}
-
-        # Throughput: the writer streams n messages in ROUNDS rounds; each round
-        # lasts until the last reader has all of it; the median round counts.
-        n = case["n"]
-        for _ in range(min(200, n)):  # warm-up
-            mq.broadcast_object(payload)
-        per_round = max(n // ROUNDS, 1)
-        rounds = []
-        for _ in range(ROUNDS):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                for _ in range(per_round):
-                    mq.enqueue(payload)
-            else:
-                for _ in range(per_round):
-                    mq.dequeue()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            rounds.append(elapsed.item() / per_round)
-        out["ours_s_per_msg"] = median(rounds)
-
-        # Latency: a timestamp travels with the payload; messages are spaced so
-        # each finds the queue empty. perf_counter is CLOCK_MONOTONIC: one clock
-        # for every process on the machine.
-        gap = max(2.0 * out["ours_s_per_msg"], 50e-6)
-        lat = []
-        dist.barrier()
-        for _ in range(case["lat"]):
-            if rank == 0:
-                mq.enqueue((time.perf_counter(), payload))
-                _spin_until(time.perf_counter() + gap)
-            else:
-                sent, _ = mq.dequeue()
-                lat.append(time.perf_counter() - sent)
-        out["lat"] = lat
-        dist.barrier()
+        out["ours_s_per_msg"], out["lat"], lost = _throughput_and_latency(mq, payload, case, rank)
+        assert lost == 0, f"our queue lost {lost} messages"
         mq.shutdown()
+        if vllm is not None:
+            peer = _vllm_queue(vllm, group, rank, world, case, chunk, chunks)
+            out["vllm_s_per_msg"], out["vllm_lat"], out["vllm_lost"] = _throughput_and_latency(
+                peer, payload, case, rank, lossy=bool(case.get("tcp"))
+            )
+            peer.shutdown()
 
         # Gloo's broadcast_object_list (pickle + two broadcasts) in the same world.
         gloo_lat = []
@@ -281,13 +386,13 @@ def _bench_rank(
 
 
 def run_world(
-    world: int, cases: list[dict[str, Any]], timeout: float
+    world: int, cases: list[dict[str, Any]], timeout: float, with_vllm: bool
 ) -> list[list[dict[str, Any]]]:
     """Fork ``world`` ranks, run every case, return each rank's measurements."""
     from shm_broadcast import add_safe_types
 
     add_safe_types([EngineStep])  # before the ranks fork: every rank may rebuild it
-    return run_ranks(_bench_rank, world, free_port(), cases, timeout=timeout)
+    return run_ranks(_bench_rank, world, free_port(), cases, with_vllm, timeout=timeout)
 
 
 def summarize(
@@ -301,6 +406,16 @@ def summarize(
         msgs = 1.0 / per_rank[0][i]["ours_s_per_msg"]
         gloo_msgs = 1.0 / per_rank[0][i]["gloo_s_per_msg"]
         nbytes = case["size"]
+        vllm: dict[str, Any] = dict.fromkeys(("vllm msgs/s", "vllm p50 us", "vs vllm", "vllm lost"))
+        if "vllm_s_per_msg" in per_rank[0][i]:
+            vllm_msgs = 1.0 / per_rank[0][i]["vllm_s_per_msg"]
+            vllm_lat = [x for r in readers for x in r["vllm_lat"]]
+            vllm = {
+                "vllm msgs/s": vllm_msgs,
+                "vllm p50 us": median(vllm_lat) * 1e6,
+                "vs vllm": msgs / vllm_msgs,
+                "vllm lost": per_rank[0][i]["vllm_lost"],
+            }
         rows.append(
             {
                 "readers": world - 1,
@@ -313,6 +428,7 @@ def summarize(
                 "gloo msgs/s": gloo_msgs,
                 "gloo p50 us": median(gloo_lat) * 1e6,
                 "ratio": msgs / gloo_msgs,
+                **vllm,
             }
         )
     return rows
@@ -328,6 +444,10 @@ COLUMNS = [
     "gloo msgs/s",
     "gloo p50 us",
     "ratio",
+    "vllm msgs/s",
+    "vllm p50 us",
+    "vs vllm",
+    "vllm lost",
 ]
 
 
@@ -347,7 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         "--cases", default="", help="only cases whose name contains one of these (comma-separated)"
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="per-world deadline, seconds")
+    parser.add_argument(
+        "--no-vllm", action="store_true", help="leave vLLM 0.33's queue (the peer column) out"
+    )
     args = parser.parse_args(argv)
+    no_vllm = "left out (--no-vllm)" if args.no_vllm else vllm_missing()
+    if no_vllm:
+        print(f"# no vLLM column: {no_vllm}", flush=True)
 
     import torch
 
@@ -359,13 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     for readers in args.readers:
-        per_rank = run_world(readers + 1, cases, args.timeout)
+        per_rank = run_world(readers + 1, cases, args.timeout, with_vllm=not no_vllm)
         rows.extend(summarize(readers + 1, cases, per_rank))
     took = time.perf_counter() - start
     print_table(rows, COLUMNS)
     print(
         f"\nmsgs/s and GB/s: delivered to every reader (bytes = payload per message); latency: one-way, "
-        f"writer enqueue to reader dequeue-return; ratio = ours / Gloo broadcast_object_list msgs/s.\n"
+        f"writer enqueue to reader dequeue-return; ratio = ours / Gloo broadcast_object_list msgs/s;\n"
+        f"vs vllm = ours / vLLM 0.33's MessageQueue msgs/s (same ranks, same loops); vllm lost =\n"
+        f"messages its remote (TCP) readers never got (no flow control: it drops them).\n"
         f"ran in {took:.1f} s on {os.cpu_count()} CPUs"
     )
     command = reproduce_command(
