@@ -28,7 +28,7 @@ from .mq_reader import ReaderEnd
 from .mq_writer import WriterEnd
 from .ring import ShmRingBuffer
 from .ring_messages import RingCursor
-from .tcp_channel import TcpReader, TcpWriter
+from .tcp_channel import WINDOW_MESSAGES, TcpReader, TcpWriter
 from .tcp_frames import KIND_READY
 
 __all__ = ["Handle", "MessageQueue", "cleanup_stale_ipc_files"]
@@ -117,7 +117,7 @@ class MessageQueue(WriterEnd, ReaderEnd):
             role="writer",
             rank=writer_rank,
             key=secrets.token_bytes(32),
-            window=max(16, max_chunks),
+            window=max(WINDOW_MESSAGES, max_chunks),
         )
         if reader_pids is not None:
             self._reader_pids = list(reader_pids)

@@ -59,6 +59,11 @@ logger = logging.getLogger("groupcoord.shm_broadcast")
 # deadline or a shutdown is noticed.
 _POLL_MS = 50
 _ZERO_COPY_MIN = 64 * 1024
+# Messages a remote reader may have unacknowledged (its bytes are bounded too):
+# the writer runs this far ahead before it waits. 16 made a writer of small
+# messages stop for an acknowledgement every 8 (22.6k -> 30.8k msgs/s with 1
+# reader, 10.5k -> 24.8k with 3, bench_mq.py's "small-object TCP").
+WINDOW_MESSAGES = 1024
 
 
 def _tcp_options(sock: zmq.Socket) -> None:
@@ -112,7 +117,10 @@ class TcpWriter:
         _tcp_options(self.sock)
         # Refuse (raise) instead of silently dropping a message to an unknown peer.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, window + 16)
+        # No high-water mark: the credit window bounds what is queued per reader,
+        # and ZeroMQ's own count lags its I/O thread, so a mark near the window
+        # refused sends (EAGAIN) with far fewer messages really queued.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         # Which peer a closed connection was is not reported (ROUTER_NOTIFY is
         # a libzmq draft); that one closed is, and speeds up the heartbeat check.
@@ -281,9 +289,12 @@ class TcpWriter:
     ) -> None:
         """Send one message to every remote reader, first waiting for their credit."""
         self._timeout_s = timeout_s
-        self._handle_incoming("enqueue")
-        while not self._credit_ok(nbytes):
-            self._poll(deadline, "enqueue", self._lagging, check)
+        if not self._credit_ok(nbytes):
+            # Acknowledgements (and heartbeats) are read only when the credit
+            # seems spent: checking the socket at every message cost about 3 us.
+            self._handle_incoming("enqueue")
+            while not self._credit_ok(nbytes):
+                self._poll(deadline, "enqueue", self._lagging, check)
         seq = self.sent + 1
         parts = pack_frames(self.key, KIND_MESSAGE, seq, body)  # one MAC for all readers
         # Small messages: let zmq copy (cheapest). Large ones: copy once into

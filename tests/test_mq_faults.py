@@ -17,6 +17,7 @@ from shm_broadcast.codec import Codec, frames_as_buffers
 from shm_broadcast.errors import GroupcoordTimeoutError, PeerDiedError
 from shm_broadcast.message_queue import Handle, MessageQueue
 from shm_broadcast.segments import list_segments
+from shm_broadcast.tcp_channel import WINDOW_MESSAGES
 from shm_broadcast.tcp_frames import KIND_MESSAGE, pack_frames
 
 SHORT_HEARTBEAT = 2.0
@@ -35,13 +36,14 @@ def _timeout_rank(rank, world_size, n_local):
     result = None
     if rank == 0:
         with pytest.raises(GroupcoordTimeoutError) as info:
-            for i in range(100):  # ring holds 2, TCP credit 16: both run out
+            # The ring holds 2, the TCP credit window WINDOW_MESSAGES: both run out.
+            for i in range(WINDOW_MESSAGES + 100):
                 mq.enqueue(i, timeout=0.5)
         result = (str(info.value), info.value.missing, isinstance(info.value, TimeoutError))
     dist.barrier()  # readers read nothing until the writer timed out
     if rank != 0:
         with pytest.raises(GroupcoordTimeoutError) as info:
-            for _ in range(100):
+            for _ in range(WINDOW_MESSAGES + 100):
                 mq.dequeue(timeout=0.5)
         result = (str(info.value), info.value.missing)
     dist.barrier()

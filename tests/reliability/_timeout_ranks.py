@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from coordinator.launch import init_gloo
 from shm_broadcast.config import override
+from shm_broadcast.tcp_channel import WINDOW_MESSAGES
 
 TIMEOUT_S = 0.5
 Outcome = tuple[str, str, list[int], float]
@@ -252,7 +253,8 @@ def mq_rows(rank: int, world: int, rows: list[tuple[str, int]]) -> dict:
                 return None
             if call.startswith("enqueue"):
                 # The reader never reads: the ring (2 chunks) or the TCP credit window fills.
-                return attempt(lambda: [mq.enqueue(i, timeout=TIMEOUT_S) for i in range(200)])
+                count = WINDOW_MESSAGES + 200
+                return attempt(lambda: [mq.enqueue(i, timeout=TIMEOUT_S) for i in range(count)])
             assert call.startswith("dequeue"), call
             return attempt(lambda: mq.dequeue(timeout=TIMEOUT_S))
         finally:
