@@ -13,6 +13,15 @@ shaped like a scheduler output (10 fields: ids, nested lists, a dict, a set)
 plus 4 small tensors (input ids, positions, slot mapping, sequence lengths),
 declared with ``add_safe_types``; Gloo pickles the same object.
 
+vLLM 0.33's ``MessageQueue`` is a second peer when vllm is installed
+(``bash scripts/setup_vllm_peer.sh``; else the table says why the column is
+empty, ``--no-vllm`` leaves it out): the same cases in the same ranks, its
+timed rounds alternating with ours, the same ring geometry (its own
+GroupCoordinator's 4 MiB x 6 ring in the "default ring" rows), every reader
+remote in the TCP rows. "vs vllm" = ours / vLLM msgs/s. vLLM's remote readers
+have no flow control and lose messages when the writer runs ahead ("vllm
+lost"); its TCP rows count what was delivered.
+
     python benchmarks/bench_mq.py            # full run
     python benchmarks/bench_mq.py --quick    # < 60 s
     python benchmarks/bench_mq.py --plot     # also bench_results/mq.png
@@ -217,12 +226,14 @@ def _dequeue(mq: Any, count: int, lossy: bool) -> tuple[int, float]:
     return got, last
 
 
-def _throughput_and_latency(
-    mq: Any, payload: Any, case: dict[str, Any], rank: int, lossy: bool = False
-) -> tuple[float, list[float], int]:
-    """(median seconds per delivered message, one-way latencies seen by this rank,
-    messages lost by all readers) of a queue: ours or vLLM's, the same
-    ``enqueue``/``dequeue`` calls in the same loops."""
+def _measure_queues(
+    queues: list[tuple[Any, bool]], payload: Any, case: dict[str, Any], rank: int
+) -> list[tuple[float, list[float], int]]:
+    """For each (queue, lossy): (median seconds per delivered message, one-way
+    latencies seen by this rank, messages lost by all readers). Ours and vLLM's
+    queue make the same ``enqueue``/``dequeue`` calls in the same loops, and their
+    timed rounds alternate (each goes first in every other round), so a slow
+    spell of the machine falls on both rather than on one."""
     import torch
     import torch.distributed as dist
 
@@ -230,50 +241,59 @@ def _throughput_and_latency(
     # lasts until the last reader has all of it; the median round counts.
     n = case["n"]
     warm_up = min(200, n)
-    if rank == 0:
-        for _ in range(warm_up):
-            mq.enqueue(payload)
-    else:
-        _dequeue(mq, warm_up, lossy)
-    per_round = max(n // ROUNDS, 1)
-    rounds = []
-    lost = 0
-    for _ in range(ROUNDS):
-        dist.barrier()
-        t0 = time.perf_counter()
-        got, end = per_round, 0.0
+    for mq, lossy in queues:
         if rank == 0:
-            for _ in range(per_round):
+            for _ in range(warm_up):
                 mq.enqueue(payload)
-            end = time.perf_counter()
         else:
-            got, end = _dequeue(mq, per_round, lossy)
-        lost += per_round - got
-        seconds = torch.tensor([(end - t0) / max(got, 1)], dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        rounds.append(seconds.item())
-    s_per_msg = median(rounds)
+            _dequeue(mq, warm_up, lossy)
+    per_round = max(n // ROUNDS, 1)
+    rounds: list[list[float]] = [[] for _ in queues]
+    lost = [0 for _ in queues]
+    for round_ in range(ROUNDS):
+        order = list(range(len(queues)))
+        if round_ % 2:
+            order.reverse()
+        for q in order:
+            mq, lossy = queues[q]
+            dist.barrier()
+            t0 = time.perf_counter()
+            got, end = per_round, 0.0
+            if rank == 0:
+                for _ in range(per_round):
+                    mq.enqueue(payload)
+                end = time.perf_counter()
+            else:
+                got, end = _dequeue(mq, per_round, lossy)
+            lost[q] += per_round - got
+            seconds = torch.tensor([(end - t0) / max(got, 1)], dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            rounds[q].append(seconds.item())
 
-    # Latency: a timestamp travels with the payload; messages are spaced so
-    # each finds the queue empty. perf_counter is CLOCK_MONOTONIC: one clock
-    # for every process on the machine.
-    gap = max(2.0 * s_per_msg, 50e-6)
-    lat = []
-    dist.barrier()
-    for _ in range(case["lat"]):
-        if rank == 0:
-            mq.enqueue((time.perf_counter(), payload))
-            _spin_until(time.perf_counter() + gap)
-        else:
-            try:
-                sent, _ = mq.dequeue(timeout=LOSS_WAIT_S) if lossy else mq.dequeue()
-            except TimeoutError:
-                lost += 1
-                continue
-            lat.append(time.perf_counter() - sent)
-    total_lost = torch.tensor([lost])
-    dist.all_reduce(total_lost)
-    return s_per_msg, lat, int(total_lost)
+    results = []
+    for q, (mq, lossy) in enumerate(queues):
+        s_per_msg = median(rounds[q])
+        # Latency: a timestamp travels with the payload; messages are spaced so
+        # each finds the queue empty. perf_counter is CLOCK_MONOTONIC: one clock
+        # for every process on the machine.
+        gap = max(2.0 * s_per_msg, 50e-6)
+        lat = []
+        dist.barrier()
+        for _ in range(case["lat"]):
+            if rank == 0:
+                mq.enqueue((time.perf_counter(), payload))
+                _spin_until(time.perf_counter() + gap)
+            else:
+                try:
+                    sent, _ = mq.dequeue(timeout=LOSS_WAIT_S) if lossy else mq.dequeue()
+                except TimeoutError:
+                    lost[q] += 1
+                    continue
+                lat.append(time.perf_counter() - sent)
+        total_lost = torch.tensor([lost[q]])
+        dist.all_reduce(total_lost)
+        results.append((s_per_msg, lat, int(total_lost)))
+    return results
 
 
 def vllm_missing() -> str | None:
@@ -351,15 +371,18 @@ def _bench_rank(
             mq = MessageQueue.create_from_process_group(group, chunk, chunks)
         payload = _payload(case["kind"], size) if rank == 0 else None
         out: dict[str, Any] = {}
-        out["ours_s_per_msg"], out["lat"], lost = _throughput_and_latency(mq, payload, case, rank)
-        assert lost == 0, f"our queue lost {lost} messages"
-        mq.shutdown()
+        queues = [(mq, False)]
         if vllm is not None:
+            # vLLM's remote readers can lose messages (see LOSS_WAIT_S).
             peer = _vllm_queue(vllm, group, rank, world, case, chunk, chunks)
-            out["vllm_s_per_msg"], out["vllm_lat"], out["vllm_lost"] = _throughput_and_latency(
-                peer, payload, case, rank, lossy=bool(case.get("tcp"))
-            )
-            peer.shutdown()
+            queues.append((peer, bool(case.get("tcp"))))
+        measured = _measure_queues(queues, payload, case, rank)
+        out["ours_s_per_msg"], out["lat"], lost = measured[0]
+        assert lost == 0, f"our queue lost {lost} messages"
+        if vllm is not None:
+            out["vllm_s_per_msg"], out["vllm_lat"], out["vllm_lost"] = measured[1]
+        for mq, _ in queues:
+            mq.shutdown()
 
         # Gloo's broadcast_object_list (pickle + two broadcasts) in the same world.
         gloo_lat = []
