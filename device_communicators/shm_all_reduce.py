@@ -42,14 +42,10 @@ from shm_broadcast.host_memory import empty_output
 
 from .errors import GroupcoordValueError
 from .shm_phases import PhaseLines
-from .shm_reduce import SHM_DTYPES, OneTorchThread, combine, refused_op
+from .shm_reduce import ONE_SHOT_MAX_BYTES, SHM_DTYPES, OneTorchThread, combine, refused_op
 from .shm_setup import ShmBase, one_at_a_time
 from .shm_slots import align_up
 
-# Pieces up to this size are reduced by every rank (one barrier); larger ones
-# are split so each rank reduces 1/world of them (two barriers, less work each).
-# Measured on a 2-core EPYC VM: equal at 32 KiB, two-shot clearly ahead by 512 KiB.
-ONE_SHOT_MAX_BYTES = 64 * 1024
 # An all-gather result below this is a clone of the slots (one op; malloc hands
 # a loop the same block again): 9 µs against 15 µs through the result pool for
 # 512 KiB. Larger ones come from the pool.

@@ -4,7 +4,10 @@ An engine makes many small collectives per step (a per-layer all-reduce of
 a few KiB, the logits' all-gather, a sequence-parallel reduce-scatter), and
 what those cost is Python and torch overhead, not bytes. ``SmallCalls`` runs
 a SUM all-reduce, an all-gather or a reduce-scatter of a dense CPU tensor
-under ``PARALLEL_MIN_BYTES`` with exactly the protocol and fingerprint of
+of up to ``LEAN_MAX_BYTES`` (64 KiB, the one-shot size) whose torch op out
+has fewer elements than torch splits over its thread pool (``TORCH_GRAIN``;
+a large gather is joined by ``memmove``, no torch op), so nothing on this
+path touches the pool, with exactly the protocol and fingerprint of
 ``ShmAllReduce``'s general path (one generation, one barrier, the same
 stamp), so a rank on this path and a rank on the general one meet as usual.
 What a call needs beyond its tensor is worked out once per (dtype, shape,
@@ -14,8 +17,9 @@ call is then: stamp, one ``memmove`` in (a ``copy_`` for a strided tensor),
 publish, wait, one torch op out. Anything it does not take (it returns None)
 goes the general way, which raises the errors for bad arguments.
 
-4 KiB at world 2 on the 2-core machine (``benchmarks/bench_collectives.py``):
-see ``docs/cpu_communicator.md`` for the numbers before and after.
+4-64 KiB at worlds 2 and 4 on the 2-core machine
+(``benchmarks/bench_collectives.py``): see ``docs/cpu_communicator.md`` for
+the numbers before and after.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from torch.distributed import ReduceOp
 
 from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
 from .shm_phases import PhaseLines, call_code
-from .shm_reduce import PARALLEL_MIN_BYTES, SHM_DTYPES, combine
+from .shm_reduce import ONE_SHOT_MAX_BYTES, SHM_DTYPES, TORCH_GRAIN, combine
 from .shm_slots import SlotSegment
 
 __all__ = ["SmallCalls"]
 
 _SHM_DTYPES = frozenset(SHM_DTYPES)
 _HALF = (torch.float16, torch.bfloat16)
+# The largest piece on this path: what the general path, too, reduces one-shot.
+LEAN_MAX_BYTES = ONE_SHOT_MAX_BYTES
 _PLAN_ENTRIES = 512  # plans kept per operation (a workload repeats a few shapes)
 _memmove = ctypes.memmove
 
@@ -53,7 +59,9 @@ class _Owner(Protocol):
 class _Plan:
     """What one kind of call (operation, dtype, shape, dim) needs, for both slot sets."""
 
-    __slots__ = ("code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim", "pair")
+    __slots__ = (
+        "code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim", "pair", "blocks",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -77,6 +85,9 @@ class _Plan:
         self.dim = dim  # an all-gather's: the axis the ranks' tensors are joined on
         # Two ranks and no fp32 accumulation: one torch.add makes the result.
         self.pair = slots.world_size == 2 and tensor.dtype not in _HALF
+        # A large all-gather whose result is the ranks' slots one after the
+        # other: every slot's address, by set (see _gather_plan).
+        self.blocks: tuple[list[int], list[int]] | None = None
 
 
 def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -140,12 +151,20 @@ class SmallCalls:
             plan = self._plan_for(_GATHER, tensor, dim, out)
             if plan is None:
                 return None
-            parts = plan.reads[self._exchange(plan, tensor, "all_gather")]
+            s = self._exchange(plan, tensor, "all_gather")
+            if plan.blocks:  # a memmove per rank: no torch op to split over the pool
+                if out is None:
+                    out = torch.empty(*plan.out_shape, dtype=tensor.dtype)
+                at, nbytes = out.data_ptr(), plan.nbytes
+                for address in plan.blocks[s]:
+                    _memmove(at, address, nbytes)
+                    at += nbytes
+                return out
             # cat: 1.4 us at 4 KiB; a clone of a (world, *shape) view then a view of the
             # result's shape cost twice that.
             if out is None:
-                return torch.cat(parts, plan.dim)
-            return torch.cat(parts, plan.dim, out=out)
+                return torch.cat(plan.reads[s], plan.dim)
+            return torch.cat(plan.reads[s], plan.dim, out=out)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
@@ -217,20 +236,22 @@ class SmallCalls:
 
     # ---- plans --------------------------------------------------------------------------
 
-    def _fits(self, tensor: torch.Tensor) -> bool:
-        """Small enough for one piece that torch would not split over threads."""
+    def _fits(self, tensor: torch.Tensor, op_numel: int) -> bool:
+        """One slot's piece, reduced one-shot, whose torch op (``op_numel`` elements:
+        the sum's or the concatenation's) torch would not split over its pool."""
         slots = self.slots
         assert slots is not None
         nbytes = tensor.numel() * tensor.element_size()
         return (
             tensor.dtype in _SHM_DTYPES
             and tensor.layout is torch.strided
-            and 0 < nbytes < PARALLEL_MIN_BYTES
+            and 0 < nbytes <= LEAN_MAX_BYTES
             and nbytes <= slots.max_bytes
+            and op_numel < TORCH_GRAIN
         )
 
     def _sum_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
-        if not self._fits(tensor):
+        if not self._fits(tensor, tensor.numel()):
             return None
         slots = self.slots
         assert slots is not None
@@ -243,21 +264,33 @@ class SmallCalls:
         return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), shape)
 
     def _gather_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
-        if not self._fits(tensor) or not -tensor.dim() <= dim < tensor.dim():
-            return None
         slots = self.slots
         assert slots is not None
+        if not -tensor.dim() <= dim < tensor.dim():
+            return None
         dtype, shape, world = tensor.dtype, tensor.shape, slots.world_size
         dim %= tensor.dim()
+        # torch.cat joins a result it would not split over its pool (1.4 us at 4 KiB
+        # against 3 us for torch.empty and two ctypes memmoves); a larger one whose
+        # parts are blocks (no dimension before ``dim`` longer than 1) is joined
+        # by memmove.
+        joined = tensor.numel() * world
+        in_blocks = joined >= TORCH_GRAIN and shape[:dim].numel() == 1
+        if not self._fits(tensor, 0 if in_blocks else joined):
+            return None
         reads = tuple([slots.shaped(s, r, dtype, shape) for r in range(world)] for s in (0, 1))
         out_shape = list(shape)
         out_shape[dim] *= world
         code = call_code("all_gather", dtype, None, 0)
         rank = self.owner.rank_in_group
-        return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), torch.Size(out_shape), dim)
+        plan = _Plan(code, tensor, slots, rank, (reads[0], reads[1]), torch.Size(out_shape), dim)
+        if in_blocks:
+            plan.blocks = ([slots.address(0, r) for r in range(world)],
+                           [slots.address(1, r) for r in range(world)])  # fmt: skip
+        return plan
 
     def _scatter_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
-        if not self._fits(tensor) or not -tensor.dim() <= dim < tensor.dim():
+        if not self._fits(tensor, tensor.numel()) or not -tensor.dim() <= dim < tensor.dim():
             return None
         slots = self.slots
         assert slots is not None

@@ -34,6 +34,8 @@ def _lean_small_sums(rank: int, world: int) -> bool:
             torch.full((3, 4), rank + 1, dtype=torch.int64).t(),
             torch.tensor(rank + 1.0, dtype=torch.bfloat16),
             torch.full((7,), rank + 1.0, dtype=torch.float64),
+            torch.full((16384,), rank + 1.0),  # 64 KiB: the largest piece on the path
+            torch.full((32767,), rank + 1.0, dtype=torch.bfloat16),  # one under torch's grain
         ):
             before = shm.generation
             got = group.all_reduce(x)
@@ -41,8 +43,12 @@ def _lean_small_sums(rank: int, world: int) -> bool:
             assert torch.equal(got, torch.full_like(x, total)) and got.shape == x.shape
         # Not small, not a plain tensor, or not a shm dtype: the general path.
         group._all_reduce_eager = eager
-        big = group.all_reduce(torch.ones(16384))  # 64 KiB
-        assert torch.equal(big, torch.full((16384,), float(world)))
+        big = group.all_reduce(torch.ones(32768))  # 128 KiB
+        assert torch.equal(big, torch.full((32768,), float(world)))
+        assert torch.equal(  # 64 KiB, but as many elements as torch splits over threads
+            group.all_reduce(torch.ones(32768, dtype=torch.float16)),
+            torch.full((32768,), world, dtype=torch.float16),
+        )
         assert torch.equal(
             group.all_reduce(torch.ones(4, dtype=torch.int8)),
             torch.full((4,), world, dtype=torch.int8),
@@ -76,6 +82,9 @@ _CASES = [
     ((12, 6), 0, torch.int64, True),  # a transposed view: copied with copy_, not memmove
     ((6, 12), 1, torch.int32, True),
     ((6,), 0, torch.float64, False),
+    # Gathered results of torch's grain and more, joined by memmove (blocks of the result).
+    ((8192,), 0, torch.bfloat16, False),
+    ((1, 8192), 1, torch.float16, False),
 ]
 
 
@@ -101,6 +110,8 @@ def _lean_gathers_and_scatters(rank: int, world: int) -> bool:
             want = torch.cat(everyone, dim)
             assert got.is_contiguous() and got.dtype == dtype
             assert torch.equal(got, want), (shape, dim, dtype)
+            plan = group._small._plans[1][(dtype, x.shape, dim)]
+            assert (plan.blocks is not None) == (x.numel() * world >= 32768), shape
             before = shm.generation
             got = group.reduce_scatter(x, dim)
             assert shm.generation == before + 1
@@ -119,7 +130,7 @@ def _lean_gathers_and_scatters(rank: int, world: int) -> bool:
             group.reduce_scatter(torch.ones(4), "0")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="not divisible"):
             group.reduce_scatter(torch.ones(world * 2 + 1), 0)
-        big = torch.full((16384,), float(rank))  # 64 KiB: the general path
+        big = torch.full((32768,), float(rank))  # 128 KiB: the general path
         assert torch.equal(
             group.all_gather(big, 0).view(world, -1)[:, 0], torch.arange(float(world))
         )
@@ -151,12 +162,12 @@ def _mixed_paths(rank: int, world: int) -> list[str]:
         assert torch.equal(summed, full.chunk(world)[rank])
         # A lean rank that disagrees with a general one is told so, naming both sides.
         errors = []
-        mine = torch.ones(1024 if rank == 0 else 16384)  # 4 KiB lean, 64 KiB general
+        mine = torch.ones(1024 if rank == 0 else 32768)  # 4 KiB lean, 128 KiB general
         with pytest.raises(DesyncError) as caught:
             group.all_gather(mine, 0)
         errors.append(str(caught.value))
         with pytest.raises(DesyncError) as caught:
-            group.reduce_scatter(torch.ones(world * (256 if rank == 0 else 4096)), 0)
+            group.reduce_scatter(torch.ones(world * (256 if rank == 0 else 16384)), 0)
         errors.append(str(caught.value))
         # Still usable.
         assert torch.equal(group.all_reduce(torch.ones(3)), torch.full((3,), float(world)))
@@ -168,9 +179,9 @@ def _mixed_paths(rank: int, world: int) -> list[str]:
 def test_lean_and_general_ranks_meet_and_disagreements_name_both_sides() -> None:
     for errors in run_ranks(_mixed_paths, 2, timeout=60):
         assert "all_gather(float32[1024])" in errors[0]
-        assert "all_gather(float32[16384])" in errors[0]
+        assert "all_gather(float32[32768])" in errors[0]
         assert "reduce_scatter(float32[512], SUM)" in errors[1]
-        assert "reduce_scatter(float32[8192], SUM)" in errors[1]
+        assert "reduce_scatter(float32[32768], SUM)" in errors[1]
 
 
 def _comm_lean(rank: int, world: int) -> bool:
