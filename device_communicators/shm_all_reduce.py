@@ -42,14 +42,16 @@ from shm_broadcast.host_memory import empty_output
 
 from .errors import GroupcoordValueError
 from .shm_phases import PhaseLines
-from .shm_reduce import ONE_SHOT_MAX_BYTES, SHM_DTYPES, OneTorchThread, combine, refused_op
+from .shm_reduce import (
+    CLONE_MAX_BYTES,
+    ONE_SHOT_MAX_BYTES,
+    SHM_DTYPES,
+    OneTorchThread,
+    combine,
+    refused_op,
+)
 from .shm_setup import ShmBase, one_at_a_time
 from .shm_slots import align_up
-
-# An all-gather result below this is a clone of the slots (one op; malloc hands
-# a loop the same block again): 9 µs against 15 µs through the result pool for
-# 512 KiB. Larger ones come from the pool.
-CLONE_MAX_BYTES = 1024 * 1024
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:

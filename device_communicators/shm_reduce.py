@@ -12,6 +12,7 @@ import torch
 from torch.distributed import ReduceOp
 
 __all__ = [
+    "CLONE_MAX_BYTES",
     "ONE_SHOT_MAX_BYTES",
     "PARALLEL_MIN_BYTES",
     "SHM_DTYPES",
@@ -66,9 +67,16 @@ TORCH_GRAIN = 32768
 # Below this many bytes no copy or op is split, whatever the dtype.
 PARALLEL_MIN_BYTES = TORCH_GRAIN
 # Pieces up to this size are reduced by every rank (one barrier); larger ones
-# are split so each rank reduces 1/world of them (two barriers, less work each).
-# Measured on a 2-core EPYC VM: equal at 32 KiB, two-shot clearly ahead by 512 KiB.
-ONE_SHOT_MAX_BYTES = 64 * 1024
+# are split so each rank reduces 1/world of them (two barriers, less work each,
+# but a second pass over lines another core wrote). Measured on a 2-core EPYC
+# VM (2026-11-25), all_reduce one-shot / two-shot, worlds 2 and 4: 128 KiB
+# 153 / 235 and 343 / 635 us, 256 KiB 223-230 / 291-304 and 514 / 766 us,
+# 512 KiB even, 1 MiB and more two-shot ahead by 5-30%.
+ONE_SHOT_MAX_BYTES = 256 * 1024
+# An all-gather result below this comes from torch's allocator (malloc hands a
+# loop the same block again): 9 µs against 15 µs through the result pool for
+# 512 KiB. Larger ones come from the pool (no fresh pages at every call).
+CLONE_MAX_BYTES = 1024 * 1024
 
 
 _settled_in_pid = 0

@@ -4,7 +4,7 @@ An engine makes many small collectives per step (a per-layer all-reduce of
 a few KiB, the logits' all-gather, a sequence-parallel reduce-scatter), and
 what those cost is Python and torch overhead, not bytes. ``SmallCalls`` runs
 a SUM all-reduce, an all-gather or a reduce-scatter of a dense CPU tensor
-of up to ``LEAN_MAX_BYTES`` (64 KiB, the one-shot size) whose torch op out
+of up to ``LEAN_MAX_BYTES`` (256 KiB, the one-shot size) whose torch op out
 has fewer elements than torch splits over its thread pool (``TORCH_GRAIN``;
 a large gather is joined by ``memmove``, no torch op), so nothing on this
 path touches the pool, with exactly the protocol and fingerprint of
@@ -30,9 +30,11 @@ from typing import Any, Protocol
 import torch
 from torch.distributed import ReduceOp
 
+from shm_broadcast.host_memory import empty_output
+
 from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
 from .shm_phases import PhaseLines, call_code
-from .shm_reduce import ONE_SHOT_MAX_BYTES, SHM_DTYPES, TORCH_GRAIN, combine
+from .shm_reduce import CLONE_MAX_BYTES, ONE_SHOT_MAX_BYTES, SHM_DTYPES, TORCH_GRAIN, combine
 from .shm_slots import SlotSegment
 
 __all__ = ["SmallCalls"]
@@ -154,7 +156,11 @@ class SmallCalls:
             s = self._exchange(plan, tensor, "all_gather")
             if plan.blocks:  # a memmove per rank: no torch op to split over the pool
                 if out is None:
-                    out = torch.empty(*plan.out_shape, dtype=tensor.dtype)
+                    out = (
+                        torch.empty(*plan.out_shape, dtype=tensor.dtype)
+                        if plan.nbytes * len(plan.blocks[s]) < CLONE_MAX_BYTES
+                        else empty_output(plan.out_shape, tensor.dtype)
+                    )
                 at, nbytes = out.data_ptr(), plan.nbytes
                 for address in plan.blocks[s]:
                     _memmove(at, address, nbytes)

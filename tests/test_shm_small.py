@@ -34,7 +34,8 @@ def _lean_small_sums(rank: int, world: int) -> bool:
             torch.full((3, 4), rank + 1, dtype=torch.int64).t(),
             torch.tensor(rank + 1.0, dtype=torch.bfloat16),
             torch.full((7,), rank + 1.0, dtype=torch.float64),
-            torch.full((16384,), rank + 1.0),  # 64 KiB: the largest piece on the path
+            torch.full((16384,), rank + 1.0),  # 64 KiB
+            torch.full((32767,), rank + 1, dtype=torch.int64),  # 256 KiB: the largest piece
             torch.full((32767,), rank + 1.0, dtype=torch.bfloat16),  # one under torch's grain
         ):
             before = shm.generation
@@ -43,7 +44,7 @@ def _lean_small_sums(rank: int, world: int) -> bool:
             assert torch.equal(got, torch.full_like(x, total)) and got.shape == x.shape
         # Not small, not a plain tensor, or not a shm dtype: the general path.
         group._all_reduce_eager = eager
-        big = group.all_reduce(torch.ones(32768))  # 128 KiB
+        big = group.all_reduce(torch.ones(32768))  # as many elements as torch splits
         assert torch.equal(big, torch.full((32768,), float(world)))
         assert torch.equal(  # 64 KiB, but as many elements as torch splits over threads
             group.all_reduce(torch.ones(32768, dtype=torch.float16)),
@@ -130,7 +131,7 @@ def _lean_gathers_and_scatters(rank: int, world: int) -> bool:
             group.reduce_scatter(torch.ones(4), "0")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="not divisible"):
             group.reduce_scatter(torch.ones(world * 2 + 1), 0)
-        big = torch.full((32768,), float(rank))  # 128 KiB: the general path
+        big = torch.full((65537,), float(rank))  # over 256 KiB: the general path
         assert torch.equal(
             group.all_gather(big, 0).view(world, -1)[:, 0], torch.arange(float(world))
         )
@@ -162,7 +163,7 @@ def _mixed_paths(rank: int, world: int) -> list[str]:
         assert torch.equal(summed, full.chunk(world)[rank])
         # A lean rank that disagrees with a general one is told so, naming both sides.
         errors = []
-        mine = torch.ones(1024 if rank == 0 else 32768)  # 4 KiB lean, 128 KiB general
+        mine = torch.ones(1024 if rank == 0 else 65537)  # 4 KiB lean, over 256 KiB general
         with pytest.raises(DesyncError) as caught:
             group.all_gather(mine, 0)
         errors.append(str(caught.value))
@@ -179,7 +180,7 @@ def _mixed_paths(rank: int, world: int) -> list[str]:
 def test_lean_and_general_ranks_meet_and_disagreements_name_both_sides() -> None:
     for errors in run_ranks(_mixed_paths, 2, timeout=60):
         assert "all_gather(float32[1024])" in errors[0]
-        assert "all_gather(float32[32768])" in errors[0]
+        assert "all_gather(float32[65537])" in errors[0]
         assert "reduce_scatter(float32[512], SUM)" in errors[1]
         assert "reduce_scatter(float32[32768], SUM)" in errors[1]
 
