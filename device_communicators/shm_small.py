@@ -296,10 +296,13 @@ class SmallCalls:
         return plan
 
     def _scatter_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
-        if not self._fits(tensor, tensor.numel()) or not -tensor.dim() <= dim < tensor.dim():
-            return None
         slots = self.slots
         assert slots is not None
+        # The sum covers this rank's 1/world of the tensor.
+        if not self._fits(tensor, tensor.numel() // slots.world_size):
+            return None
+        if not -tensor.dim() <= dim < tensor.dim():
+            return None
         dtype, shape, world = tensor.dtype, tensor.shape, slots.world_size
         dim %= tensor.dim()
         if shape[dim] % world:

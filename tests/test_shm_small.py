@@ -86,6 +86,8 @@ _CASES = [
     # Gathered results of torch's grain and more, joined by memmove (blocks of the result).
     ((8192,), 0, torch.bfloat16, False),
     ((1, 8192), 1, torch.float16, False),
+    # 128-192 KiB: a reduce-scatter sums this rank's part only, under torch's grain.
+    ((16384,), 0, torch.float32, False),
 ]
 
 
