@@ -4,20 +4,22 @@ An engine makes many small collectives per step (a per-layer all-reduce of
 a few KiB, the logits' all-gather, a sequence-parallel reduce-scatter), and
 what those cost is Python and torch overhead, not bytes. ``SmallCalls`` runs
 a SUM all-reduce, an all-gather or a reduce-scatter of a dense CPU tensor
-of up to ``LEAN_MAX_BYTES`` (256 KiB, the one-shot size) whose torch op out
-has fewer elements than torch splits over its thread pool (``TORCH_GRAIN``;
-a large gather is joined by ``memmove``, no torch op), so nothing on this
-path touches the pool, with exactly the protocol and fingerprint of
+of up to ``LEAN_MAX_BYTES`` (256 KiB, the one-shot size) with exactly the
+protocol and fingerprint of
 ``ShmAllReduce``'s general path (one generation, one barrier, the same
 stamp), so a rank on this path and a rank on the general one meet as usual.
 What a call needs beyond its tensor is worked out once per (dtype, shape,
 dim) and kept in a :class:`_Plan`: the fingerprint, the byte count, the
 address of this rank's slot in each set and every view the call reads. A
 call is then: stamp, one ``memmove`` in (a ``copy_`` for a strided tensor),
-publish, wait, one torch op out. Anything it does not take (it returns None)
-goes the general way, which raises the errors for bad arguments.
+publish, wait, one torch op out (a large gather whose parts are blocks of
+the result: a ``memmove`` per rank instead). A call whose torch work torch
+would split over its thread pool (``TORCH_GRAIN`` elements) runs with the
+pool at one thread, as the general path does; smaller ones skip the switch.
+Anything it does not take (it returns None) goes the general way, which
+raises the errors for bad arguments.
 
-4-64 KiB at worlds 2 and 4 on the 2-core machine
+4-256 KiB at worlds 2 and 4 on the 2-core machine
 (``benchmarks/bench_collectives.py``): see ``docs/cpu_communicator.md`` for
 the numbers before and after.
 """
@@ -34,7 +36,14 @@ from shm_broadcast.host_memory import empty_output
 
 from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
 from .shm_phases import PhaseLines, call_code
-from .shm_reduce import CLONE_MAX_BYTES, ONE_SHOT_MAX_BYTES, SHM_DTYPES, TORCH_GRAIN, combine
+from .shm_reduce import (
+    CLONE_MAX_BYTES,
+    ONE_SHOT_MAX_BYTES,
+    SHM_DTYPES,
+    TORCH_GRAIN,
+    OneTorchThread,
+    combine,
+)
 from .shm_slots import SlotSegment
 
 __all__ = ["SmallCalls"]
@@ -63,6 +72,7 @@ class _Plan:
 
     __slots__ = (
         "code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim", "pair", "blocks",
+        "one_thread",
     )  # fmt: skip
 
     def __init__(
@@ -74,6 +84,7 @@ class _Plan:
         reads: tuple[Any, Any],
         out_shape: torch.Size,
         dim: int = 0,
+        op_numel: int = 0,
     ) -> None:
         self.code = code
         self.count = tensor.numel()
@@ -90,6 +101,10 @@ class _Plan:
         # A large all-gather whose result is the ranks' slots one after the
         # other: every slot's address, by set (see _gather_plan).
         self.blocks: tuple[list[int], list[int]] | None = None
+        # The call's torch op (``op_numel`` elements) or a strided input's copy in
+        # (``count``) is one torch would split over its pool: the call runs with the
+        # pool at one thread (about 0.5 us; small calls skip it).
+        self.one_thread = max(op_numel, self.count) >= TORCH_GRAIN
 
 
 def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -123,6 +138,7 @@ class SmallCalls:
         self.slots: SlotSegment | None = None
         self._plans: tuple[_Plans, _Plans, _Plans] = ({}, {}, {})
         self._makers = (self._sum_plan, self._gather_plan, self._scatter_plan)
+        self._runs = (self._run_sum, self._run_gather, self._run_scatter)
 
     def attach(self, slots: SlotSegment | None) -> None:
         """The slots to use from now on (None: the path is down); plans of the old ones go."""
@@ -139,49 +155,62 @@ class SmallCalls:
         self, tensor: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """A SUM all-reduce."""
-        with self.owner.call_lock:
-            plan = self._plan_for(_SUM, tensor, 0, out)
-            if plan is None:
-                return None
-            return self._sum(plan.reads[self._exchange(plan, tensor, "all_reduce")], plan, out)
+        return self._call(_SUM, tensor, 0, out)
 
     def all_gather(
         self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """Every rank's tensor concatenated along ``dim`` (rank-major)."""
-        with self.owner.call_lock:
-            plan = self._plan_for(_GATHER, tensor, dim, out)
-            if plan is None:
-                return None
-            s = self._exchange(plan, tensor, "all_gather")
-            if plan.blocks:  # a memmove per rank: no torch op to split over the pool
-                if out is None:
-                    out = (
-                        torch.empty(*plan.out_shape, dtype=tensor.dtype)
-                        if plan.nbytes * len(plan.blocks[s]) < CLONE_MAX_BYTES
-                        else empty_output(plan.out_shape, tensor.dtype)
-                    )
-                at, nbytes = out.data_ptr(), plan.nbytes
-                for address in plan.blocks[s]:
-                    _memmove(at, address, nbytes)
-                    at += nbytes
-                return out
-            # cat: 1.4 us at 4 KiB; a clone of a (world, *shape) view then a view of the
-            # result's shape cost twice that.
-            if out is None:
-                return torch.cat(plan.reads[s], plan.dim)
-            return torch.cat(plan.reads[s], plan.dim, out=out)
+        return self._call(_GATHER, tensor, dim, out)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The SUM over the group of this rank's equal slice along ``dim``."""
+        return self._call(_SCATTER, tensor, dim, out)
+
+    def _call(
+        self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
+    ) -> torch.Tensor | None:
         with self.owner.call_lock:
-            plan = self._plan_for(_SCATTER, tensor, dim, out)
+            plan = self._plan_for(kind, tensor, dim, out)
             if plan is None:
                 return None
-            parts = plan.reads[self._exchange(plan, tensor, "reduce_scatter")]
-            return self._sum(parts, plan, out)
+            if not plan.one_thread:
+                return self._runs[kind](plan, tensor, out)
+            # A torch op torch would split over its pool: keep it on this thread.
+            with OneTorchThread(plan.nbytes):
+                return self._runs[kind](plan, tensor, out)
+
+    def _run_sum(self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return self._sum(plan.reads[self._exchange(plan, tensor, "all_reduce")], plan, out)
+
+    def _run_gather(
+        self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        s = self._exchange(plan, tensor, "all_gather")
+        if plan.blocks:  # a memmove per rank: no torch op
+            if out is None:
+                out = (
+                    torch.empty(*plan.out_shape, dtype=tensor.dtype)
+                    if plan.nbytes * len(plan.blocks[s]) < CLONE_MAX_BYTES
+                    else empty_output(plan.out_shape, tensor.dtype)
+                )
+            at, nbytes = out.data_ptr(), plan.nbytes
+            for address in plan.blocks[s]:
+                _memmove(at, address, nbytes)
+                at += nbytes
+            return out
+        # cat: 1.4 us at 4 KiB; a clone of a (world, *shape) view then a view of the
+        # result's shape cost twice that.
+        if out is None:
+            return torch.cat(plan.reads[s], plan.dim)
+        return torch.cat(plan.reads[s], plan.dim, out=out)
+
+    def _run_scatter(
+        self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self._sum(plan.reads[self._exchange(plan, tensor, "reduce_scatter")], plan, out)
 
     def _plan_for(
         self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
@@ -242,9 +271,8 @@ class SmallCalls:
 
     # ---- plans --------------------------------------------------------------------------
 
-    def _fits(self, tensor: torch.Tensor, op_numel: int) -> bool:
-        """One slot's piece, reduced one-shot, whose torch op (``op_numel`` elements:
-        the sum's or the concatenation's) torch would not split over its pool."""
+    def _fits(self, tensor: torch.Tensor) -> bool:
+        """One slot's piece, reduced one-shot."""
         slots = self.slots
         assert slots is not None
         nbytes = tensor.numel() * tensor.element_size()
@@ -253,11 +281,10 @@ class SmallCalls:
             and tensor.layout is torch.strided
             and 0 < nbytes <= LEAN_MAX_BYTES
             and nbytes <= slots.max_bytes
-            and op_numel < TORCH_GRAIN
         )
 
     def _sum_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
-        if not self._fits(tensor, tensor.numel()):
+        if not self._fits(tensor):
             return None
         slots = self.slots
         assert slots is not None
@@ -267,42 +294,37 @@ class SmallCalls:
         )
         code = call_code("all_reduce", dtype, ReduceOp.SUM, 0)
         rank = self.owner.rank_in_group
-        return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), shape)
+        return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), shape, 0, tensor.numel())
 
     def _gather_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
+        if not self._fits(tensor) or not -tensor.dim() <= dim < tensor.dim():
+            return None
         slots = self.slots
         assert slots is not None
-        if not -tensor.dim() <= dim < tensor.dim():
-            return None
         dtype, shape, world = tensor.dtype, tensor.shape, slots.world_size
         dim %= tensor.dim()
-        # torch.cat joins a result it would not split over its pool (1.4 us at 4 KiB
-        # against 3 us for torch.empty and two ctypes memmoves); a larger one whose
-        # parts are blocks (no dimension before ``dim`` longer than 1) is joined
-        # by memmove.
+        # torch.cat joins a small result (1.4 us at 4 KiB against 3 us for
+        # torch.empty and two ctypes memmoves); a result torch would split over its
+        # pool whose parts are blocks of it (no dimension before ``dim`` longer
+        # than 1) is joined by memmove instead, no torch op.
         joined = tensor.numel() * world
         in_blocks = joined >= TORCH_GRAIN and shape[:dim].numel() == 1
-        if not self._fits(tensor, 0 if in_blocks else joined):
-            return None
         reads = tuple([slots.shaped(s, r, dtype, shape) for r in range(world)] for s in (0, 1))
-        out_shape = list(shape)
-        out_shape[dim] *= world
+        out_shape = torch.Size([n * world if i == dim else n for i, n in enumerate(shape)])
         code = call_code("all_gather", dtype, None, 0)
         rank = self.owner.rank_in_group
-        plan = _Plan(code, tensor, slots, rank, (reads[0], reads[1]), torch.Size(out_shape), dim)
+        op_numel = 0 if in_blocks else joined
+        plan = _Plan(code, tensor, slots, rank, (reads[0], reads[1]), out_shape, dim, op_numel)
         if in_blocks:
             plan.blocks = ([slots.address(0, r) for r in range(world)],
                            [slots.address(1, r) for r in range(world)])  # fmt: skip
         return plan
 
     def _scatter_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
+        if not self._fits(tensor) or not -tensor.dim() <= dim < tensor.dim():
+            return None
         slots = self.slots
         assert slots is not None
-        # The sum covers this rank's 1/world of the tensor.
-        if not self._fits(tensor, tensor.numel() // slots.world_size):
-            return None
-        if not -tensor.dim() <= dim < tensor.dim():
-            return None
         dtype, shape, world = tensor.dtype, tensor.shape, slots.world_size
         dim %= tensor.dim()
         if shape[dim] % world:
@@ -317,4 +339,8 @@ class SmallCalls:
             for s in (0, 1)
         )
         code = call_code("reduce_scatter", dtype, ReduceOp.SUM, 0)
-        return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), reads[0][0].shape)
+        # The sum covers this rank's 1/world of the tensor.
+        op_numel = tensor.numel() // world
+        return _Plan(
+            code, tensor, slots, rank, (reads[0], reads[1]), reads[0][0].shape, 0, op_numel
+        )

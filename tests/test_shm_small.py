@@ -29,6 +29,7 @@ def _lean_small_sums(rank: int, world: int) -> bool:
         shm = group.device_communicator.shm_all_reduce
         eager, group._all_reduce_eager = group._all_reduce_eager, _no_general_path
         total = sum(range(1, world + 1))
+        threads = torch.get_num_threads()
         for x in (
             torch.full((1024,), rank + 1.0),
             torch.full((3, 4), rank + 1, dtype=torch.int64).t(),
@@ -36,20 +37,21 @@ def _lean_small_sums(rank: int, world: int) -> bool:
             torch.full((7,), rank + 1.0, dtype=torch.float64),
             torch.full((16384,), rank + 1.0),  # 64 KiB
             torch.full((32767,), rank + 1, dtype=torch.int64),  # 256 KiB: the largest piece
+            # As many elements as torch splits over its pool: summed on one thread.
+            torch.full((65536,), rank + 1.0),
+            torch.full((65536,), rank + 1.0, dtype=torch.bfloat16),
+            torch.full((256, 256), rank + 1.0).t(),
             torch.full((32767,), rank + 1.0, dtype=torch.bfloat16),  # one under torch's grain
         ):
             before = shm.generation
             got = group.all_reduce(x)
             assert shm.generation == before + 1, "one generation, one barrier"
             assert torch.equal(got, torch.full_like(x, total)) and got.shape == x.shape
+            assert torch.get_num_threads() == threads, "the pool's size is given back"
         # Not small, not a plain tensor, or not a shm dtype: the general path.
         group._all_reduce_eager = eager
-        big = group.all_reduce(torch.ones(32768))  # as many elements as torch splits
-        assert torch.equal(big, torch.full((32768,), float(world)))
-        assert torch.equal(  # 64 KiB, but as many elements as torch splits over threads
-            group.all_reduce(torch.ones(32768, dtype=torch.float16)),
-            torch.full((32768,), world, dtype=torch.float16),
-        )
+        big = group.all_reduce(torch.ones(65537))  # over 256 KiB
+        assert torch.equal(big, torch.full((65537,), float(world)))
         assert torch.equal(
             group.all_reduce(torch.ones(4, dtype=torch.int8)),
             torch.full((4,), world, dtype=torch.int8),
