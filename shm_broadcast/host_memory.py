@@ -170,7 +170,7 @@ def empty_output(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
         # Unpacked: torch parses a torch.Size or tuple argument 1.5-3.5 us slower.
         return torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
     storage = _POOL.storage(nbytes)
-    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape, strides[::-1])
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides[::-1])
 
 
 def cached_output_bytes() -> int:
