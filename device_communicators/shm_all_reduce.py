@@ -262,15 +262,25 @@ class ShmAllReduce(ShmBase):
         s = gen & 1
         n = src.numel()
         me = self.rank_in_group
-        self._view(s, me, src.dtype, n).copy_(src)
-        lines.arrive(2 * gen - 1)
+        mine = self._view(s, me, src.dtype, n)
         if n * src.element_size() <= ONE_SHOT_MAX_BYTES:
+            mine.copy_(src)
+            lines.arrive(2 * gen - 1)
             self._combine_slots(s, src.dtype, 0, n, dst, op)
             return
         chunk = align_up(-(-n // self.world_size), 16)
         lo, hi = min(me * chunk, n), min((me + 1) * chunk, n)
+        # The slice this rank reduces is read by no other rank (the slices follow
+        # from n, which every rank's fingerprint agrees on): it stays out of the
+        # slot and is read from the input, 1/world less copied in.
+        if lo > 0:
+            mine[:lo].copy_(src[:lo])
+        if hi < n:
+            mine[hi:].copy_(src[hi:])
+        lines.arrive(2 * gen - 1)
         if hi > lo:
-            self._combine_slots(s, src.dtype, lo, hi, self._view(s, 0, src.dtype, n)[lo:hi], op)
+            reduced = self._view(s, 0, src.dtype, n)[lo:hi]
+            self._combine_slots(s, src.dtype, lo, hi, reduced, op, own=src[lo:hi])
         lines.arrive(2 * gen)
         dst.copy_(self._view(s, 0, src.dtype, n))
 
@@ -282,8 +292,13 @@ class ShmAllReduce(ShmBase):
         hi: int,
         out: torch.Tensor | None,
         op: ReduceOp.RedOpType,
+        own: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """slot0 op slot1 op ... over [lo, hi), always in slot order, into ``out`` or new."""
+        """slot0 op slot1 op ... over [lo, hi), always in slot order, into ``out`` or new;
+        ``own``: this rank's part, read there instead of from its slot."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
-        return combine([slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)], out, op)
+        parts = [slots.span(s, r, dtype, lo, hi) for r in range(self.world_size)]
+        if own is not None:
+            parts[self.rank_in_group] = own
+        return combine(parts, out, op)
