@@ -30,6 +30,7 @@ from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
 from .errors import GroupcoordTypeError
 from .shm_all_reduce import ShmAllReduce
+from .shm_phases import split_code
 from .transports import NOT_OFFERED, TorchTransport, Transport
 
 
@@ -162,12 +163,13 @@ class ShmTransport(Transport):
         # Each rank reduces only its own rows, in shared memory.
         rank = self.shm.rank_in_group
         start, length = sum(sizes[:rank]), sizes[rank]
+        split = split_code(sizes)
         if dim == 0 and input_.dim() == 1 and input_.is_contiguous():
-            return self.shm.reduce_range(input_, start, start + length)
+            return self.shm.reduce_range(input_, start, start + length, split=split)
         moved = input_.movedim(dim, 0) if dim else input_
         inner = math.prod(moved.shape[1:])
         flat = moved.contiguous().view(-1)
-        part = self.shm.reduce_range(flat, start * inner, (start + length) * inner)
+        part = self.shm.reduce_range(flat, start * inner, (start + length) * inner, split=split)
         part = part.view(length, *moved.shape[1:])
         return part.movedim(0, dim).contiguous() if dim else part
 

@@ -141,15 +141,20 @@ class ShmAllReduce(ShmBase):
         op: ReduceOp.RedOpType = ReduceOp.SUM,
         *,
         out: torch.Tensor | None = None,
+        split: int = 0,
     ) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the all-reduce of 1-D ``flat`` (a reduce-scatter).
 
         Every rank passes an equally long ``flat`` and its own range. Each
         piece costs one barrier, and a rank reduces only its own range, so a
         reduce-scatter moves and adds 1/world of what an all-reduce does. ``out``:
-        a contiguous 1-D tensor of ``hi - lo`` elements to write into.
+        a contiguous 1-D tensor of ``hi - lo`` elements to write into. ``split``:
+        a code of how the caller cut the rows among the ranks (``split_code``; 0
+        for equal parts), in the call's fingerprint: ranks that cut differently
+        raise ``DesyncError`` instead of each reducing rows of its own choosing.
         """
-        lines = self._start("reduce_scatter", self.refusal(flat, op), flat, op)
+        reason = self.refusal(flat, op)
+        lines = self._start("reduce_scatter", reason, flat, op, root=split)
         if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
             raise GroupcoordValueError(
                 f"reduce_range needs a 1-D tensor and 0 <= lo <= hi <= numel, got "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 
 import torch
 
@@ -90,6 +91,15 @@ def _make_code(operation: str, dtype: torch.dtype, reduce_op: object, root: int)
     )
 
 
+def split_code(sizes: list[int]) -> int:
+    """A reduce-scatter's cut of its rows among the ranks, as the 16-bit root field
+    of its fingerprint: 0 for equal parts (the cut every plain reduce-scatter makes),
+    else a checksum of the sizes (never 0)."""
+    if all(n == sizes[0] for n in sizes):
+        return 0
+    return zlib.crc32(",".join(map(str, sizes)).encode()) % 0xFFFF + 1
+
+
 def _describe_stamp(stamp: tuple[int, int], near: int) -> str:
     """The call of a stamp, numbered as the call nearest ``near`` (this rank's call
     number) whose low bits the stamp holds."""
@@ -110,6 +120,8 @@ def describe_call(code: int, count: int) -> str:
     extra = ""
     if operation in ("all_reduce", "reduce_scatter"):
         extra = f", {_REDUCE_OPS[op_code - 1] if op_code else 'op?'}"
+        if root:  # a reduce-scatter's split_code
+            extra += f", sizes #{root:04x}"
     elif operation == "broadcast":
         extra = f", src={root}"
     return f"{operation}({dtype}[{count}]{extra})"

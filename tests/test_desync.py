@@ -143,3 +143,41 @@ def test_a_group_keeps_working_and_checking_past_two_to_the_19_calls():
         assert "all_reduce(float32[8192], SUM)" in got["raised"], got["raised"]
     numbers = {int(n) for n in re.findall(r"as call #(\d+)", results[0]["raised"])}
     assert len(numbers) == 1 and numbers.pop() > CALLS_PAST_WRAP, results[0]["raised"]
+
+
+def _split_mismatch(rank: int, world: int) -> dict:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.errors import DesyncError
+
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="dsy-split")
+    try:
+        rows = torch.arange(8 * 4, dtype=torch.float32).view(8, 4)
+        # The same call, but rank 0 cuts the rows unlike the others.
+        ones = [1] * (world - 1)
+        sizes = ones + [9 - world] if rank == 0 else [9 - world] + ones
+        try:
+            group.reduce_scatterv(rows, dim=0, sizes=sizes)
+            raised = ""
+        except DesyncError as exc:
+            raised = str(exc)
+        # Equal parts given explicitly meet a plain reduce_scatter (the same cut).
+        equal = [8 // world] * world
+        if rank == 0:
+            part = group.reduce_scatterv(rows, dim=0, sizes=equal)
+        else:
+            part = group.reduce_scatter(rows, dim=0)
+        want = (rows * world).chunk(world)[rank]
+        return {"raised": raised, "equal_ok": torch.equal(part, want)}
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_cut_a_reduce_scatterv_differently_all_raise(world):
+    for rank, got in enumerate(run_ranks(_split_mismatch, world, timeout=60)):
+        raised = got["raised"]
+        assert raised, f"rank {rank} reduced rows of its own choosing"
+        codes = re.findall(r"reduce_scatter\(float32\[32\], SUM, sizes #([0-9a-f]{4})\)", raised)
+        assert len(codes) == 2 and codes[0] != codes[1], raised
+        assert got["equal_ok"]
