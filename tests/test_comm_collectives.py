@@ -322,6 +322,11 @@ def _shared_memory_path(rank: int, world_size: int) -> str:
     with pytest.raises(DesyncError) as caught:
         comm.all_reduce(mine)
     assert "float32[4096]" in str(caught.value) and "float32[8192]" in str(caught.value)
+    # So do ranks that cut a reduce_scatter_v's rows differently (same element count).
+    cut = [1] * (world_size - 1) + [9 - world_size]
+    ins = [torch.ones(n) for n in (cut if rank == 0 else cut[::-1])]
+    with pytest.raises(DesyncError, match=r"float32\[8\], SUM, sizes #.*sizes #"):
+        comm.reduce_scatter_v(torch.empty(ins[rank].numel()), ins)
     # One stack: the comm runs on the device communicator a GroupCoordinator uses on
     # CPU, and finalize() releases it (through the lane, once no call is inside).
     from device_communicators import CpuCommunicator

@@ -14,6 +14,7 @@ import torch
 
 from device_communicators import c10d_calls, checks
 from device_communicators.shm_all_reduce import ShmAllReduce
+from device_communicators.shm_phases import split_code
 
 from .core import CommCore
 from .reduce_ops import ReduceOp
@@ -99,6 +100,7 @@ class Reductions(CommCore):
         timeout: float | datetime.timedelta | None,
         joined: Callable[[], torch.Tensor],
         lo: int,
+        split: int = 0,
     ) -> Work:
         """``inputs()``: the per-rank parts (the Gloo path); ``joined()``: them as one
         flat tensor in rank order, of which this rank's result is ``[lo, lo + numel)``
@@ -113,7 +115,12 @@ class Reductions(CommCore):
 
         def fast(shm: ShmAllReduce) -> None:
             shm.reduce_range(
-                op.premultiply(joined()), lo, lo + output.numel(), op.c10d_op(), out=flat_out
+                op.premultiply(joined()),
+                lo,
+                lo + output.numel(),
+                op.c10d_op(),
+                out=flat_out,
+                split=split,
             )
             finish()
 
@@ -217,6 +224,7 @@ class Reductions(CommCore):
             timeout,
             joined=lambda: torch.cat(flat),
             lo=sum(t.numel() for t in flat[: self._rank]),
+            split=split_code([t.numel() for t in flat]),  # ranks that cut differently raise
         )
 
     def barrier(
