@@ -71,7 +71,7 @@ PARALLEL_MIN_BYTES = TORCH_GRAIN
 # but a second pass over lines another core wrote). Measured on a 2-core EPYC
 # VM (2026-11-25), all_reduce one-shot / two-shot, worlds 2 and 4: 128 KiB
 # 153 / 235 and 343 / 635 us, 256 KiB 223-230 / 291-304 and 514 / 766 us,
-# 512 KiB even, 1 MiB and more two-shot ahead by 5-30%.
+# 512 KiB even, 1-2 MiB two-shot ahead (by up to 15% at world 2, 18-36% at 4).
 ONE_SHOT_MAX_BYTES = 256 * 1024
 # An all-gather result below this comes from torch's allocator (malloc hands a
 # loop the same block again): 9 µs against 15 µs through the result pool for
