@@ -153,8 +153,7 @@ class ShmAllReduce(ShmBase):
         for equal parts), in the call's fingerprint: ranks that cut differently
         raise ``DesyncError`` instead of each reducing rows of its own choosing.
         """
-        reason = self.refusal(flat, op)
-        lines = self._start("reduce_scatter", reason, flat, op, root=split)
+        lines = self._start("reduce_scatter", self.refusal(flat, op), flat, op, root=split)
         if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
             raise GroupcoordValueError(
                 f"reduce_range needs a 1-D tensor and 0 <= lo <= hi <= numel, got "
