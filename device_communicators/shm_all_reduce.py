@@ -35,12 +35,15 @@ before the data, so a reader that sees the counter also sees the data.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch.distributed import ReduceOp
 
 from shm_broadcast.host_memory import empty_output
 
 from .errors import GroupcoordValueError
+from .peer_reads import PEER_READ_MIN_BYTES, PeerReads
 from .shm_phases import PhaseLines
 from .shm_reduce import (
     CLONE_MAX_BYTES,
@@ -201,6 +204,12 @@ class ShmAllReduce(ShmBase):
         new or written into contiguous ``out`` of as many elements and ``tensor``'s dtype."""
         lines = self._start("all_gather", self.copy_refusal(tensor), tensor)
         nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= PEER_READ_MIN_BYTES and self.peer_reads is not None:
+            if out is None:
+                out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
+            with self._desync_guard:
+                self._gather_direct(lines, self.peer_reads, tensor.contiguous(), out, nbytes)
+            return out
         if 0 < nbytes <= self.max_bytes:
             # One piece: the whole set of slots is one (world, *shape) view.
             shape, dtype = tensor.shape, tensor.dtype
@@ -230,6 +239,30 @@ class ShmAllReduce(ShmBase):
                 for r in range(self.world_size):
                     dst[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
         return out
+
+    def _gather_direct(
+        self, lines: PhaseLines, reads: PeerReads, src: torch.Tensor, out: torch.Tensor, nbytes: int
+    ) -> None:
+        """All-gather by reading each peer's ``src`` straight into ``out`` (one copy):
+        post where ``src`` lives, copy this rank's part, wait for all, read the
+        peers', and wait again so no rank returns (and lets its caller change or
+        free ``src``) while a peer still reads it."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        gen = self._next_generation()
+        s = gen & 1
+        me = self.rank_in_group
+        at = out.data_ptr()
+        slots.post(s, me, src.data_ptr())
+        ctypes.memmove(at + me * nbytes, src.data_ptr(), nbytes)
+        lines.arrive(2 * gen - 1)
+        try:
+            for r in range(self.world_size):
+                if r != me:
+                    reads.read(r, at + r * nbytes, slots.posted(s, r), nbytes, "all_gather")
+        finally:
+            # Also after a failed read: the peers are waiting for this rank's phase.
+            lines.arrive(2 * gen)
 
     @one_at_a_time
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from .errors import (
     GroupcoordValueError,
     PeerDiedError,
 )
+from .peer_reads import PeerReads, agree_on_peer_reads
 from .shm_phases import LINE, PhaseLines, call_code
 from .shm_slots import SlotSegment, align_up, open_slot_segment
 from .shm_small import SmallCalls
@@ -133,6 +134,9 @@ class ShmBase(AllReduceBackend):
         self.call_lock = threading.RLock()
         self._slots: SlotSegment | None = None
         self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
+        # Direct reads of the peers' memory (large all-gathers), where the kernel allows them.
+        self.peer_reads: PeerReads | None = None
+        self.peer_reads_reason: str | None = "not set up"
         # The lean path of small calls (shm_small), on the slots while they are up.
         self.small = SmallCalls(self)
         self._set_up(cpu_group, self._local_refusal(config.disable_shm_all_reduce))
@@ -166,6 +170,22 @@ class ShmBase(AllReduceBackend):
         self.disabled_reason = reason
         self._lines = None if self._slots is None else self._slots.lines
         self.small.attach(self._slots if reason is None else None)
+        if self._lines is not None:  # every rank or none (the set-up agreed)
+            self.peer_reads, self.peer_reads_reason = agree_on_peer_reads(
+                group,
+                self.ranks,
+                self.rank_in_group,
+                self._lines.pids if self._lines.pid_checks else None,
+                self.what,
+                "disabled by GROUPCOORD_DISABLE_PEER_READS"
+                if get_config().disable_peer_reads
+                else None,
+            )
+            logger.info(
+                "%s: peer reads %s",
+                self.what,
+                "enabled" if self.peer_reads is not None else f"off: {self.peer_reads_reason}",
+            )
 
     # ---- the back-end interface -------------------------------------------------
 
@@ -280,6 +300,7 @@ class ShmBase(AllReduceBackend):
 
     def _release(self) -> None:
         self.small.attach(None)
+        self.peer_reads = None
         self._lines = None
         if self._slots is not None:
             self._slots.close()

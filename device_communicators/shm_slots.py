@@ -56,6 +56,9 @@ class SlotSegment:
             for s in range(2)
         ]
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        # The first int64 of every slot, for a call that passes an address instead of data.
+        self._words = segment.buf[ctrl : ctrl + 2 * world_size * max_bytes].cast("q")
+        self._word_stride = max_bytes // 8
 
     # Views are cached: making a tensor view (or slice) costs about a microsecond,
     # a small call makes several, and real workloads repeat a handful of shapes.
@@ -80,6 +83,14 @@ class SlotSegment:
     def address(self, s: int, r: int) -> int:
         """Where slot ``r`` of set ``s`` starts in this process's mapping."""
         return self._sets[s].data_ptr() + r * self.max_bytes
+
+    def post(self, s: int, r: int, value: int) -> None:
+        """Store ``value`` in the first 8 bytes of slot ``r`` of set ``s``."""
+        self._words[(s * self.world_size + r) * self._word_stride] = value
+
+    def posted(self, s: int, r: int) -> int:
+        """The value :meth:`post` stored in slot ``r`` of set ``s``."""
+        return self._words[(s * self.world_size + r) * self._word_stride]
 
     def view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
         """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``."""
@@ -107,6 +118,7 @@ class SlotSegment:
         # Views into the mapping must go before it can be unmapped.
         self._views.clear()
         self._sets = []
+        self._words.release()
         self.lines.release()
         _close_segment(self.segment)
 

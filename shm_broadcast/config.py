@@ -39,6 +39,10 @@ class GroupcoordConfig:
     # tensor is cut into (the piece is min(this, 1 MiB)); any size is taken.
     disable_shm_all_reduce: bool = False
     shm_all_reduce_max_bytes: int = 16 * 1024 * 1024
+    # Large CPU all-gathers read each peer's input straight into the result
+    # (Linux process_vm_readv, one copy instead of two through the slots) where
+    # the kernel allows it, probed at set-up; this keeps them on the slots.
+    disable_peer_reads: bool = False
     # Point-to-point tensor dicts between ranks on one node go through a
     # shared-memory queue per (sender, receiver) pair; this sends them over
     # Gloo instead. Set it the same on every rank.

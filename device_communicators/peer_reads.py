@@ -1,0 +1,151 @@
+"""Reading a peer rank's memory straight into ours: Linux cross-memory attach.
+
+Through the slots, a large all-gather copies every byte twice: its owner into
+its slot, then each reader out of the slot. ``process_vm_readv`` lets the
+kernel copy from the owner's tensor into the reader's result in one pass, as
+MPICH does for large messages on one node. Measured on a 2-core EPYC VM, world
+2: 1 MiB all-gather 790-860 us through the slots, about 300 us this way.
+
+The kernel allows the call only to a process that may ptrace the target:
+the same user, and, where Yama's ``ptrace_scope`` is 1 or more, not between
+sibling ranks; a container without ``CAP_SYS_PTRACE`` may refuse it too. So
+the set-up does not assume it: every rank posts a token's address, reads each
+peer's token through the call, and the ranks take this path only if every
+read of every rank returned the right bytes (otherwise the slots serve, and
+the reason is logged). ``GROUPCOORD_DISABLE_PEER_READS=1`` keeps every rank
+on the slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import secrets
+
+import torch
+from torch.distributed import ProcessGroup
+
+from shm_broadcast.gloo_errors import gloo_errors
+
+from .errors import GroupcoordError, PeerDiedError
+
+__all__ = ["PEER_READ_MIN_BYTES", "PeerReads", "agree_on_peer_reads"]
+
+# Parts from this size (per rank) are read from the peers directly when allowed.
+PEER_READ_MIN_BYTES = 64 * 1024
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_READV: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
+def _load_readv() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    global _READV
+    if _READV is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = getattr(libc, "process_vm_readv", None)
+        if fn is None:
+            return None
+        fn.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
+        fn.restype = ctypes.c_ssize_t
+        _READV = fn
+    return _READV
+
+
+class PeerReads:
+    """Copies from the peers' memory, by their pids (set up by :func:`agree_on_peer_reads`)."""
+
+    def __init__(self, readv: ctypes._CFuncPtr, pids: list[int], ranks: list[int], what: str):  # type: ignore[name-defined]
+        self._readv = readv
+        self.pids = pids
+        self.ranks = ranks
+        self.what = what
+        # One pair of iovecs reused by every read (a call is never re-entered: the
+        # collectives run one at a time per group).
+        self._local = _Iovec()
+        self._remote = _Iovec()
+        self._local_ref = ctypes.byref(self._local)
+        self._remote_ref = ctypes.byref(self._remote)
+
+    def read(self, r: int, local: int, remote: int, nbytes: int, operation: str) -> None:
+        """Copy ``nbytes`` at address ``remote`` of in-group rank ``r`` to ``local`` here."""
+        pid = self.pids[r]
+        while nbytes > 0:
+            self._local.base, self._local.len = local, nbytes
+            self._remote.base, self._remote.len = remote, nbytes
+            got = self._readv(pid, self._local_ref, 1, self._remote_ref, 1, 0)
+            if got <= 0:
+                code = ctypes.get_errno() if got < 0 else 0
+                if code == errno.ESRCH:
+                    raise PeerDiedError(self.what, operation, [self.ranks[r]], "peer read")
+                raise GroupcoordError(
+                    f"{self.what}: {operation}: reading {nbytes} bytes at {remote:#x} of rank "
+                    f"{self.ranks[r]} (pid {pid}) failed: {os.strerror(code) if code else 'no bytes'}"
+                )
+            local += got
+            remote += got
+            nbytes -= got
+
+
+def agree_on_peer_reads(
+    group: ProcessGroup,
+    ranks: list[int],
+    rank_in_group: int,
+    pids: list[int] | None,
+    what: str,
+    local_reason: str | None,
+) -> tuple[PeerReads | None, str | None]:
+    """Probe ``process_vm_readv`` between every pair; all ranks agree (collective).
+
+    ``pids``: every rank's pid as this rank sees it, or None when they do not
+    compare (other pid namespaces). Returns the reader, or None and why not.
+    The same two small all-gathers run on every rank whatever happens locally.
+    """
+    readv = _load_readv() if local_reason is None else None
+    if local_reason is None and readv is None:
+        local_reason = "this C library has no process_vm_readv"
+    if local_reason is None and pids is None:
+        local_reason = "the ranks are in different pid namespaces"
+    token = secrets.randbits(62) + 1
+    box = ctypes.c_int64(token)
+    mine = torch.tensor([ctypes.addressof(box), token], dtype=torch.int64)
+    posted = [torch.empty_like(mine) for _ in ranks]
+    others = [r for i, r in enumerate(ranks) if i != rank_in_group]
+    with gloo_errors(what, "peer-read set-up", group, peers=others):
+        group.allgather([posted], [mine]).wait()
+    if local_reason is None:
+        assert readv is not None and pids is not None
+        reader = PeerReads(readv, pids, ranks, what)
+        for r, (address, expected) in enumerate(p.tolist() for p in posted):
+            if r == rank_in_group:
+                continue
+            got = ctypes.c_int64(0)
+            try:
+                reader.read(r, ctypes.addressof(got), address, 8, "peer-read set-up")
+            except GroupcoordError as exc:
+                local_reason = f"process_vm_readv is not allowed here ({exc})"
+                break
+            if got.value != expected:
+                local_reason = f"rank {ranks[r]}'s token read back wrong (pids do not match?)"
+                break
+    ok = torch.tensor([0 if local_reason is None else 1], dtype=torch.int32)
+    everyone = [torch.empty_like(ok) for _ in ranks]
+    with gloo_errors(what, "peer-read set-up", group, peers=others):
+        group.allgather([everyone], [ok]).wait()
+    del box  # the peers have read it (the all-gather above is after their reads)
+    declined = [ranks[i] for i, t in enumerate(everyone) if int(t.item())]
+    if declined:
+        return None, local_reason or f"ranks {declined} cannot read their peers"
+    assert readv is not None and pids is not None
+    return PeerReads(readv, pids, ranks, what), None

@@ -1,0 +1,163 @@
+"""Large all-gathers that read each peer's input straight from its memory
+(``process_vm_readv``), the set-up probe all ranks agree on, and its failures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from coordinator.launch import init_gloo, run_ranks
+
+# (shape, dtype, transposed): every part is at least PEER_READ_MIN_BYTES.
+CASES = [
+    ((16384,), torch.float32, False),  # 64 KiB: the smallest part read directly
+    ((300, 1001), torch.bfloat16, False),  # odd element count
+    ((513, 129), torch.int64, True),  # a non-contiguous input
+    ((70000,), torch.bool, False),
+    ((3 * 262144 + 5,), torch.float32, False),  # 3 MiB: more than one slot piece
+    ((40000,), torch.complex64, False),
+]
+
+
+def _part(rank: int, shape: tuple[int, ...], dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rank * 7919 + len(shape))
+    values = torch.randint(0, 1000, shape, generator=gen)
+    part = values.to(dtype) if dtype != torch.bool else values % 2 == 1
+    return part.t() if transposed else part
+
+
+def _gathers(rank: int, world: int, disable: bool) -> str | None:
+    from device_communicators.shm_all_reduce import ShmAllReduce
+    from shm_broadcast.config import set_config
+
+    set_config(disable_peer_reads=disable)
+    init_gloo(rank, world)
+    import torch.distributed as dist
+
+    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    try:
+        assert shm.disabled_reason is None
+        if disable:
+            assert shm.peer_reads is None
+            assert "GROUPCOORD_DISABLE_PEER_READS" in (shm.peer_reads_reason or "")
+        elif shm.peer_reads is None:
+            return shm.peer_reads_reason  # not allowed on this machine: the test skips
+        reads = []
+        if shm.peer_reads is not None:
+            plain_read = shm.peer_reads.read
+            shm.peer_reads.read = lambda *a: reads.append(a[0]) or plain_read(*a)  # type: ignore[method-assign]
+        for shape, dtype, transposed in CASES:
+            mine = _part(rank, shape, dtype, transposed)
+            kept = mine.clone()
+            for out in (None, torch.empty((world, *mine.shape), dtype=dtype)):
+                got = shm.all_gather(mine, out=out)
+                assert got.shape == (world, *mine.shape) and got.dtype == dtype
+                assert out is None or got is out
+                for r in range(world):
+                    assert torch.equal(got[r], _part(r, shape, dtype, transposed)), (shape, r)
+                # The call returns only after every peer has read this input: changing
+                # it at once must not reach a peer's result (checked above next time).
+                if dtype == torch.bool:
+                    mine.logical_not_()
+                else:
+                    mine.add_(1)
+                mine.copy_(kept)
+        expected = 0 if disable else (world - 1) * 2 * len(CASES)
+        assert len(reads) == expected, (len(reads), expected)
+        assert sorted(set(reads)) == ([] if disable else [r for r in range(world) if r != rank])
+        return None
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("disable", [False, True], ids=["peer-reads", "slots"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_all_gathers_are_exact_read_directly_or_through_the_slots(
+    world: int, disable: bool
+) -> None:
+    reasons = run_ranks(_gathers, world, disable, timeout=120)
+    if not disable and any(reasons):
+        pytest.skip(f"process_vm_readv not allowed here: {reasons}")
+
+
+def _one_rank_cannot(rank: int, world: int) -> tuple[str | None, bool]:
+    import device_communicators.peer_reads as peer_reads
+
+    if rank == 1:  # as if this rank's C library had no process_vm_readv
+        peer_reads._load_readv = lambda: None  # type: ignore[assignment]
+    init_gloo(rank, world)
+    import torch.distributed as dist
+
+    from device_communicators.shm_all_reduce import ShmAllReduce
+
+    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    try:
+        mine = torch.full((300000,), float(rank))
+        got = shm.all_gather(mine)
+        exact = all(torch.equal(got[r], torch.full((300000,), float(r))) for r in range(world))
+        return shm.peer_reads_reason, exact and shm.peer_reads is None
+    finally:
+        shm.close()
+
+
+def test_every_rank_reads_through_the_slots_when_one_rank_cannot_read_directly() -> None:
+    results = run_ranks(_one_rank_cannot, 3, timeout=60)
+    assert all(ok for _, ok in results), results
+    assert results[1][0] == "this C library has no process_vm_readv"
+    assert results[0][0] == results[2][0] == "ranks [1] cannot read their peers"
+
+
+def _different_sizes(rank: int, world: int) -> list[str]:
+    from device_communicators.errors import DesyncError
+    from device_communicators.shm_all_reduce import ShmAllReduce
+
+    init_gloo(rank, world)
+    import torch.distributed as dist
+
+    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    try:
+        with pytest.raises(DesyncError) as caught:
+            shm.all_gather(torch.ones(20000 + 10000 * rank))
+        # Usable afterwards: the next call, made alike, is exact.
+        got = shm.all_gather(torch.full((20000,), float(rank)))
+        assert all(torch.equal(got[r], torch.full((20000,), float(r))) for r in range(world))
+        return [str(caught.value), str(shm.peer_reads_reason)]
+    finally:
+        shm.close()
+
+
+def test_ranks_that_gather_different_sizes_raise_before_any_read() -> None:
+    results = run_ranks(_different_sizes, 2, timeout=60)
+    for message, _ in results:
+        assert "all_gather(float32[20000])" in message and "all_gather(float32[30000])" in message
+
+
+def test_a_read_from_a_dead_process_names_the_rank_and_a_bad_address_fails_clearly() -> None:
+    import ctypes
+
+    from device_communicators.errors import GroupcoordError, PeerDiedError
+    from device_communicators.peer_reads import PeerReads, _load_readv
+
+    readv = _load_readv()
+    if readv is None:
+        pytest.skip("no process_vm_readv in this C library")
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # reaped: the pid names no process now
+    box = ctypes.c_int64(41)
+    got = ctypes.c_int64(0)
+    reads = PeerReads(readv, [os.getpid(), pid], [5, 6], "tp:0")
+    try:
+        reads.read(0, ctypes.addressof(got), ctypes.addressof(box), 8, "all_gather")
+    except GroupcoordError as exc:
+        pytest.skip(f"process_vm_readv not allowed here: {exc}")
+    assert got.value == 41  # reading this very process works
+    with pytest.raises(PeerDiedError, match=r"tp:0: all_gather failed: peer rank\(s\) \[6\] died"):
+        reads.read(1, ctypes.addressof(got), ctypes.addressof(box), 8, "all_gather")
+    with pytest.raises(
+        GroupcoordError, match=r"tp:0: all_gather: reading 8 bytes at 0x10 of rank 5"
+    ):
+        reads.read(0, ctypes.addressof(got), 0x10, 8, "all_gather")
