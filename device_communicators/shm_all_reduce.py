@@ -43,7 +43,12 @@ from torch.distributed import ReduceOp
 from shm_broadcast.host_memory import empty_output
 
 from .errors import GroupcoordValueError
-from .peer_reads import PEER_READ_MIN_BYTES, PeerReads
+from .peer_reads import (
+    DIRECT_ALL_REDUCE_MIN_BYTES,
+    PEER_READ_MIN_BYTES,
+    READ_CHUNK_BYTES,
+    PeerReads,
+)
 from .shm_phases import PhaseLines
 from .shm_reduce import (
     CLONE_MAX_BYTES,
@@ -68,6 +73,9 @@ class ShmAllReduce(ShmBase):
     Every rank of ``cpu_group`` must construct it at the same time (see
     :class:`~.shm_setup.ShmBase` for the arguments and the disabled case).
     """
+
+    # Peers' chunks read for a reduction (``_scratch``), made on first use.
+    _scratch_bytes: torch.Tensor | None = None
 
     # ---- the back-end interface -------------------------------------------------
 
@@ -125,6 +133,10 @@ class ShmAllReduce(ShmBase):
             return out
         src = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         flat_out = out.view(-1)
+        if nbytes >= DIRECT_ALL_REDUCE_MIN_BYTES and self.peer_reads is not None:
+            with self._desync_guard, OneTorchThread(nbytes):
+                self._all_reduce_direct(lines, self.peer_reads, src, flat_out, op)
+            return out
         piece = self.max_bytes // tensor.element_size()
         with self._desync_guard, OneTorchThread(numel * tensor.element_size()):
             if numel <= piece:  # the common case: no slicing at all
@@ -163,9 +175,18 @@ class ShmAllReduce(ShmBase):
                 f"shape {tuple(flat.shape)}, lo={lo}, hi={hi}"
             )
         n = flat.numel()
-        piece = self.max_bytes // flat.element_size()
+        size = flat.element_size()
+        if n * size >= self.world_size * PEER_READ_MIN_BYTES and self.peer_reads is not None:
+            if out is None:
+                out = empty_output((hi - lo,), flat.dtype)
+            with self._desync_guard, OneTorchThread(n * size):
+                self._reduce_scatter_direct(
+                    lines, self.peer_reads, flat.contiguous(), lo, hi, out, op
+                )
+            return out
+        piece = self.max_bytes // size
         if 0 < n <= piece and hi > lo:  # one piece: cached views, no slicing
-            with self._desync_guard, OneTorchThread(n * flat.element_size()):
+            with self._desync_guard, OneTorchThread(n * size):
                 _, s = self._one_piece(lines, flat)
                 return self._combine_slots(s, flat.dtype, lo, hi, out, op)
         if out is None:
@@ -174,7 +195,7 @@ class ShmAllReduce(ShmBase):
             self._empty_barrier(lines)
             return out
         me = self.rank_in_group
-        with self._desync_guard, OneTorchThread(n * flat.element_size()):
+        with self._desync_guard, OneTorchThread(n * size):
             for a in range(0, n, piece):
                 b = min(a + piece, n)
                 gen = self._next_generation()
@@ -240,6 +261,8 @@ class ShmAllReduce(ShmBase):
                     dst[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
         return out
 
+    # ---- reading the peers' memory directly (peer_reads) ----------------------------
+
     def _gather_direct(
         self, lines: PhaseLines, reads: PeerReads, src: torch.Tensor, out: torch.Tensor, nbytes: int
     ) -> None:
@@ -253,16 +276,119 @@ class ShmAllReduce(ShmBase):
         s = gen & 1
         me = self.rank_in_group
         at = out.data_ptr()
-        slots.post(s, me, src.data_ptr())
+        slots.post(s, me, 0, src.data_ptr())
         ctypes.memmove(at + me * nbytes, src.data_ptr(), nbytes)
         lines.arrive(2 * gen - 1)
         try:
             for r in range(self.world_size):
                 if r != me:
-                    reads.read(r, at + r * nbytes, slots.posted(s, r), nbytes, "all_gather")
+                    reads.read(r, at + r * nbytes, slots.posted(s, r, 0), nbytes, "all_gather")
         finally:
             # Also after a failed read: the peers are waiting for this rank's phase.
             lines.arrive(2 * gen)
+
+    def _reduce_scatter_direct(
+        self,
+        lines: PhaseLines,
+        reads: PeerReads,
+        src: torch.Tensor,
+        lo: int,
+        hi: int,
+        out: torch.Tensor,
+        op: ReduceOp.RedOpType,
+    ) -> None:
+        """Rows ``[lo, hi)`` of the reduction into ``out``, reading only those rows of
+        each peer's ``src``; the second barrier keeps every ``src`` alive until read."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        gen = self._next_generation()
+        s = gen & 1
+        slots.post(s, self.rank_in_group, 0, src.data_ptr())
+        lines.arrive(2 * gen - 1)
+        try:
+            self._sum_peers(reads, s, src, lo, hi, out, op, "reduce_scatter")
+        finally:
+            # Also after a failed read: the peers are waiting for this rank's phase.
+            lines.arrive(2 * gen)
+
+    def _all_reduce_direct(
+        self,
+        lines: PhaseLines,
+        reads: PeerReads,
+        src: torch.Tensor,
+        out: torch.Tensor,
+        op: ReduceOp.RedOpType,
+    ) -> None:
+        """Two-shot by reads: rank k reduces slice k of every rank's ``src`` into its own
+        ``out``, then reads the other slices from the peers' ``out``. Three barriers
+        (addresses posted, slices reduced, slices read), so it takes two generations.
+        After a failed read no barrier is passed (the peers would read a slice never
+        reduced): they time out naming this rank, whose group is then unusable."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        first = self._next_generation()
+        s = first & 1
+        me = self.rank_in_group
+        size = src.element_size()
+        slots.post(s, me, 0, src.data_ptr())
+        slots.post(s, me, 1, out.data_ptr())
+        lines.arrive(2 * first - 1)
+        # The second generation only now the call is checked: ranks whose calls differ
+        # raised above, each one generation on, and stay in step.
+        last = self._next_generation()
+        n = src.numel()
+        chunk = align_up(-(-n // self.world_size), 16)
+        lo, hi = min(me * chunk, n), min((me + 1) * chunk, n)
+        self._sum_peers(reads, s, src, lo, hi, out[lo:hi], op, "all_reduce")
+        lines.arrive(2 * first)
+        at = out.data_ptr()
+        for r in range(self.world_size):
+            a, b = min(r * chunk, n), min((r + 1) * chunk, n)
+            if r != me and b > a:
+                remote = slots.posted(s, r, 1) + a * size
+                reads.read(r, at + a * size, remote, (b - a) * size, "all_reduce")
+        lines.arrive(2 * last - 1)
+
+    def _sum_peers(
+        self,
+        reads: PeerReads,
+        s: int,
+        src: torch.Tensor,
+        lo: int,
+        hi: int,
+        out: torch.Tensor,
+        op: ReduceOp.RedOpType,
+        operation: str,
+    ) -> None:
+        """``out`` = elements ``[lo, hi)`` of every rank's posted input combined in
+        rank order, read a cache-sized chunk at a time (this rank's own from ``src``)."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        me, size = self.rank_in_group, src.element_size()
+        step = max(1, READ_CHUNK_BYTES // size)
+        scratch = self._scratch(src.dtype, step)
+        addresses = [slots.posted(s, r, 0) for r in range(self.world_size)]
+        # In place (``out`` is these rows of ``src``): the own rows are copied aside
+        # first, or the combine would overwrite them before it reads them.
+        in_place = out.data_ptr() == src.data_ptr() + lo * size
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            parts = []
+            for r in range(self.world_size):
+                if r == me:
+                    own = src[a:b]
+                    parts.append(scratch[r, : b - a].copy_(own) if in_place else own)
+                    continue
+                row = scratch[r, : b - a]
+                reads.read(r, row.data_ptr(), addresses[r] + a * size, (b - a) * size, operation)
+                parts.append(row)
+            combine(parts, out[a - lo : b - lo], op)
+
+    def _scratch(self, dtype: torch.dtype, step: int) -> torch.Tensor:
+        """A ``(world, step)`` buffer of ``dtype`` for peers' chunks, kept between calls."""
+        if self._scratch_bytes is None:
+            self._scratch_bytes = torch.empty(self.world_size * READ_CHUNK_BYTES, dtype=torch.uint8)
+        return self._scratch_bytes.view(dtype)[: self.world_size * step].view(self.world_size, step)
 
     @one_at_a_time
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from .errors import (
     GroupcoordValueError,
     PeerDiedError,
 )
-from .peer_reads import PeerReads, agree_on_peer_reads
+from .peer_reads import PeerReadError, PeerReads, agree_on_peer_reads
 from .shm_phases import LINE, PhaseLines, call_code
 from .shm_slots import SlotSegment, align_up, open_slot_segment
 from .shm_small import SmallCalls
@@ -63,7 +63,8 @@ def one_at_a_time(method: _Method) -> _Method:
 
 
 class _DesyncGuard:
-    """Marks the owner unusable when a wait fails: peers no longer agree on the generation.
+    """Marks the owner unusable when a wait or a read of a peer's memory fails: the
+    peers no longer agree on the generation (or wait for a result never published).
 
     A plain class rather than ``contextlib.contextmanager``: it is entered on
     every call, and a generator-based manager costs about a microsecond more.
@@ -78,7 +79,7 @@ class _DesyncGuard:
         return None
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, (GroupcoordTimeoutError, PeerDiedError)):
+        if isinstance(exc, (GroupcoordTimeoutError, PeerDiedError, PeerReadError)):
             self.owner._failure = str(exc)
 
 

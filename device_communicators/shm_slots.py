@@ -56,7 +56,7 @@ class SlotSegment:
             for s in range(2)
         ]
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
-        # The first int64 of every slot, for a call that passes an address instead of data.
+        # The int64s of every slot, for a call that passes an address instead of data.
         self._words = segment.buf[ctrl : ctrl + 2 * world_size * max_bytes].cast("q")
         self._word_stride = max_bytes // 8
 
@@ -84,13 +84,13 @@ class SlotSegment:
         """Where slot ``r`` of set ``s`` starts in this process's mapping."""
         return self._sets[s].data_ptr() + r * self.max_bytes
 
-    def post(self, s: int, r: int, value: int) -> None:
-        """Store ``value`` in the first 8 bytes of slot ``r`` of set ``s``."""
-        self._words[(s * self.world_size + r) * self._word_stride] = value
+    def post(self, s: int, r: int, i: int, value: int) -> None:
+        """Store ``value`` as int64 number ``i`` of slot ``r`` of set ``s``."""
+        self._words[(s * self.world_size + r) * self._word_stride + i] = value
 
-    def posted(self, s: int, r: int) -> int:
-        """The value :meth:`post` stored in slot ``r`` of set ``s``."""
-        return self._words[(s * self.world_size + r) * self._word_stride]
+    def posted(self, s: int, r: int, i: int) -> int:
+        """The value :meth:`post` stored as int64 number ``i`` of slot ``r`` of set ``s``."""
+        return self._words[(s * self.world_size + r) * self._word_stride + i]
 
     def view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
         """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``."""

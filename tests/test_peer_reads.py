@@ -118,20 +118,28 @@ def _different_sizes(rank: int, world: int) -> list[str]:
 
     shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
     try:
-        with pytest.raises(DesyncError) as caught:
+        with pytest.raises(DesyncError) as gather:
             shm.all_gather(torch.ones(20000 + 10000 * rank))
         # Usable afterwards: the next call, made alike, is exact.
         got = shm.all_gather(torch.full((20000,), float(rank)))
         assert all(torch.equal(got[r], torch.full((20000,), float(r))) for r in range(world))
-        return [str(caught.value), str(shm.peer_reads_reason)]
+        # An all-reduce read directly (rank 0) against one through the slots (rank 1).
+        with pytest.raises(DesyncError) as reduce:
+            shm.all_reduce(torch.ones(1 << 20 if rank == 0 else 3 << 18))
+        for numel in (1 << 20, 3 << 18):  # both paths still in step afterwards
+            got = shm.all_reduce(torch.full((numel,), float(rank + 1)))
+            assert torch.equal(got, torch.full((numel,), float(world * (world + 1) // 2)))
+        return [str(gather.value), str(reduce.value)]
     finally:
         shm.close()
 
 
-def test_ranks_that_gather_different_sizes_raise_before_any_read() -> None:
+def test_ranks_that_call_different_sizes_raise_before_any_read_and_stay_in_step() -> None:
     results = run_ranks(_different_sizes, 2, timeout=60)
-    for message, _ in results:
-        assert "all_gather(float32[20000])" in message and "all_gather(float32[30000])" in message
+    for gather, reduce in results:
+        assert "all_gather(float32[20000])" in gather and "all_gather(float32[30000])" in gather
+        assert "all_reduce(float32[1048576], SUM)" in reduce
+        assert "all_reduce(float32[786432], SUM)" in reduce
 
 
 def test_a_read_from_a_dead_process_names_the_rank_and_a_bad_address_fails_clearly() -> None:
@@ -161,3 +169,64 @@ def test_a_read_from_a_dead_process_names_the_rank_and_a_bad_address_fails_clear
         GroupcoordError, match=r"tp:0: all_gather: reading 8 bytes at 0x10 of rank 5"
     ):
         reads.read(0, ctypes.addressof(got), 0x10, 8, "all_gather")
+
+
+def _reductions(rank: int, world: int, disable: bool) -> tuple[str | None, list[str]]:
+    """Large reduce-scatters (uneven ranges, one empty) and all-reduces (out of place
+    and in place) against the fixed-order reference; digests of the all-reduces."""
+    import torch.distributed as dist
+    from test_shm_all_reduce import digest, rank_input, reference
+    from torch.distributed import ReduceOp
+
+    from device_communicators.peer_reads import DIRECT_ALL_REDUCE_MIN_BYTES
+    from device_communicators.shm_all_reduce import ShmAllReduce
+    from shm_broadcast.config import set_config
+
+    set_config(disable_peer_reads=disable)
+    init_gloo(rank, world)
+    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    digests = []
+    try:
+        if not disable and shm.peer_reads is None:
+            return shm.peer_reads_reason, []
+        reads = []
+        if shm.peer_reads is not None:
+            plain_read = shm.peer_reads.read
+            shm.peer_reads.read = lambda *a: reads.append(a[0]) or plain_read(*a)  # type: ignore[method-assign]
+        for dtype, numel in ((torch.float32, 300001), (torch.bfloat16, 200003)):
+            cuts = [0, numel // 5, numel // 5, (3 * numel) // 5, numel][: world + 1]
+            cuts[world] = numel  # rank 1's range is empty at world >= 3
+            lo, hi = cuts[rank], cuts[rank + 1]
+            for op in ("SUM", "MAX", "PRODUCT"):
+                x = rank_input(rank, numel, dtype, seed=numel)
+                got = shm.reduce_range(x, lo, hi, getattr(ReduceOp, op))
+                want = reference(world, numel, dtype, op, seed=numel)[lo:hi]
+                assert torch.equal(got, want), (dtype, op, lo, hi)
+        numel = DIRECT_ALL_REDUCE_MIN_BYTES // 4 + 3  # just over: read directly
+        for dtype, op in ((torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int64, "MIN")):
+            want = reference(world, numel, dtype, op, seed=5)
+            x = rank_input(rank, numel, dtype, seed=5)
+            got = shm.all_reduce(x, getattr(ReduceOp, op))
+            assert torch.equal(x, rank_input(rank, numel, dtype, seed=5)), "input modified"
+            assert torch.equal(got, want), (dtype, op)
+            assert shm.all_reduce(x, getattr(ReduceOp, op), out=x) is x  # in place
+            assert torch.equal(x, want), (dtype, op, "in place")
+            digests.append(digest(got))
+        if disable:
+            assert not reads
+        else:  # every rank read every peer, in both kinds of call
+            assert sorted(set(reads)) == [r for r in range(world) if r != rank]
+        return None, digests
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("disable", [False, True], ids=["peer-reads", "slots"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_reductions_match_the_fixed_order_reference_read_directly_or_not(
+    world: int, disable: bool
+) -> None:
+    results = run_ranks(_reductions, world, disable, timeout=180)
+    if not disable and any(reason for reason, _ in results):
+        pytest.skip(f"process_vm_readv not allowed here: {results[0][0]}")
+    assert all(digests == results[0][1] for _, digests in results)  # bit-identical
