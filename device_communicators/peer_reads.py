@@ -48,8 +48,14 @@ __all__ = [
     "agree_on_peer_reads",
 ]
 
-# An all-gather part from this size, or a reduce-scatter input from world times
-# it, is read from the peers directly when allowed.
+# What is read directly when allowed: an all-gather part, or a reduce-scatter
+# input, over the lean path's 256 KiB (``shm_small.LEAN_MAX_BYTES``). The two
+# must never overlap: the lean path copies through the slots, and a rank whose
+# call the lean path declines (a strided input, say) must meet the same
+# protocol on the general path as its peers on the lean one. (At world 2 a
+# direct read was as fast as the lean path from 64 KiB; at world 4 the lean
+# path was faster up to 256 KiB.) A reduce-scatter also needs world x this
+# much, so that each read is at least this long.
 PEER_READ_MIN_BYTES = 64 * 1024
 # An all-reduce from this size is read directly: below it the slots' two-shot
 # was as fast (a read costs ~6 us more than a memmove, and moves 4-5 GB/s

@@ -60,11 +60,22 @@ from .shm_reduce import (
 )
 from .shm_setup import ShmBase, one_at_a_time
 from .shm_slots import align_up
+from .shm_small import LEAN_MAX_BYTES
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (0-dim included)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def _check_out(out: torch.Tensor, dtype: torch.dtype, numel: int) -> None:
+    """A caller's ``out`` must be what the call writes (a direct read writes its bytes)."""
+    if not out.is_contiguous() or out.dtype != dtype or out.numel() != numel or not out.is_cpu:
+        raise GroupcoordValueError(
+            f"out: expected a contiguous CPU {dtype} tensor of {numel} elements, got "
+            f"{out.dtype} of shape {tuple(out.shape)} on {out.device}"
+            + ("" if out.is_contiguous() else ", not contiguous")
+        )
 
 
 class ShmAllReduce(ShmBase):
@@ -115,6 +126,8 @@ class ShmAllReduce(ShmBase):
         op: ReduceOp.RedOpType,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
+        if out is not None:
+            _check_out(out, tensor.dtype, tensor.numel())
         lines = self._start("all_reduce", reason, tensor, op)
         numel = tensor.numel()
         nbytes = numel * tensor.element_size()
@@ -168,15 +181,19 @@ class ShmAllReduce(ShmBase):
         for equal parts), in the call's fingerprint: ranks that cut differently
         raise ``DesyncError`` instead of each reducing rows of its own choosing.
         """
-        lines = self._start("reduce_scatter", self.refusal(flat, op), flat, op, root=split)
+        # Checked before the call is stamped: a refused call leaves the ranks in step.
         if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
             raise GroupcoordValueError(
                 f"reduce_range needs a 1-D tensor and 0 <= lo <= hi <= numel, got "
                 f"shape {tuple(flat.shape)}, lo={lo}, hi={hi}"
             )
+        if out is not None:
+            _check_out(out, flat.dtype, hi - lo)
+        lines = self._start("reduce_scatter", self.refusal(flat, op), flat, op, root=split)
         n = flat.numel()
         size = flat.element_size()
-        if n * size >= self.world_size * PEER_READ_MIN_BYTES and self.peer_reads is not None:
+        direct = n * size > LEAN_MAX_BYTES and n * size >= self.world_size * PEER_READ_MIN_BYTES
+        if direct and self.peer_reads is not None:
             if out is None:
                 out = empty_output((hi - lo,), flat.dtype)
             with self._desync_guard, OneTorchThread(n * size):
@@ -223,9 +240,11 @@ class ShmAllReduce(ShmBase):
     def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``,
         new or written into contiguous ``out`` of as many elements and ``tensor``'s dtype."""
+        if out is not None:
+            _check_out(out, tensor.dtype, self.world_size * tensor.numel())
         lines = self._start("all_gather", self.copy_refusal(tensor), tensor)
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes >= PEER_READ_MIN_BYTES and self.peer_reads is not None:
+        if nbytes > LEAN_MAX_BYTES and self.peer_reads is not None:
             if out is None:
                 out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
             with self._desync_guard:

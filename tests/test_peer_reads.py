@@ -10,12 +10,12 @@ import torch
 
 from coordinator.launch import init_gloo, run_ranks
 
-# (shape, dtype, transposed): every part is at least PEER_READ_MIN_BYTES.
+# (shape, dtype, transposed): every part is over the lean path's 256 KiB.
 CASES = [
-    ((16384,), torch.float32, False),  # 64 KiB: the smallest part read directly
+    ((65537,), torch.float32, False),  # 256 KiB + 4: the smallest part read directly
     ((300, 1001), torch.bfloat16, False),  # odd element count
     ((513, 129), torch.int64, True),  # a non-contiguous input
-    ((70000,), torch.bool, False),
+    ((300000,), torch.bool, False),
     ((3 * 262144 + 5,), torch.float32, False),  # 3 MiB: more than one slot piece
     ((40000,), torch.complex64, False),
 ]
@@ -230,3 +230,68 @@ def test_large_reductions_match_the_fixed_order_reference_read_directly_or_not(
     if not disable and any(reason for reason, _ in results):
         pytest.skip(f"process_vm_readv not allowed here: {results[0][0]}")
     assert all(digests == results[0][1] for _, digests in results)  # bit-identical
+
+
+def _lean_and_general(rank: int, world: int) -> list[bool]:
+    from test_shm_small import _group
+
+    group = _group(rank, world, "pr-lean")
+    try:
+        exact = []
+        # Up to 256 KiB a part the lean path copies through the slots; a rank whose
+        # call it declines (here: rank 1 calls the general path itself) must meet
+        # the same protocol, not a direct read. Over 256 KiB both read directly.
+        for n in (16385, 40000, 65536, 65537):
+            x = torch.arange(float(n)) + 1000 * rank
+            got = group.all_gather(x, 0) if rank == 0 else group._all_gather_eager(x, 0)
+            want = torch.cat([torch.arange(float(n)) + 1000 * r for r in range(world)])
+            exact.append(torch.equal(got, want))
+        for n in (40000 // world, 65536 // world, 65536 // world + 1):
+            x = torch.arange(float(world * n)) + rank
+            got = group.reduce_scatter(x, 0) if rank == 0 else group._reduce_scatter_eager(x, 0)
+            full = sum(torch.arange(float(world * n)) + r for r in range(world))
+            exact.append(torch.equal(got, full.chunk(world)[rank]))
+        return exact
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_lean_rank_and_a_general_rank_meet_on_one_protocol_at_every_size(world: int) -> None:
+    for exact in run_ranks(_lean_and_general, world, timeout=60):
+        assert all(exact), exact
+
+
+def _bad_outputs(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    from device_communicators.errors import GroupcoordValueError
+    from device_communicators.shm_all_reduce import ShmAllReduce
+
+    init_gloo(rank, world)
+    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    try:
+        x = torch.full((70000,), float(rank))  # over 256 KiB: read directly where allowed
+        messages = []
+        for call in (
+            lambda: shm.all_gather(x, out=torch.empty(world * 70000 - 1)),
+            lambda: shm.all_gather(x, out=torch.empty(70000, world).t()),
+            lambda: shm.all_reduce(torch.ones(1 << 20), out=torch.empty(1 << 19)),
+            lambda: shm.reduce_range(x, 0, 10, out=torch.empty(10, dtype=torch.float64)),
+        ):
+            with pytest.raises(GroupcoordValueError, match="^out: expected a contiguous") as bad:
+                call()
+            messages.append(str(bad.value))
+        # Refused before the call was stamped: the ranks are still in step.
+        got = shm.all_gather(x)
+        assert all(torch.equal(got[r], torch.full((70000,), float(r))) for r in range(world))
+        return messages
+    finally:
+        shm.close()
+
+
+def test_a_wrong_out_is_refused_before_the_call_and_the_group_stays_usable() -> None:
+    for messages in run_ranks(_bad_outputs, 2, timeout=60):
+        assert "of 140000 elements, got torch.float32 of shape (139999,)" in messages[0]
+        assert "not contiguous" in messages[1]
+        assert "torch.float32 tensor of 10 elements, got torch.float64" in messages[3]
