@@ -4,7 +4,8 @@ Run by ``bench_collectives.py`` under ``mpiexec -n WORLD`` (MPICH's shared-memor
 transport on one machine); rank 0 prints one JSON list of rows on stdout:
 ``{"op", "bytes", "mpi_us"}``. Buffers are float32 numpy arrays of the same
 bytes per rank as ours; all_reduce is out-of-place (``Allreduce(send, recv)``),
-all_gather is ``Allgather``, reduce_scatter ``Reduce_scatter_block``, send_recv
+all_gather is ``Allgather``, reduce_scatter ``Reduce_scatter_block``, broadcast
+``Bcast`` from rank 0, send_recv
 a ``Send``/``Recv`` ping-pong between ranks 0 and 1 into a fresh array, timed
 per one-way trip as ours is.
 """
@@ -57,10 +58,13 @@ def main() -> None:
                 "reduce_scatter": (comm.Reduce_scatter_block, np.empty(n // world, np.float32)),
                 "send_recv": (functools.partial(_ping_pong, comm), None),
             }
-            if op not in calls:
+            if op == "broadcast":
+                fn = functools.partial(comm.Bcast, x, 0)
+            elif op in calls:
+                call, out = calls[op]
+                fn = functools.partial(call, x, out)
+            else:
                 continue
-            call, out = calls[op]
-            fn = functools.partial(call, x, out)
             iters = max(2, min(args.max_iters, args.budget // max(n * 4, 1)))
             seconds = per_call_seconds(fn, agree, iters, args.batches)
             trips = 2 if op == "send_recv" else 1

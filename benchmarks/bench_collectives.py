@@ -1,18 +1,18 @@
 """GroupCoordinator collectives vs plain torch.distributed over Gloo, same ranks, same run.
 
-Ops: all_reduce, all_gather, reduce_scatter, broadcast_tensor_dict (8 tensors
-plus plain values), send/recv_tensor_dict and send_recv (one tensor: ``send``
+Ops: all_reduce, all_gather, reduce_scatter, broadcast (one tensor from rank
+0, in place), broadcast_tensor_dict (8 tensors plus plain values), send/recv_tensor_dict and send_recv (one tensor: ``send``
 then ``recv``); the last two are rank 0 -> 1 -> 0 ping-pongs, timed per one-way
 trip. Sizes are total bytes per rank. The torch side is what an engine would
 write without groupcoord: ``dist.all_reduce``, ``dist.all_gather_single``,
-``dist.reduce_scatter_single``, ``broadcast_object_list`` of the metadata then
+``dist.reduce_scatter_single``, ``dist.broadcast``, ``broadcast_object_list`` of the metadata then
 one ``broadcast`` per tensor, ``send_object_list`` then one ``send`` per
 tensor, and ``dist.send``/``dist.recv`` into a fresh tensor.
 
     python benchmarks/bench_collectives.py --quick
     python benchmarks/bench_collectives.py --worlds 2,4 --plot
 
-The same all_reduce, all_gather and reduce_scatter also run through the
+The same all_reduce, all_gather, reduce_scatter and broadcast also run through the
 torchcomms-style ``coordinator.comm.Comm`` on the group (``comm_us``;
 ``comm_vs_group`` = Comm time / GroupCoordinator time, 1.0 = same speed).
 
@@ -27,7 +27,7 @@ small Gloo all-reduce) on both sides: times then include that work (its own
 time alone is ``work_us``), the case where a thread pool left spinning by
 torch ops competes with the collective. MPI (mpi4py over MPICH's shared-memory transport, started with
 ``mpiexec``; the ``bench`` extra installs both) is a third column for
-all_reduce, all_gather, reduce_scatter and send_recv: ``mpi_us`` and ``mpi_ratio`` = MPI
+all_reduce, all_gather, reduce_scatter, broadcast and send_recv: ``mpi_us`` and ``mpi_ratio`` = MPI
 time / ours (> 1: ours is faster); without it the column says why it is empty.
 """
 
@@ -61,6 +61,7 @@ OPS = [
     "all_reduce",
     "all_gather",
     "reduce_scatter",
+    "broadcast",
     "broadcast_tensor_dict",
     "send_recv_tensor_dict",
     "send_recv",
@@ -200,6 +201,13 @@ def _pair(
             (lambda: dist.reduce_scatter_single(out, x, group=plain)),
             (lambda: comm.reduce_scatter_single(out, x)),
         )
+    if op == "broadcast":
+        buf = x.clone()
+        return (
+            (lambda: group.broadcast(x, src=0)),
+            (lambda: dist.broadcast(buf, 0, group=plain)),
+            (lambda: comm.broadcast(buf, 0)),
+        )
     parts = list(x.chunk(DICT_TENSORS))
     tensor_dict: dict[str, Any] = {f"t{i}": p.clone() for i, p in enumerate(parts)}
     tensor_dict["step"] = 1
@@ -290,7 +298,7 @@ def _pair(
     raise ValueError(f"unknown op {op!r}")
 
 
-MPI_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+MPI_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
 
 def mpi_rows(world: int, sizes: list[int], ops: list[str], quick: bool) -> list[dict] | str:

@@ -6,7 +6,8 @@ kernel copy from the owner's tensor into the reader's result in one pass, as
 MPICH does for large messages on one node. Measured on a 2-core EPYC VM, world
 2: 1 MiB all-gather 790-860 us through the slots, 340-570 us this way.
 
-A reduction reads the peers' rows it reduces into a small scratch buffer, a
+A broadcast's other ranks read the root's tensor into theirs (the root copies
+nothing). A reduction reads the peers' rows it reduces into a small scratch buffer, a
 chunk at a time, and sums each chunk while it is in cache: a reduce-scatter
 reads only its own rows (4-16 MiB: 25-40% faster than through the slots); a
 large all-reduce is a reduce-scatter into each rank's own result, then reads

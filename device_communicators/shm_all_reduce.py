@@ -306,6 +306,26 @@ class ShmAllReduce(ShmBase):
             # Also after a failed read: the peers are waiting for this rank's phase.
             lines.arrive(2 * gen)
 
+    def _broadcast_direct(
+        self, lines: PhaseLines, reads: PeerReads, work: torch.Tensor, src: int
+    ) -> None:
+        """Every rank but ``src`` reads ``src``'s ``work`` into its own; ``src`` copies
+        nothing and waits until all have read."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        gen = self._next_generation()
+        s = gen & 1
+        nbytes = work.numel() * work.element_size()
+        if self.rank_in_group == src:
+            slots.post(s, src, 0, work.data_ptr())
+        lines.arrive(2 * gen - 1)
+        try:
+            if self.rank_in_group != src:
+                reads.read(src, work.data_ptr(), slots.posted(s, src, 0), nbytes, "broadcast")
+        finally:
+            # Also after a failed read: the peers are waiting for this rank's phase.
+            lines.arrive(2 * gen)
+
     def _reduce_scatter_direct(
         self,
         lines: PhaseLines,
@@ -419,6 +439,12 @@ class ShmAllReduce(ShmBase):
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         data = _bytes_of(work)
         sender = self.rank_in_group == src
+        if data.numel() > LEAN_MAX_BYTES and self.peer_reads is not None:
+            with self._desync_guard:
+                self._broadcast_direct(lines, self.peer_reads, work, src)
+            if work is not tensor:
+                tensor.copy_(work)
+            return tensor
         with self._desync_guard, OneTorchThread(data.numel()):
             for start in range(0, data.numel(), self.max_bytes):
                 stop = min(start + self.max_bytes, data.numel())

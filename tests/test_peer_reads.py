@@ -295,3 +295,47 @@ def test_a_wrong_out_is_refused_before_the_call_and_the_group_stays_usable() -> 
         assert "of 140000 elements, got torch.float32 of shape (139999,)" in messages[0]
         assert "not contiguous" in messages[1]
         assert "torch.float32 tensor of 10 elements, got torch.float64" in messages[3]
+
+
+def _broadcasts(rank: int, world: int, disable: bool) -> str | None:
+    import torch.distributed as dist
+
+    from device_communicators.shm_all_reduce import ShmAllReduce
+    from shm_broadcast.config import set_config
+
+    set_config(disable_peer_reads=disable)
+    init_gloo(rank, world)
+    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    try:
+        if not disable and shm.peer_reads is None:
+            return shm.peer_reads_reason
+        reads = []
+        if shm.peer_reads is not None:
+            plain_read = shm.peer_reads.read
+            shm.peer_reads.read = lambda *a: reads.append(a[0]) or plain_read(*a)  # type: ignore[method-assign]
+        src = world - 1
+        for shape, dtype, transposed in CASES:
+            want = _part(src, shape, dtype, transposed)
+            # Into a strided view of a bigger tensor: only the view's elements change.
+            base = torch.zeros((*want.shape, 2), dtype=dtype)
+            target = base[..., 1]
+            if rank == src:
+                target.copy_(want)
+            assert shm.broadcast_(target, src) is target
+            assert torch.equal(target, want), (shape, dtype)
+            assert not base[..., 0].any()
+        expected = 0 if disable or rank == src else len(CASES)
+        assert len(reads) == expected and set(reads) <= {src}, (reads, expected)
+        return None
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("disable", [False, True], ids=["peer-reads", "slots"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_broadcasts_read_the_root_directly_or_go_through_the_slots(
+    world: int, disable: bool
+) -> None:
+    reasons = run_ranks(_broadcasts, world, disable, timeout=120)
+    if not disable and any(reasons):
+        pytest.skip(f"process_vm_readv not allowed here: {reasons}")
