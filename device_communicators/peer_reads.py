@@ -47,6 +47,7 @@ __all__ = [
     "PeerReadError",
     "PeerReads",
     "agree_on_peer_reads",
+    "probe_this_machine",
 ]
 
 # What is read directly when allowed: an all-gather part, or a reduce-scatter
@@ -186,3 +187,35 @@ def agree_on_peer_reads(
         return None, local_reason or f"ranks {declined} cannot read their peers"
     assert readv is not None and pids is not None
     return PeerReads(readv, pids, ranks, what), None
+
+
+def probe_this_machine() -> str | None:
+    """Why ranks started here could not read each other's memory, or None when they
+    can (for ``groupcoord info``). A forked child reads this process: like a sibling
+    rank, it is not this process's ancestor, which Yama's ``ptrace_scope`` 1 asks."""
+    readv = _load_readv()
+    if readv is None:
+        return "this C library has no process_vm_readv"
+    token = ctypes.c_int64(secrets.randbits(62) + 1)
+    parent = os.getpid()
+    into, out = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report one line, then leave without any clean-up
+        reason = ""
+        try:
+            got = ctypes.c_int64(0)
+            reader = PeerReads(readv, [parent], [0], "probe")
+            reader.read(0, ctypes.addressof(got), ctypes.addressof(token), 8, "read")
+            if got.value != token.value:
+                reason = "the bytes read back differ"
+        except GroupcoordError as exc:
+            reason = str(exc)
+        os.write(out, reason.encode()[:4000] or b"ok")
+        os._exit(0)
+    os.close(out)
+    try:
+        answer = os.read(into, 4096).decode(errors="replace")
+    finally:
+        os.close(into)
+        os.waitpid(pid, 0)
+    return None if answer == "ok" else answer or "the probe process gave no answer"

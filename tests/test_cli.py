@@ -33,3 +33,4 @@ def test_info_prints_effective_settings_and_cuda_facts() -> None:
     assert "12.5" in result.stdout
     assert "CUDA devices" in result.stdout
     assert "custom all-reduce" in result.stdout
+    assert "ranks read each other's memory (process_vm_readv)" in result.stdout

@@ -339,3 +339,20 @@ def test_large_broadcasts_read_the_root_directly_or_go_through_the_slots(
     reasons = run_ranks(_broadcasts, world, disable, timeout=120)
     if not disable and any(reasons):
         pytest.skip(f"process_vm_readv not allowed here: {reasons}")
+
+
+def test_groupcoord_info_probe_reports_why_ranks_could_not_read_each_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import device_communicators.peer_reads as peer_reads
+
+    here = peer_reads.probe_this_machine()
+    assert here is None or "process_vm_readv" in here or "read" in here
+
+    def refuse(self: object, r: int, *args: object) -> None:
+        raise peer_reads.PeerReadError("probe: read: Operation not permitted")
+
+    monkeypatch.setattr(peer_reads.PeerReads, "read", refuse)  # the forked child inherits it
+    assert peer_reads.probe_this_machine() == "probe: read: Operation not permitted"
+    monkeypatch.setattr(peer_reads, "_load_readv", lambda: None)
+    assert peer_reads.probe_this_machine() == "this C library has no process_vm_readv"

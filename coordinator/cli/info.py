@@ -18,12 +18,19 @@ def config_rows() -> list[tuple[str, str]]:
 
 
 def host_rows() -> list[tuple[str, str]]:
-    """CPU-side facts: cores, shared memory, our segments present now."""
+    """CPU-side facts: cores, shared memory, our segments present now, peer reads."""
+    from device_communicators.peer_reads import probe_this_machine
+
     cfg = get_config()
+    why_not = probe_this_machine()
     return [
         ("CPU cores", str(os.cpu_count())),
         (f"free in {cfg.shm_dir}", f"{shm_free_bytes() / 2**20:.0f} MiB"),
         ("groupcoord segments present", str(len(list_segments()))),
+        (
+            "ranks read each other's memory (process_vm_readv)",
+            "yes" if why_not is None else f"no, large CPU calls use the slots: {why_not}",
+        ),
     ]
 
 
