@@ -43,7 +43,7 @@ from .errors import GroupcoordError, PeerDiedError
 __all__ = [
     "DIRECT_ALL_REDUCE_MIN_BYTES",
     "PEER_READ_MIN_BYTES",
-    "READ_CHUNK_BYTES",
+    "READ_SCRATCH_BYTES",
     "PeerReadError",
     "PeerReads",
     "agree_on_peer_reads",
@@ -63,10 +63,14 @@ PEER_READ_MIN_BYTES = 64 * 1024
 # was as fast (a read costs ~6 us more than a memmove, and moves 4-5 GB/s
 # against 15-20 from cache); above it, 25-30% faster at world 4, even at 2.
 DIRECT_ALL_REDUCE_MIN_BYTES = 4 * 1024 * 1024
-# A reduction reads the peers' rows this much at a time into a scratch buffer
-# that stays in cache, and sums each chunk before the next. 32 KiB chunks made
-# a 1 MiB reduce-scatter 3x slower (one read each); 128-512 KiB measured alike.
-READ_CHUNK_BYTES = 256 * 1024
+# A reduction reads the peers' rows a chunk at a time into a scratch buffer, and
+# sums each chunk before the next. The peers' chunks of one step fill this much
+# (a Zen 1 core's L2): at world 2, 1-4 MiB reduce-scatters took 15-25% less
+# time with 512 KiB chunks than with 256 KiB; at world 4, 512 KiB chunks (1.5
+# MiB of scratch) were slower again, and this rule's 170 KiB measured even with
+# 256 KiB; 32 KiB chunks made a 1 MiB reduce-scatter 3x slower (each read has
+# a fixed cost, each chunk a few torch calls).
+READ_SCRATCH_BYTES = 512 * 1024
 
 
 class PeerReadError(GroupcoordError):

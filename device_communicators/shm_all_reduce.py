@@ -46,7 +46,7 @@ from .errors import GroupcoordValueError
 from .peer_reads import (
     DIRECT_ALL_REDUCE_MIN_BYTES,
     PEER_READ_MIN_BYTES,
-    READ_CHUNK_BYTES,
+    READ_SCRATCH_BYTES,
     PeerReads,
 )
 from .shm_phases import PhaseLines
@@ -404,7 +404,7 @@ class ShmAllReduce(ShmBase):
         slots = self._slots
         assert slots is not None  # enabled means mapped
         me, size = self.rank_in_group, src.element_size()
-        step = max(1, READ_CHUNK_BYTES // size)
+        step = max(1, READ_SCRATCH_BYTES // (self.world_size - 1) // size)
         scratch = self._scratch(src.dtype, step)
         addresses = [slots.posted(s, r, 0) for r in range(self.world_size)]
         # In place (``out`` is these rows of ``src``): the own rows are copied aside
@@ -426,7 +426,9 @@ class ShmAllReduce(ShmBase):
     def _scratch(self, dtype: torch.dtype, step: int) -> torch.Tensor:
         """A ``(world, step)`` buffer of ``dtype`` for peers' chunks, kept between calls."""
         if self._scratch_bytes is None:
-            self._scratch_bytes = torch.empty(self.world_size * READ_CHUNK_BYTES, dtype=torch.uint8)
+            # One row per rank, this rank's too (an in-place call's own rows).
+            row = READ_SCRATCH_BYTES // (self.world_size - 1)
+            self._scratch_bytes = torch.empty(self.world_size * row, dtype=torch.uint8)
         return self._scratch_bytes.view(dtype)[: self.world_size * step].view(self.world_size, step)
 
     @one_at_a_time
