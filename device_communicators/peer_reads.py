@@ -7,14 +7,15 @@ MPICH does for large messages on one node. Measured on a 2-core EPYC VM, world
 2: 1 MiB all-gather 790-860 us through the slots, 340-570 us this way.
 
 A broadcast's other ranks read the root's tensor into theirs (the root copies
-nothing). A reduction reads the peers' rows it reduces into a small scratch buffer, a
-chunk at a time, and sums each chunk while it is in cache: a reduce-scatter
-reads only its own rows (4-16 MiB: 25-40% faster than through the slots); a
-large all-reduce is a reduce-scatter into each rank's own result, then reads
-of the other ranks' reduced slices from their results. A read has a fixed
-cost (about 6 us more than a ``memmove`` here) and moves 4-5 GB/s, so the
-slots, whose copies run on every rank's core at once, stay the path for
-smaller reductions (``DIRECT_ALL_REDUCE_MIN_BYTES``).
+nothing). A reduction reads the peers' rows it reduces into a small scratch
+buffer, a chunk at a time, and sums each chunk while it is in cache: a
+reduce-scatter reads only its own rows (4-16 MiB: 25-40% faster than through
+the slots); an all-reduce is a reduce-scatter into each rank's own result,
+then reads of the other ranks' reduced slices from their results. A read has
+a fixed cost (about 6 us more than a ``memmove`` here) and moves 4-5 GB/s, so
+with more ranks than cores, where CPU time is what counts, the slots stay the
+path for all-reduces below ``DIRECT_ALL_REDUCE_MIN_BYTES``. Calls the lean
+path (``shm_small``) takes, up to 256 KiB, are never read directly.
 
 The kernel allows the call only to a process that may ptrace the target:
 the same user, and, where Yama's ``ptrace_scope`` is 1 or more, not between
@@ -59,9 +60,13 @@ __all__ = [
 # path was faster up to 256 KiB.) A reduce-scatter also needs world x this
 # much, so that each read is at least this long.
 PEER_READ_MIN_BYTES = 64 * 1024
-# An all-reduce from this size is read directly: below it the slots' two-shot
-# was as fast (a read costs ~6 us more than a memmove, and moves 4-5 GB/s
-# against 15-20 from cache); above it, 25-30% faster at world 4, even at 2.
+# An all-reduce past one-shot (over 256 KiB) is read directly when every rank
+# has a core (world 2 on 2 cores: 512 KiB 392-397 -> 329-336 us, 1 MiB 545-728
+# -> 478-484, 2 MiB 1,478-1,826 -> 820-879, 4 MiB 2,476-3,234 -> 1,797-1,877);
+# with more ranks than cores, only from this size: a read takes more CPU time
+# than the slots' copies (~6 us more than a memmove, and 4-5 GB/s against 15-20
+# from cache), and four ranks on two cores were 10-50% slower read directly at
+# 512 KiB-1 MiB, even at 2 MiB, 5-15% faster at 4 MiB.
 DIRECT_ALL_REDUCE_MIN_BYTES = 4 * 1024 * 1024
 # A reduction reads the peers' rows a chunk at a time into a scratch buffer, and
 # sums each chunk before the next. The peers' chunks of one step fill this much
@@ -108,11 +113,21 @@ def _load_readv() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 class PeerReads:
     """Copies from the peers' memory, by their pids (set up by :func:`agree_on_peer_reads`)."""
 
-    def __init__(self, readv: ctypes._CFuncPtr, pids: list[int], ranks: list[int], what: str):  # type: ignore[name-defined]
+    def __init__(
+        self,
+        readv: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        pids: list[int],
+        ranks: list[int],
+        what: str,
+        cores: int = 1,
+    ):
         self._readv = readv
         self.pids = pids
         self.ranks = ranks
         self.what = what
+        # The machine's CPU count, the same on every rank (agreed at set-up): with
+        # more ranks than cores a read's extra CPU time costs more than it saves.
+        self.cores = cores
         # One pair of iovecs reused by every read (a call is never re-entered: the
         # collectives run one at a time per group).
         self._local = _Iovec()
@@ -161,7 +176,7 @@ def agree_on_peer_reads(
         local_reason = "the ranks are in different pid namespaces"
     token = secrets.randbits(62) + 1
     box = ctypes.c_int64(token)
-    mine = torch.tensor([ctypes.addressof(box), token], dtype=torch.int64)
+    mine = torch.tensor([ctypes.addressof(box), token, os.cpu_count() or 1], dtype=torch.int64)
     posted = [torch.empty_like(mine) for _ in ranks]
     others = [r for i, r in enumerate(ranks) if i != rank_in_group]
     with gloo_errors(what, "peer-read set-up", group, peers=others):
@@ -169,7 +184,7 @@ def agree_on_peer_reads(
     if local_reason is None:
         assert readv is not None and pids is not None
         reader = PeerReads(readv, pids, ranks, what)
-        for r, (address, expected) in enumerate(p.tolist() for p in posted):
+        for r, (address, expected, _) in enumerate(p.tolist() for p in posted):
             if r == rank_in_group:
                 continue
             got = ctypes.c_int64(0)
@@ -190,7 +205,8 @@ def agree_on_peer_reads(
     if declined:
         return None, local_reason or f"ranks {declined} cannot read their peers"
     assert readv is not None and pids is not None
-    return PeerReads(readv, pids, ranks, what), None
+    cores = min(int(p[2]) for p in posted)  # one value for every rank
+    return PeerReads(readv, pids, ranks, what, cores), None
 
 
 def probe_this_machine() -> str | None:

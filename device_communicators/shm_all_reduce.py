@@ -146,9 +146,14 @@ class ShmAllReduce(ShmBase):
             return out
         src = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         flat_out = out.view(-1)
-        if nbytes >= DIRECT_ALL_REDUCE_MIN_BYTES and self.peer_reads is not None:
+        reads = self.peer_reads
+        if (
+            reads is not None
+            and nbytes > LEAN_MAX_BYTES
+            and (self.world_size <= reads.cores or nbytes >= DIRECT_ALL_REDUCE_MIN_BYTES)
+        ):
             with self._desync_guard, OneTorchThread(nbytes):
-                self._all_reduce_direct(lines, self.peer_reads, src, flat_out, op)
+                self._all_reduce_direct(lines, reads, src, flat_out, op)
             return out
         piece = self.max_bytes // tensor.element_size()
         with self._desync_guard, OneTorchThread(numel * tensor.element_size()):

@@ -123,10 +123,11 @@ def _different_sizes(rank: int, world: int) -> list[str]:
         # Usable afterwards: the next call, made alike, is exact.
         got = shm.all_gather(torch.full((20000,), float(rank)))
         assert all(torch.equal(got[r], torch.full((20000,), float(r))) for r in range(world))
-        # An all-reduce read directly (rank 0) against one through the slots (rank 1).
+        # An all-reduce read directly (rank 0, 4 MiB) against a one-shot one through
+        # the slots (rank 1, 256 KiB).
         with pytest.raises(DesyncError) as reduce:
-            shm.all_reduce(torch.ones(1 << 20 if rank == 0 else 3 << 18))
-        for numel in (1 << 20, 3 << 18):  # both paths still in step afterwards
+            shm.all_reduce(torch.ones(1 << 20 if rank == 0 else 1 << 16))
+        for numel in (1 << 20, 1 << 16):  # both paths still in step afterwards
             got = shm.all_reduce(torch.full((numel,), float(rank + 1)))
             assert torch.equal(got, torch.full((numel,), float(world * (world + 1) // 2)))
         return [str(gather.value), str(reduce.value)]
@@ -139,7 +140,7 @@ def test_ranks_that_call_different_sizes_raise_before_any_read_and_stay_in_step(
     for gather, reduce in results:
         assert "all_gather(float32[20000])" in gather and "all_gather(float32[30000])" in gather
         assert "all_reduce(float32[1048576], SUM)" in reduce
-        assert "all_reduce(float32[786432], SUM)" in reduce
+        assert "all_reduce(float32[65536], SUM)" in reduce
 
 
 def test_a_read_from_a_dead_process_names_the_rank_and_a_bad_address_fails_clearly() -> None:
@@ -202,6 +203,13 @@ def _reductions(rank: int, world: int, disable: bool) -> tuple[str | None, list[
                 got = shm.reduce_range(x, lo, hi, getattr(ReduceOp, op))
                 want = reference(world, numel, dtype, op, seed=numel)[lo:hi]
                 assert torch.equal(got, want), (dtype, op, lo, hi)
+        # Past one-shot an all-reduce is read directly when every rank has a core.
+        before = len(reads)
+        want = reference(world, 70001, torch.float32, "SUM", seed=3)
+        got = shm.all_reduce(rank_input(rank, 70001, torch.float32, seed=3))
+        assert torch.equal(got, want)
+        cores = shm.peer_reads.cores if shm.peer_reads is not None else 0
+        assert (len(reads) > before) == (not disable and world <= cores), (world, cores)
         numel = DIRECT_ALL_REDUCE_MIN_BYTES // 4 + 3  # just over: read directly
         for dtype, op in ((torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int64, "MIN")):
             want = reference(world, numel, dtype, op, seed=5)
