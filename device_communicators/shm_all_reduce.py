@@ -49,7 +49,7 @@ from .peer_reads import (
     READ_SCRATCH_BYTES,
     PeerReads,
 )
-from .shm_phases import PhaseLines
+from .shm_phases import LINE, PhaseLines
 from .shm_reduce import (
     CLONE_MAX_BYTES,
     ONE_SHOT_MAX_BYTES,
@@ -409,8 +409,8 @@ class ShmAllReduce(ShmBase):
         slots = self._slots
         assert slots is not None  # enabled means mapped
         me, size = self.rank_in_group, src.element_size()
-        step = max(1, READ_SCRATCH_BYTES // (self.world_size - 1) // size)
-        scratch = self._scratch(src.dtype, step)
+        scratch = self._scratch(src.dtype)
+        step = scratch.shape[1]
         addresses = [slots.posted(s, r, 0) for r in range(self.world_size)]
         # In place (``out`` is these rows of ``src``): the own rows are copied aside
         # first, or the combine would overwrite them before it reads them.
@@ -428,13 +428,14 @@ class ShmAllReduce(ShmBase):
                 parts.append(row)
             combine(parts, out[a - lo : b - lo], op)
 
-    def _scratch(self, dtype: torch.dtype, step: int) -> torch.Tensor:
-        """A ``(world, step)`` buffer of ``dtype`` for peers' chunks, kept between calls."""
+    def _scratch(self, dtype: torch.dtype) -> torch.Tensor:
+        """A ``(world, step)`` buffer of ``dtype`` for one chunk of every rank (this
+        rank's row: an in-place call's own rows), kept between calls; the peers'
+        rows fill ``READ_SCRATCH_BYTES``."""
+        row = READ_SCRATCH_BYTES // (self.world_size - 1) // LINE * LINE  # any dtype fits
         if self._scratch_bytes is None:
-            # One row per rank, this rank's too (an in-place call's own rows).
-            row = READ_SCRATCH_BYTES // (self.world_size - 1)
             self._scratch_bytes = torch.empty(self.world_size * row, dtype=torch.uint8)
-        return self._scratch_bytes.view(dtype)[: self.world_size * step].view(self.world_size, step)
+        return self._scratch_bytes.view(dtype).view(self.world_size, row // dtype.itemsize)
 
     @one_at_a_time
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

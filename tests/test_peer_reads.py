@@ -364,3 +364,16 @@ def test_groupcoord_info_probe_reports_why_ranks_could_not_read_each_other(
     assert peer_reads.probe_this_machine() == "probe: read: Operation not permitted"
     monkeypatch.setattr(peer_reads, "_load_readv", lambda: None)
     assert peer_reads.probe_this_machine() == "this C library has no process_vm_readv"
+
+
+def test_the_scratch_rows_fit_every_dtype_at_every_world_size() -> None:
+    from device_communicators.peer_reads import READ_SCRATCH_BYTES
+    from device_communicators.shm_all_reduce import ShmAllReduce
+
+    for world in range(2, 10):
+        shm = ShmAllReduce.__new__(ShmAllReduce)  # only the geometry: no group needed
+        shm.world_size = world
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.complex128, torch.uint8):
+            rows = shm._scratch(dtype)
+            assert rows.shape[0] == world and rows.dtype == dtype and rows.is_contiguous()
+            assert 0 < rows.shape[1] * dtype.itemsize * (world - 1) <= READ_SCRATCH_BYTES
