@@ -36,6 +36,7 @@ before the data, so a reader that sees the counter also sees the data.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch.distributed import ReduceOp
@@ -201,9 +202,13 @@ class ShmAllReduce(ShmBase):
         if direct and self.peer_reads is not None:
             if out is None:
                 out = empty_output((hi - lo,), flat.dtype)
+            reads, src, dst = self.peer_reads, flat.contiguous(), out
             with self._desync_guard, OneTorchThread(n * size):
-                self._reduce_scatter_direct(
-                    lines, self.peer_reads, flat.contiguous(), lo, hi, out, op
+                # Each rank reads only its own rows of every peer's input.
+                self._read_posted(
+                    lines,
+                    src.data_ptr(),
+                    lambda s: self._sum_peers(reads, s, src, lo, hi, dst, op, "reduce_scatter"),
                 )
             return out
         piece = self.max_bytes // size
@@ -287,73 +292,54 @@ class ShmAllReduce(ShmBase):
 
     # ---- reading the peers' memory directly (peer_reads) ----------------------------
 
-    def _gather_direct(
-        self, lines: PhaseLines, reads: PeerReads, src: torch.Tensor, out: torch.Tensor, nbytes: int
-    ) -> None:
-        """All-gather by reading each peer's ``src`` straight into ``out`` (one copy):
-        post where ``src`` lives, copy this rank's part, wait for all, read the
-        peers', and wait again so no rank returns (and lets its caller change or
-        free ``src``) while a peer still reads it."""
+    def _read_posted(self, lines: PhaseLines, address: int, read: Callable[[int], None]) -> None:
+        """The frame of a direct read: post ``address`` (what this rank offers its
+        peers), wait for every rank, ``read(s)`` from the peers' posts in set ``s``,
+        and wait again, so no rank returns (and lets its caller change or free what
+        it posted) while a peer still reads it. The second wait runs after a failed
+        read too: the peers are waiting for this rank's phase."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
         gen = self._next_generation()
         s = gen & 1
-        me = self.rank_in_group
-        at = out.data_ptr()
-        slots.post(s, me, 0, src.data_ptr())
-        ctypes.memmove(at + me * nbytes, src.data_ptr(), nbytes)
+        slots.post(s, self.rank_in_group, 0, address)
         lines.arrive(2 * gen - 1)
         try:
+            read(s)
+        finally:
+            lines.arrive(2 * gen)
+
+    def _gather_direct(
+        self, lines: PhaseLines, reads: PeerReads, src: torch.Tensor, out: torch.Tensor, nbytes: int
+    ) -> None:
+        """All-gather by reading each peer's ``src`` straight into ``out`` (one copy);
+        this rank's part is copied while the peers arrive."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        me, at = self.rank_in_group, out.data_ptr()
+        ctypes.memmove(at + me * nbytes, src.data_ptr(), nbytes)
+
+        def read(s: int) -> None:
             for r in range(self.world_size):
                 if r != me:
                     reads.read(r, at + r * nbytes, slots.posted(s, r, 0), nbytes, "all_gather")
-        finally:
-            # Also after a failed read: the peers are waiting for this rank's phase.
-            lines.arrive(2 * gen)
+
+        self._read_posted(lines, src.data_ptr(), read)
 
     def _broadcast_direct(
         self, lines: PhaseLines, reads: PeerReads, work: torch.Tensor, src: int
     ) -> None:
         """Every rank but ``src`` reads ``src``'s ``work`` into its own; ``src`` copies
-        nothing and waits until all have read."""
+        nothing."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
-        gen = self._next_generation()
-        s = gen & 1
         nbytes = work.numel() * work.element_size()
-        if self.rank_in_group == src:
-            slots.post(s, src, 0, work.data_ptr())
-        lines.arrive(2 * gen - 1)
-        try:
+
+        def read(s: int) -> None:
             if self.rank_in_group != src:
                 reads.read(src, work.data_ptr(), slots.posted(s, src, 0), nbytes, "broadcast")
-        finally:
-            # Also after a failed read: the peers are waiting for this rank's phase.
-            lines.arrive(2 * gen)
 
-    def _reduce_scatter_direct(
-        self,
-        lines: PhaseLines,
-        reads: PeerReads,
-        src: torch.Tensor,
-        lo: int,
-        hi: int,
-        out: torch.Tensor,
-        op: ReduceOp.RedOpType,
-    ) -> None:
-        """Rows ``[lo, hi)`` of the reduction into ``out``, reading only those rows of
-        each peer's ``src``; the second barrier keeps every ``src`` alive until read."""
-        slots = self._slots
-        assert slots is not None  # enabled means mapped
-        gen = self._next_generation()
-        s = gen & 1
-        slots.post(s, self.rank_in_group, 0, src.data_ptr())
-        lines.arrive(2 * gen - 1)
-        try:
-            self._sum_peers(reads, s, src, lo, hi, out, op, "reduce_scatter")
-        finally:
-            # Also after a failed read: the peers are waiting for this rank's phase.
-            lines.arrive(2 * gen)
+        self._read_posted(lines, work.data_ptr(), read)
 
     def _all_reduce_direct(
         self,
