@@ -181,9 +181,11 @@ def agree_on_peer_reads(
     others = [r for i, r in enumerate(ranks) if i != rank_in_group]
     with gloo_errors(what, "peer-read set-up", group, peers=others):
         group.allgather([posted], [mine]).wait()
+    reader: PeerReads | None = None
     if local_reason is None:
         assert readv is not None and pids is not None
-        reader = PeerReads(readv, pids, ranks, what)
+        # Every rank posted the same machine's CPU count, or the lowest counts.
+        reader = PeerReads(readv, pids, ranks, what, min(int(p[2]) for p in posted))
         for r, (address, expected, _) in enumerate(p.tolist() for p in posted):
             if r == rank_in_group:
                 continue
@@ -204,9 +206,7 @@ def agree_on_peer_reads(
     declined = [ranks[i] for i, t in enumerate(everyone) if int(t.item())]
     if declined:
         return None, local_reason or f"ranks {declined} cannot read their peers"
-    assert readv is not None and pids is not None
-    cores = min(int(p[2]) for p in posted)  # one value for every rank
-    return PeerReads(readv, pids, ranks, what, cores), None
+    return reader, None
 
 
 def probe_this_machine() -> str | None:
@@ -221,17 +221,19 @@ def probe_this_machine() -> str | None:
     into, out = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report one line, then leave without any clean-up
-        reason = ""
         try:
-            got = ctypes.c_int64(0)
-            reader = PeerReads(readv, [parent], [0], "probe")
-            reader.read(0, ctypes.addressof(got), ctypes.addressof(token), 8, "read")
-            if got.value != token.value:
-                reason = "the bytes read back differ"
-        except GroupcoordError as exc:
-            reason = str(exc)
-        os.write(out, reason.encode()[:4000] or b"ok")
-        os._exit(0)
+            reason = ""
+            try:
+                got = ctypes.c_int64(0)
+                reader = PeerReads(readv, [parent], [0], "probe")
+                reader.read(0, ctypes.addressof(got), ctypes.addressof(token), 8, "read")
+                if got.value != token.value:
+                    reason = "the bytes read back differ"
+            except GroupcoordError as exc:
+                reason = str(exc)
+            os.write(out, reason.encode()[:4000] or b"ok")
+        finally:
+            os._exit(0)  # whatever happened: never back into the caller's code
     os.close(out)
     try:
         answer = os.read(into, 4096).decode(errors="replace")
