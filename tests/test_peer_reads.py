@@ -377,3 +377,46 @@ def test_the_scratch_rows_fit_every_dtype_at_every_world_size() -> None:
             rows = shm._scratch(dtype)
             assert rows.shape[0] == world and rows.dtype == dtype and rows.is_contiguous()
             assert 0 < rows.shape[1] * dtype.itemsize * (world - 1) <= READ_SCRATCH_BYTES
+
+
+def _dies_mid_call(rank: int, world: int, op: str) -> tuple[list[int], float, int]:
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from device_communicators.errors import PeerDiedError
+    from device_communicators.shm_all_reduce import ShmAllReduce
+
+    init_gloo(rank, world)
+    shm = ShmAllReduce(dist.group.WORLD, timeout_s=60, unique_name="pr-dies")
+    if shm.peer_reads is None:
+        return [], 0.0, -1  # the test skips
+    x = torch.ones(1 << 20)  # 4 MiB: read directly
+    call = {"all_gather": shm.all_gather, "all_reduce": shm.all_reduce}[op]
+    if rank == 1:  # dies somewhere inside one of its calls, wherever that is
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    calls = 0
+    start = time.monotonic()
+    try:
+        while True:
+            call(x)
+            calls += 1
+            start = time.monotonic()
+    except PeerDiedError as exc:
+        return exc.dead, time.monotonic() - start, calls
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_reduce"])
+def test_a_peer_killed_during_direct_reads_is_reported_within_seconds(op: str) -> None:
+    from coordinator.launch import start_ranks
+
+    dead, elapsed, calls = start_ranks(_dies_mid_call, 2, op, timeout=60).collect(killed=[1])[0]
+    if calls < 0:
+        pytest.skip("process_vm_readv not allowed here")
+    assert dead == [1] and calls > 0
+    assert elapsed < 5.0  # from the last call that returned
