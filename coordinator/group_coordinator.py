@@ -182,6 +182,10 @@ class GroupCoordinator(GroupMessaging):
             return input_
         if torch.compiler.is_compiling():
             return torch.ops.groupcoord.broadcast(input_, src, self.unique_name)
+        small = self._lean()
+        if small is not None and small.broadcast(input_, src) is not None:
+            self._collective_seq += 1
+            return input_
         return self._broadcast_eager(input_, src)
 
     def _lean(self) -> SmallCalls | None:

@@ -431,26 +431,27 @@ class ShmAllReduce(ShmBase):
             self._empty_barrier(lines)
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        data = _bytes_of(work)
-        sender = self.rank_in_group == src
-        if data.numel() > LEAN_MAX_BYTES and self.peer_reads is not None:
+        nbytes = work.numel() * work.element_size()
+        if nbytes > LEAN_MAX_BYTES and self.peer_reads is not None:
             with self._desync_guard:
                 self._broadcast_direct(lines, self.peer_reads, work, src)
-            if work is not tensor:
-                tensor.copy_(work)
-            return tensor
-        with self._desync_guard, OneTorchThread(data.numel()):
-            for start in range(0, data.numel(), self.max_bytes):
-                stop = min(start + self.max_bytes, data.numel())
-                gen = self._next_generation()
-                slot = self._view(gen & 1, src, torch.uint8, stop - start)
-                if sender:
-                    slot.copy_(data[start:stop])
-                # Everyone publishes and waits for everyone (not just src): the
-                # double-buffering argument needs every call to be a full barrier.
-                lines.arrive(2 * gen - 1)
-                if not sender:
-                    data[start:stop].copy_(slot)
+        else:
+            # Byte copies by address: no torch op (a tensor slice alone costs 3-5 us).
+            slots = self._slots
+            assert slots is not None  # enabled means mapped
+            at, sender = work.data_ptr(), self.rank_in_group == src
+            with self._desync_guard:
+                for start in range(0, nbytes, self.max_bytes):
+                    size = min(self.max_bytes, nbytes - start)
+                    gen = self._next_generation()
+                    slot = slots.address(gen & 1, src)
+                    if sender:
+                        ctypes.memmove(slot, at + start, size)
+                    # Everyone publishes and waits for everyone (not just src): the
+                    # double-buffering argument needs every call to be a full barrier.
+                    lines.arrive(2 * gen - 1)
+                    if not sender:
+                        ctypes.memmove(at + start, slot, size)
         if work is not tensor:
             tensor.copy_(work)
         return tensor

@@ -120,7 +120,7 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 # Plans by (dtype, shape, dim) for each kind of call (all_reduce: dim 0); None:
 # such calls take the general path.
-_SUM, _GATHER, _SCATTER = 0, 1, 2
+_SUM, _GATHER, _SCATTER, _BROADCAST = 0, 1, 2, 3
 _Plans = dict[tuple, "_Plan | None"]
 _UNSEEN: Any = object()
 
@@ -136,9 +136,9 @@ class SmallCalls:
     def __init__(self, owner: _Owner) -> None:
         self.owner = owner
         self.slots: SlotSegment | None = None
-        self._plans: tuple[_Plans, _Plans, _Plans] = ({}, {}, {})
-        self._makers = (self._sum_plan, self._gather_plan, self._scatter_plan)
-        self._runs = (self._run_sum, self._run_gather, self._run_scatter)
+        self._plans: tuple[_Plans, _Plans, _Plans, _Plans] = ({}, {}, {}, {})
+        self._makers = (self._sum_plan, self._gather_plan, self._scatter_plan, self._copy_plan)
+        self._runs = (self._run_sum, self._run_gather, self._run_scatter, self._run_broadcast)
 
     def attach(self, slots: SlotSegment | None) -> None:
         """The slots to use from now on (None: the path is down); plans of the old ones go."""
@@ -168,6 +168,10 @@ class SmallCalls:
     ) -> torch.Tensor | None:
         """The SUM over the group of this rank's equal slice along ``dim``."""
         return self._call(_SCATTER, tensor, dim, out)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor | None:
+        """In-group rank ``src``'s ``tensor`` on every rank, in place (any dtype)."""
+        return self._call(_BROADCAST, tensor, src, None)
 
     def _call(
         self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
@@ -212,6 +216,18 @@ class SmallCalls:
     ) -> torch.Tensor:
         return self._sum(plan.reads[self._exchange(plan, tensor, "reduce_scatter")], plan, out)
 
+    def _run_broadcast(
+        self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        sender = self.owner.rank_in_group == plan.dim  # a broadcast plan's dim is its src
+        s = self._exchange(plan, tensor, "broadcast", copy_in=sender)
+        if not sender:
+            if tensor.is_contiguous():
+                _memmove(tensor.data_ptr(), plan.address[s], plan.nbytes)
+            else:
+                tensor.copy_(plan.mine[s])
+        return tensor
+
     def _plan_for(
         self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
     ) -> _Plan | None:
@@ -243,8 +259,11 @@ class SmallCalls:
 
     # ---- one call ---------------------------------------------------------------------
 
-    def _exchange(self, plan: _Plan, tensor: torch.Tensor, operation: str) -> int:
-        """Stamp, copy in, publish, wait for every rank: the set now readable."""
+    def _exchange(
+        self, plan: _Plan, tensor: torch.Tensor, operation: str, copy_in: bool = True
+    ) -> int:
+        """Stamp, copy in (unless a broadcast's receiver), publish, wait for every
+        rank: the set now readable."""
         owner = self.owner
         if owner._failure is not None:
             raise ClosedError(
@@ -257,9 +276,9 @@ class SmallCalls:
         gen = owner.generation + 1
         owner.generation = lines.generation = gen
         s = gen & 1
-        if tensor.is_contiguous():
+        if copy_in and tensor.is_contiguous():
             _memmove(plan.address[s], tensor.data_ptr(), plan.nbytes)
-        else:
+        elif copy_in:
             plan.mine[s].copy_(tensor)
         try:
             lines.arrive(2 * gen - 1)
@@ -282,6 +301,18 @@ class SmallCalls:
             and 0 < nbytes <= LEAN_MAX_BYTES
             and nbytes <= slots.max_bytes
         )
+
+    def _copy_plan(self, tensor: torch.Tensor, src: int) -> _Plan | None:
+        """A broadcast's: any dtype (bytes are copied); the plan's slot is ``src``'s."""
+        slots = self.slots
+        assert slots is not None
+        nbytes = tensor.numel() * tensor.element_size()
+        if not (0 < nbytes <= LEAN_MAX_BYTES and nbytes <= slots.max_bytes):
+            return None
+        if not 0 <= src < slots.world_size:
+            return None  # the general path says what is wrong
+        code = call_code("broadcast", tensor.dtype, None, src)
+        return _Plan(code, tensor, slots, src, ((), ()), tensor.shape, src)
 
     def _sum_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
         if not self._fits(tensor):

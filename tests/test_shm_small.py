@@ -235,3 +235,51 @@ def _comm_lean(rank: int, world: int) -> bool:
 @pytest.mark.parametrize("world", [2, 3])
 def test_comm_small_calls_take_the_lean_path_in_place(world: int) -> None:
     assert run_ranks(_comm_lean, world, timeout=60) == [True] * world
+
+
+def _lean_broadcasts(rank: int, world: int) -> bool:
+    group = _group(rank, world, "lean-bcast")
+    try:
+        shm = group.device_communicator.shm_all_reduce
+        eager, group._broadcast_eager = group._broadcast_eager, _no_general_path
+        src = world - 1
+        for shape, dtype, strided in (
+            ((1024,), torch.float32, False),
+            ((3, 5), torch.int8, True),  # any dtype: bytes are copied
+            ((), torch.bool, False),
+            ((65536,), torch.float32, False),  # 256 KiB: the largest piece
+            ((256, 256), torch.bfloat16, True),
+        ):
+            mine = _rank_tensor(rank, shape, dtype)
+            target = mine.t() if strided else mine
+            before = shm.generation
+            assert group.broadcast(target, src) is target
+            assert shm.generation == before + 1, "one generation, one barrier"
+            want = _rank_tensor(src, shape, dtype)
+            assert torch.equal(target, want.t() if strided else want), (shape, dtype)
+        # Over 256 KiB, or empty: the general path, which meets a lean rank's protocol.
+        group._broadcast_eager = eager
+        big = _rank_tensor(rank, (65537,), torch.float32)
+        assert torch.equal(group.broadcast(big, 0), _rank_tensor(0, (65537,), torch.float32))
+        assert group.broadcast(torch.empty(0), 0).numel() == 0
+        small = _rank_tensor(rank, (100,), torch.int64)
+        got = group.broadcast(small, 0) if rank == 0 else group._broadcast_eager(small, 0)
+        assert torch.equal(got, _rank_tensor(0, (100,), torch.int64))
+        with pytest.raises(ValueError, match="src"):
+            group.broadcast(small, world)
+        # Ranks that name different roots are told so, naming both, and stay usable.
+        with pytest.raises(DesyncError) as caught:
+            group.broadcast(torch.ones(8), rank % 2)
+        for side in ("broadcast(float32[8], src=0)", "broadcast(float32[8], src=1)"):
+            assert side in str(caught.value)
+        assert torch.equal(group.broadcast(small, 0), _rank_tensor(0, (100,), torch.int64))
+        return True
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_broadcasts_take_the_lean_path_any_dtype_and_meet_the_general_one(
+    world: int,
+) -> None:
+    assert run_ranks(_lean_broadcasts, world, timeout=60) == [True] * world
