@@ -211,6 +211,13 @@ def _comm_lean(rank: int, world: int) -> bool:
         before = shm.generation
         comm.reduce_scatter_single(part, torch.arange(2.0 * world))
         assert shm.generation == before + 1
+        root = torch.arange(5, dtype=torch.int8) + rank
+        before = shm.generation
+        general, shm.broadcast_ = shm.broadcast_, _no_general_path
+        assert comm.broadcast(root, world - 1).wait()
+        shm.broadcast_ = general
+        assert shm.generation == before + 1
+        assert root.tolist() == [i + world - 1 for i in range(5)]
         assert part.tolist() == [world * (2.0 * rank + i) for i in range(2)]
         # Not for the lean path: other ops, other shapes, bad arguments (still refused).
         y = torch.full((4,), rank + 1.0)
