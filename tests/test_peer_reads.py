@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -28,26 +29,33 @@ def _part(rank: int, shape: tuple[int, ...], dtype: torch.dtype, transposed: boo
     return part.t() if transposed else part
 
 
-def _gathers(rank: int, world: int, disable: bool) -> str | None:
+def _shm_counting_reads(rank: int, world: int, disable: bool) -> tuple[Any, list[int]]:
+    """A ShmAllReduce over the world (peer reads off when ``disable``) and the list
+    every direct read appends its peer's in-group rank to."""
+    import torch.distributed as dist
+
     from device_communicators.shm_all_reduce import ShmAllReduce
     from shm_broadcast.config import set_config
 
     set_config(disable_peer_reads=disable)
     init_gloo(rank, world)
-    import torch.distributed as dist
-
     shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    assert shm.disabled_reason is None
+    if disable:
+        assert shm.peer_reads is None
+        assert "GROUPCOORD_DISABLE_PEER_READS" in (shm.peer_reads_reason or "")
+    reads: list[int] = []
+    if shm.peer_reads is not None:
+        plain_read = shm.peer_reads.read
+        shm.peer_reads.read = lambda *a: reads.append(a[0]) or plain_read(*a)  # type: ignore[method-assign]
+    return shm, reads
+
+
+def _gathers(rank: int, world: int, disable: bool) -> str | None:
+    shm, reads = _shm_counting_reads(rank, world, disable)
     try:
-        assert shm.disabled_reason is None
-        if disable:
-            assert shm.peer_reads is None
-            assert "GROUPCOORD_DISABLE_PEER_READS" in (shm.peer_reads_reason or "")
-        elif shm.peer_reads is None:
+        if not disable and shm.peer_reads is None:
             return shm.peer_reads_reason  # not allowed on this machine: the test skips
-        reads = []
-        if shm.peer_reads is not None:
-            plain_read = shm.peer_reads.read
-            shm.peer_reads.read = lambda *a: reads.append(a[0]) or plain_read(*a)  # type: ignore[method-assign]
         for shape, dtype, transposed in CASES:
             mine = _part(rank, shape, dtype, transposed)
             kept = mine.clone()
@@ -175,25 +183,16 @@ def test_a_read_from_a_dead_process_names_the_rank_and_a_bad_address_fails_clear
 def _reductions(rank: int, world: int, disable: bool) -> tuple[str | None, list[str]]:
     """Large reduce-scatters (uneven ranges, one empty) and all-reduces (out of place
     and in place) against the fixed-order reference; digests of the all-reduces."""
-    import torch.distributed as dist
     from test_shm_all_reduce import digest, rank_input, reference
     from torch.distributed import ReduceOp
 
     from device_communicators.peer_reads import DIRECT_ALL_REDUCE_MIN_BYTES
-    from device_communicators.shm_all_reduce import ShmAllReduce
-    from shm_broadcast.config import set_config
 
-    set_config(disable_peer_reads=disable)
-    init_gloo(rank, world)
-    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    shm, reads = _shm_counting_reads(rank, world, disable)
     digests = []
     try:
         if not disable and shm.peer_reads is None:
             return shm.peer_reads_reason, []
-        reads = []
-        if shm.peer_reads is not None:
-            plain_read = shm.peer_reads.read
-            shm.peer_reads.read = lambda *a: reads.append(a[0]) or plain_read(*a)  # type: ignore[method-assign]
         for dtype, numel in ((torch.float32, 300001), (torch.bfloat16, 200003)):
             cuts = [0, numel // 5, numel // 5, (3 * numel) // 5, numel][: world + 1]
             cuts[world] = numel  # rank 1's range is empty at world >= 3
@@ -306,21 +305,10 @@ def test_a_wrong_out_is_refused_before_the_call_and_the_group_stays_usable() -> 
 
 
 def _broadcasts(rank: int, world: int, disable: bool) -> str | None:
-    import torch.distributed as dist
-
-    from device_communicators.shm_all_reduce import ShmAllReduce
-    from shm_broadcast.config import set_config
-
-    set_config(disable_peer_reads=disable)
-    init_gloo(rank, world)
-    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
+    shm, reads = _shm_counting_reads(rank, world, disable)
     try:
         if not disable and shm.peer_reads is None:
             return shm.peer_reads_reason
-        reads = []
-        if shm.peer_reads is not None:
-            plain_read = shm.peer_reads.read
-            shm.peer_reads.read = lambda *a: reads.append(a[0]) or plain_read(*a)  # type: ignore[method-assign]
         src = world - 1
         for shape, dtype, transposed in CASES:
             want = _part(src, shape, dtype, transposed)
