@@ -38,6 +38,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shm_broadcast.gloo_errors import gloo_errors
+from shm_broadcast.liveness import process_alive
 
 from .errors import GroupcoordError, PeerDiedError
 
@@ -145,7 +146,13 @@ class PeerReads:
             if got <= 0:
                 code = ctypes.get_errno() if got < 0 else 0
                 if code == errno.ESRCH:
-                    raise PeerDiedError(self.what, operation, [self.ranks[r]], "peer read")
+                    # Name every rank that is gone: this one may have exited only
+                    # because another died first (its own call raised), and the
+                    # first death is what the caller needs to hear about.
+                    dead = {self.ranks[r]} | {
+                        self.ranks[i] for i, p in enumerate(self.pids) if not process_alive(p)
+                    }
+                    raise PeerDiedError(self.what, operation, dead, "peer read")
                 raise PeerReadError(
                     f"{self.what}: {operation}: reading {nbytes} bytes at {remote:#x} of rank "
                     f"{self.ranks[r]} (pid {pid}) failed: {os.strerror(code) if code else 'no bytes'}"

@@ -328,12 +328,20 @@ class PhaseLines:
     def _check_peers_alive(self, phase: int) -> None:
         if not self.pid_checks:
             return
-        dead = [
-            self.ranks[r]
+        blocking = [
+            r
             for r in range(self.world_size)
             if self._counters[r * _QWORDS] < phase and not pid_alive(self.pids[r])
         ]
-        if dead:
+        if blocking:
+            # Every rank that is gone, not only those this wait needs: a rank that
+            # arrived and then died may be why another one left (its call raised),
+            # and that first death is what the caller needs to hear about.
+            dead = [
+                self.ranks[r]
+                for r in range(self.world_size)
+                if r in blocking or (r != self.rank_in_group and not pid_alive(self.pids[r]))
+            ]
             raise PeerDiedError(
                 self.what,
                 self.operation,
