@@ -135,7 +135,7 @@ class ShmBase(AllReduceBackend):
         self.call_lock = threading.RLock()
         self._slots: SlotSegment | None = None
         self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
-        # Direct reads of the peers' memory (large all-gathers), where the kernel allows them.
+        # Direct reads of the peers' memory (large calls, ``peer_reads``), where allowed.
         self.peer_reads: PeerReads | None = None
         self.peer_reads_reason: str | None = "not set up"
         # The lean path of small calls (shm_small), on the slots while they are up.

@@ -16,7 +16,9 @@ publish, wait, one torch op out (a large gather whose parts are blocks of
 the result: a ``memmove`` per rank instead). A call whose torch work torch
 would split over its thread pool (``TORCH_GRAIN`` elements) runs with the
 pool at one thread, as the general path does; smaller ones skip the switch.
-Anything it does not take (it returns None) goes the general way, which
+A broadcast (any dtype) has a plan per (dtype, shape, src) whose slot is the
+root's: the root copies in, everyone publishes and waits, the others copy
+out. Anything it does not take (it returns None) goes the general way, which
 raises the errors for bad arguments.
 
 4-256 KiB at worlds 2 and 4 on the 2-core machine
