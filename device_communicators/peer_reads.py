@@ -6,16 +6,20 @@ kernel copy from the owner's tensor into the reader's result in one pass, as
 MPICH does for large messages on one node. Measured on a 2-core EPYC VM, world
 2: 1 MiB all-gather 790-860 us through the slots, 340-570 us this way.
 
-A broadcast's other ranks read the root's tensor into theirs (the root copies
-nothing). A reduction reads the peers' rows it reduces into a small scratch
-buffer, a chunk at a time, and sums each chunk while it is in cache: a
-reduce-scatter reads only its own rows (4-16 MiB: 25-40% faster than through
-the slots); an all-reduce is a reduce-scatter into each rank's own result,
-then reads of the other ranks' reduced slices from their results. A read has
-a fixed cost (about 6 us more than a ``memmove`` here) and moves 4-5 GB/s, so
-with more ranks than cores, where CPU time is what counts, the slots stay the
-path for all-reduces below ``DIRECT_ALL_REDUCE_MIN_BYTES``. Calls the lean
-path (``shm_small``) takes, up to 256 KiB, are never read directly.
+A reduction reads the peers' rows it reduces into a small scratch buffer, a
+chunk at a time, and sums each chunk while it is in cache: a reduce-scatter
+reads only its own rows (from a share of 512 KiB a rank; 2-16 MiB: 1.4-1.8x
+faster than through the slots at world 2); an all-reduce is a
+reduce-scatter into each rank's own result, then reads of the other ranks'
+reduced slices from their results. A read has a fixed cost (about 6 us more
+than a ``memmove`` here) and moves about 7 GB/s even from cache, where a
+``memmove`` moves 25, so with more ranks than cores, where CPU time is what
+counts, the slots stay the path for all-reduces below
+``DIRECT_ALL_REDUCE_MIN_BYTES``. A broadcast is never read directly: through
+the two sets of slots the root copies the next piece in while the others
+copy the last one out, and that pipeline was as fast or faster at every size
+measured (see ``docs/cpu_communicator.md``). Calls the lean path
+(``shm_small``) takes, up to 256 KiB, are never read directly.
 
 The kernel allows the call only to a process that may ptrace the target:
 the same user, and, where Yama's ``ptrace_scope`` is 1 or more, not between
@@ -44,23 +48,25 @@ from .errors import GroupcoordError, PeerDiedError
 
 __all__ = [
     "DIRECT_ALL_REDUCE_MIN_BYTES",
-    "PEER_READ_MIN_BYTES",
     "READ_SCRATCH_BYTES",
+    "SCATTER_SHARE_MIN_BYTES",
     "PeerReadError",
     "PeerReads",
     "agree_on_peer_reads",
     "probe_this_machine",
 ]
 
-# What is read directly when allowed: an all-gather part, or a reduce-scatter
-# input, over the lean path's 256 KiB (``shm_small.LEAN_MAX_BYTES``). The two
-# must never overlap: the lean path copies through the slots, and a rank whose
-# call the lean path declines (a strided input, say) must meet the same
-# protocol on the general path as its peers on the lean one. (At world 2 a
-# direct read was as fast as the lean path from 64 KiB; at world 4 the lean
-# path was faster up to 256 KiB.) A reduce-scatter also needs world x this
-# much, so that each read is at least this long.
-PEER_READ_MIN_BYTES = 64 * 1024
+# What is read directly when allowed: an all-gather part over the lean path's
+# 256 KiB (``shm_small.LEAN_MAX_BYTES``), or a reduce-scatter whose share (each
+# rank's rows) is at least this. Neither may overlap the lean path: it copies
+# through the slots, and a rank whose call the lean path declines (a strided
+# input, say) must meet the same protocol on the general path as its peers on
+# the lean one. Below this share the slots were faster. Slots' time / direct
+# time, both ways alternating within each run (2-core EPYC VM, 2026-11-25, 2-3
+# runs): world 2, inputs of 384-512 KiB 0.59-0.94, 768 KiB 0.84-1.11, 1 MiB
+# 1.02-1.42, 2 MiB 1.51-1.83; world 4, 384 KiB-1 MiB 0.61-0.86, 2 MiB 1.02-1.07,
+# 4 MiB 1.38.
+SCATTER_SHARE_MIN_BYTES = 512 * 1024
 # An all-reduce past one-shot (over 256 KiB) is read directly when every rank
 # has a core (world 2 on 2 cores: 512 KiB 392-397 -> 329-336 us, 1 MiB 545-728
 # -> 478-484, 2 MiB 1,478-1,826 -> 820-879, 4 MiB 2,476-3,234 -> 1,797-1,877);

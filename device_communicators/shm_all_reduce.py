@@ -46,8 +46,8 @@ from shm_broadcast.host_memory import empty_output
 from .errors import GroupcoordValueError
 from .peer_reads import (
     DIRECT_ALL_REDUCE_MIN_BYTES,
-    PEER_READ_MIN_BYTES,
     READ_SCRATCH_BYTES,
+    SCATTER_SHARE_MIN_BYTES,
     PeerReads,
 )
 from .shm_phases import LINE, PhaseLines
@@ -198,8 +198,7 @@ class ShmAllReduce(ShmBase):
         lines = self._start("reduce_scatter", self.refusal(flat, op), flat, op, root=split)
         n = flat.numel()
         size = flat.element_size()
-        direct = n * size > LEAN_MAX_BYTES and n * size >= self.world_size * PEER_READ_MIN_BYTES
-        if direct and self.peer_reads is not None:
+        if n * size >= self.world_size * SCATTER_SHARE_MIN_BYTES and self.peer_reads is not None:
             if out is None:
                 out = empty_output((hi - lo,), flat.dtype)
             reads, src, dst = self.peer_reads, flat.contiguous(), out
@@ -326,21 +325,6 @@ class ShmAllReduce(ShmBase):
 
         self._read_posted(lines, src.data_ptr(), read)
 
-    def _broadcast_direct(
-        self, lines: PhaseLines, reads: PeerReads, work: torch.Tensor, src: int
-    ) -> None:
-        """Every rank but ``src`` reads ``src``'s ``work`` into its own; ``src`` copies
-        nothing."""
-        slots = self._slots
-        assert slots is not None  # enabled means mapped
-        nbytes = work.numel() * work.element_size()
-
-        def read(s: int) -> None:
-            if self.rank_in_group != src:
-                reads.read(src, work.data_ptr(), slots.posted(s, src, 0), nbytes, "broadcast")
-
-        self._read_posted(lines, work.data_ptr(), read)
-
     def _all_reduce_direct(
         self,
         lines: PhaseLines,
@@ -432,26 +416,24 @@ class ShmAllReduce(ShmBase):
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         nbytes = work.numel() * work.element_size()
-        if nbytes > LEAN_MAX_BYTES and self.peer_reads is not None:
-            with self._desync_guard:
-                self._broadcast_direct(lines, self.peer_reads, work, src)
-        else:
-            # Byte copies by address: no torch op (a tensor slice alone costs 3-5 us).
-            slots = self._slots
-            assert slots is not None  # enabled means mapped
-            at, sender = work.data_ptr(), self.rank_in_group == src
-            with self._desync_guard:
-                for start in range(0, nbytes, self.max_bytes):
-                    size = min(self.max_bytes, nbytes - start)
-                    gen = self._next_generation()
-                    slot = slots.address(gen & 1, src)
-                    if sender:
-                        ctypes.memmove(slot, at + start, size)
-                    # Everyone publishes and waits for everyone (not just src): the
-                    # double-buffering argument needs every call to be a full barrier.
-                    lines.arrive(2 * gen - 1)
-                    if not sender:
-                        ctypes.memmove(at + start, slot, size)
+        # Byte copies by address: no torch op (a tensor slice alone costs 3-5 us).
+        # Never read directly: over the two sets the root copies piece k+1 in while
+        # the others copy piece k out (see peer_reads).
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        at, sender = work.data_ptr(), self.rank_in_group == src
+        with self._desync_guard:
+            for start in range(0, nbytes, self.max_bytes):
+                size = min(self.max_bytes, nbytes - start)
+                gen = self._next_generation()
+                slot = slots.address(gen & 1, src)
+                if sender:
+                    ctypes.memmove(slot, at + start, size)
+                # Everyone publishes and waits for everyone (not just src): the
+                # double-buffering argument needs every call to be a full barrier.
+                lines.arrive(2 * gen - 1)
+                if not sender:
+                    ctypes.memmove(at + start, slot, size)
         if work is not tensor:
             tensor.copy_(work)
         return tensor
