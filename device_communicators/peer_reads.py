@@ -15,11 +15,12 @@ reduced slices from their results. A read has a fixed cost (about 6 us more
 than a ``memmove`` here) and moves about 7 GB/s even from cache, where a
 ``memmove`` moves 25, so with more ranks than cores, where CPU time is what
 counts, the slots stay the path for all-reduces below
-``DIRECT_ALL_REDUCE_MIN_BYTES``. A broadcast is never read directly: through
-the two sets of slots the root copies the next piece in while the others
-copy the last one out, and that pipeline was as fast or faster at every size
-measured (see ``docs/cpu_communicator.md``). Calls the lean path
-(``shm_small``) takes, up to 256 KiB, are never read directly.
+``DIRECT_ALL_REDUCE_MIN_BYTES``. A broadcast over 256 KiB is read directly
+(the root copies nothing) only when every rank has a core: with more ranks
+than cores the slots, where the root copies the next piece in while the
+others copy the last one out, were faster at every size measured (see
+``docs/cpu_communicator.md``). Calls the lean path (``shm_small``) takes, up
+to 256 KiB, are never read directly.
 
 The kernel allows the call only to a process that may ptrace the target:
 the same user, and, where Yama's ``ptrace_scope`` is 1 or more, not between

@@ -325,6 +325,21 @@ class ShmAllReduce(ShmBase):
 
         self._read_posted(lines, src.data_ptr(), read)
 
+    def _broadcast_direct(
+        self, lines: PhaseLines, reads: PeerReads, work: torch.Tensor, src: int
+    ) -> None:
+        """Every rank but ``src`` reads ``src``'s ``work`` into its own; ``src`` copies
+        nothing."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        nbytes = work.numel() * work.element_size()
+
+        def read(s: int) -> None:
+            if self.rank_in_group != src:
+                reads.read(src, work.data_ptr(), slots.posted(s, src, 0), nbytes, "broadcast")
+
+        self._read_posted(lines, work.data_ptr(), read)
+
     def _all_reduce_direct(
         self,
         lines: PhaseLines,
@@ -416,24 +431,29 @@ class ShmAllReduce(ShmBase):
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         nbytes = work.numel() * work.element_size()
-        # Byte copies by address: no torch op (a tensor slice alone costs 3-5 us).
-        # Never read directly: over the two sets the root copies piece k+1 in while
-        # the others copy piece k out (see peer_reads).
-        slots = self._slots
-        assert slots is not None  # enabled means mapped
-        at, sender = work.data_ptr(), self.rank_in_group == src
-        with self._desync_guard:
-            for start in range(0, nbytes, self.max_bytes):
-                size = min(self.max_bytes, nbytes - start)
-                gen = self._next_generation()
-                slot = slots.address(gen & 1, src)
-                if sender:
-                    ctypes.memmove(slot, at + start, size)
-                # Everyone publishes and waits for everyone (not just src): the
-                # double-buffering argument needs every call to be a full barrier.
-                lines.arrive(2 * gen - 1)
-                if not sender:
-                    ctypes.memmove(at + start, slot, size)
+        reads = self.peer_reads
+        if nbytes > LEAN_MAX_BYTES and reads is not None and self.world_size <= reads.cores:
+            with self._desync_guard:
+                self._broadcast_direct(lines, reads, work, src)
+        else:
+            # Byte copies by address: no torch op (a tensor slice alone costs 3-5 us).
+            # Over the two sets the root copies piece k+1 in while the others copy
+            # piece k out.
+            slots = self._slots
+            assert slots is not None  # enabled means mapped
+            at, sender = work.data_ptr(), self.rank_in_group == src
+            with self._desync_guard:
+                for start in range(0, nbytes, self.max_bytes):
+                    size = min(self.max_bytes, nbytes - start)
+                    gen = self._next_generation()
+                    slot = slots.address(gen & 1, src)
+                    if sender:
+                        ctypes.memmove(slot, at + start, size)
+                    # Everyone publishes and waits for everyone (not just src): the
+                    # double-buffering argument needs every call to be a full barrier.
+                    lines.arrive(2 * gen - 1)
+                    if not sender:
+                        ctypes.memmove(at + start, slot, size)
         if work is not tensor:
             tensor.copy_(work)
         return tensor

@@ -337,7 +337,11 @@ def _broadcasts(rank: int, world: int, disable: bool) -> str | None:
             assert shm.broadcast_(target, src) is target
             assert torch.equal(target, want), (shape, dtype)
             assert not base[..., 0].any()
-        assert not reads  # pipelined through the slots, never read directly
+        # Read directly only when every rank has a core (else the slots' pipeline).
+        assert shm.peer_reads is None or shm.peer_reads.cores == os.cpu_count()
+        direct = not disable and rank != src and world <= (os.cpu_count() or 1)
+        expected = len(CASES) if direct else 0
+        assert len(reads) == expected and set(reads) <= {src}, (reads, expected)
         return None
     finally:
         shm.close()
@@ -345,7 +349,7 @@ def _broadcasts(rank: int, world: int, disable: bool) -> str | None:
 
 @pytest.mark.parametrize("disable", [False, True], ids=["peer-reads", "slots"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_large_broadcasts_go_through_the_slots_even_where_peers_can_be_read(
+def test_large_broadcasts_read_the_root_directly_when_every_rank_has_a_core(
     world: int, disable: bool
 ) -> None:
     reasons = run_ranks(_broadcasts, world, disable, timeout=120)
