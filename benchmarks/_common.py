@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -21,13 +22,46 @@ from typing import Any
 
 from coordinator.launch import init_gloo
 
+_default_threads: int | None = None
 
-def init_gloo_rank(rank: int, world: int, port: int, timeout_s: float) -> None:
-    """Rank preamble: one torch thread, then join Gloo at 127.0.0.1:``port``."""
+
+def torch_default_threads() -> int:
+    """The intra-op thread count torch gives a fresh process here, as a rank that
+    torchrun or an engine starts gets (``OMP_NUM_THREADS`` included): asked of a
+    fresh interpreter once. A benchmark's parent keeps its own pool at one thread
+    (a rank forked after the pool started can hang), and its forked ranks inherit
+    that: they set this instead. Call it in the parent before forking, so the
+    ranks inherit the answer."""
+    global _default_threads
+    if _default_threads is None:
+        done = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        _default_threads = int(done.stdout.split()[-1])
+    return _default_threads
+
+
+def prepare_parent() -> int:
+    """Before forking ranks: learn torch's default thread count (the ranks inherit
+    the answer), then keep this process's own pool at one thread. Returns the
+    default, for the table's header."""
     import torch
 
-    # Ranks share the machine's cores: one intra-op thread each, as the parent.
+    threads = torch_default_threads()
     torch.set_num_threads(1)
+    return threads
+
+
+def init_gloo_rank(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Rank preamble: torch's default intra-op threads, as a user's rank has them
+    (``torch_default_threads``), then join Gloo at 127.0.0.1:``port``."""
+    import torch
+
+    torch.set_num_threads(torch_default_threads())
     init_gloo(rank, world, timeout_s, port=port)
 
 

@@ -39,6 +39,7 @@ from _common import (  # noqa: E402 - after the path set-up above
     init_gloo_rank,
     median,
     plot_lines,
+    prepare_parent,
     print_table,
     reproduce_command,
     write_json,
@@ -233,9 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
 
-    import torch
-
-    torch.set_num_threads(1)  # the parent forks ranks: keep it single-threaded
+    prepare_parent()  # the ranks get torch's default threads
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     command = reproduce_command(None if argv is None else [sys.argv[0], *argv])
     print(f"# {command}", flush=True)

@@ -51,6 +51,7 @@ from _common import (  # noqa: E402 - after the path set-up above
     human_bytes,
     init_gloo_rank,
     plot_lines,
+    prepare_parent,
     print_table,
     reproduce_command,
     write_json,
@@ -93,14 +94,13 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
-    if threads != "default":
-        torch.set_num_threads(int(threads))
-
     from coordinator.comm import comm_from_group
     from coordinator.group_coordinator import GroupCoordinator
 
     # 1800 s: torch's default process-group timeout, which this benchmark used.
-    init_gloo_rank(rank, world, port, timeout_s=1800)
+    init_gloo_rank(rank, world, port, timeout_s=1800)  # torch's default threads
+    if threads != "default":
+        torch.set_num_threads(int(threads))
     group = GroupCoordinator(
         [list(range(world))],
         rank,
@@ -392,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ops: unknown {unknown}; known: {OPS}")
     command = reproduce_command(None if argv is None else [sys.argv[0], *argv])
     print(f"# {command}", flush=True)
+    default_threads = prepare_parent()
+    print(f"# threads 'default': torch's default here, {default_threads}", flush=True)
     rows: list[dict] = []
     columns = [
         "world", "threads", "op", "size", "ours_us", "torch_us", "ratio", "mpi_us", "mpi_ratio",

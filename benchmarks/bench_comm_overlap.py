@@ -37,6 +37,7 @@ from _common import (  # noqa: E402 - after the path set-up above
     environment,
     init_gloo_rank,
     median,
+    prepare_parent,
     print_table,
     reproduce_command,
     write_json,
@@ -160,9 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.iters = 4.0, 10
-    import torch
-
-    torch.set_num_threads(1)  # keep the forking parent single-threaded
+    prepare_parent()  # the ranks get torch's default threads
     per_rank = [row for rank_rows in run(args) for row in rank_rows]
     rows = []
     for kind in args.compute.split(","):

@@ -31,6 +31,7 @@ from _common import (  # noqa: E402 - after the path set-up above
     init_gloo_rank,
     median,
     plot_lines,
+    prepare_parent,
     print_table,
     reproduce_command,
     write_json,
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA GPU on this machine: nothing to measure (custom all-reduce needs one GPU")
         print("for two ranks; pynccl and torch.distributed NCCL need one GPU per rank).")
         return 0
+    prepare_parent()  # the ranks get torch's default threads
     top = 4 * MiB if args.quick else 64 * MiB
     sizes, n = [], 4 * KiB
     while n <= top:

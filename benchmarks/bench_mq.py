@@ -47,6 +47,7 @@ from _common import (  # noqa: E402 - after the path set-up above
     median,
     percentile,
     plot_lines,
+    prepare_parent,
     print_table,
     reproduce_command,
     write_json,
@@ -498,9 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     if no_vllm:
         print(f"# no vLLM column: {no_vllm}", flush=True)
 
-    import torch
-
-    torch.set_num_threads(1)  # the forking parent stays single-threaded
+    prepare_parent()  # the ranks get torch's default threads
     cases = _cases(args.quick)
     if args.cases:
         wanted = args.cases.split(",")

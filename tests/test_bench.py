@@ -83,3 +83,36 @@ def test_bench_only_and_list(tmp_path, monkeypatch, capsys):
     assert "good" in listing and "gone" in listing and "(missing)" in listing
     assert bench.main(["--only", "good"]) == 0
     assert "gone" not in capsys.readouterr().out
+
+
+def _threads_after_preamble(rank: int, world: int, port: int) -> int:
+    import torch
+
+    from benchmarks._common import init_gloo_rank
+
+    init_gloo_rank(rank, world, port, timeout_s=60)
+    return torch.get_num_threads()
+
+
+def test_benchmark_ranks_run_on_torchs_default_threads_not_the_parents() -> None:
+    """A rank forked from a parent held at one thread (conftest, and every benchmark's
+    parent) gets the thread count a fresh process gets, as a user's rank does: until
+    this test the preamble forced one thread, whatever ``--threads`` asked for."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from benchmarks._common import prepare_parent
+    from coordinator.launch import free_port, run_ranks
+
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert prepare_parent() == int(fresh.stdout.split()[-1])
+    assert torch.get_num_threads() == 1  # the forking parent stays single-threaded
+    got = run_ranks(_threads_after_preamble, 2, free_port(), timeout=60)
+    assert got == [int(fresh.stdout.split()[-1])] * 2
