@@ -179,6 +179,21 @@ def _die_with_parent() -> None:
         print(f"prctl(PR_SET_PDEATHSIG) failed: errno {ctypes.get_errno()}", file=sys.stderr)
 
 
+def _stack_dump_stream() -> Any:
+    """Where a hung rank's stacks go. faulthandler needs a real file descriptor,
+    which ``sys.stderr`` lacks in a notebook or under a captured stream (the
+    call raised there, before the rank could report anything, and every rank
+    "exited with code 1 without reporting an error"): then the process's own
+    stderr, else nowhere."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            if stream is not None and stream.fileno() >= 0:
+                return stream
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
+            continue
+    return None
+
+
 # In a rank: the pipe to its launcher, until the rank has answered.
 _to_launcher: Connection | None = None
 
@@ -225,7 +240,9 @@ def _rank_main(
     _to_launcher = conn
     _die_with_parent()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # teardown still runs
-    faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5), exit=False, file=sys.stderr)
+    dump_to = _stack_dump_stream()
+    if dump_to is not None:
+        faulthandler.dump_traceback_later(max(timeout - 1.0, 0.5), exit=False, file=dump_to)
     try:
         try:
             payload = dumps(("ok", fn(rank, world_size, *args)))

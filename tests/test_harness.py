@@ -69,3 +69,16 @@ def test_a_killed_rank_is_excused_when_expected() -> None:
     group.kill(1)
     assert group.collect(killed=[1]) == [0, None]
     assert not any(p.is_alive() for p in group.procs)
+
+
+def test_ranks_run_when_the_callers_stderr_is_not_a_file(monkeypatch) -> None:
+    """A notebook or a captured stream has no file descriptor behind sys.stderr: the
+    ranks used to die before reporting anything ("exited with code 1 without
+    reporting an error"); they run, and a failure still comes back."""
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert run_ranks(_rank_pid, 2, timeout=30) == [(0, 2, 0), (1, 2, 1)]
+    with pytest.raises(AssertionError, match="(?s)rank 1 raised.*boom from rank one"):
+        run_ranks(_raise_on_one, 2, timeout=30)
