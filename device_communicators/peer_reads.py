@@ -142,10 +142,12 @@ class PeerReads:
         self._remote = _Iovec()
         self._local_ref = ctypes.byref(self._local)
         self._remote_ref = ctypes.byref(self._remote)
+        self.reads_made = 0  # tells which calls read directly (benchmarks/bench_peer_reads.py)
 
     def read(self, r: int, local: int, remote: int, nbytes: int, operation: str) -> None:
         """Copy ``nbytes`` at address ``remote`` of in-group rank ``r`` to ``local`` here."""
         pid = self.pids[r]
+        self.reads_made += 1
         while nbytes > 0:
             self._local.base, self._local.len = local, nbytes
             self._remote.base, self._remote.len = remote, nbytes

@@ -116,3 +116,31 @@ def test_benchmark_ranks_run_on_torchs_default_threads_not_the_parents() -> None
     assert torch.get_num_threads() == 1  # the forking parent stays single-threaded
     got = run_ranks(_threads_after_preamble, 2, free_port(), timeout=60)
     assert got == [int(fresh.stdout.split()[-1])] * 2
+
+
+def test_the_peer_reads_benchmark_times_both_ways_and_says_which_path_the_rule_took(
+    tmp_path, capsys
+) -> None:
+    import pytest
+
+    from benchmarks.bench_peer_reads import main
+
+    out = tmp_path / "peer_reads.json"
+    args = ["--worlds", "2", "--sizes", "262144,393216", "--rounds", "2", "--json", str(out)]
+    assert main([*args, "--ops", "broadcast,reduce_scatter"]) == 0
+    printed = capsys.readouterr().out
+    if "no direct reads here" in printed:
+        pytest.skip(printed.strip().splitlines()[1])
+    rows = json.loads(out.read_text())["rows"]
+    paths = {(r["op"], r["bytes"]): r["path"] for r in rows}
+    # 256 KiB is the lean path's; a world-2 broadcast over it reads the root
+    # directly; a reduce-scatter needs a 512 KiB share a rank.
+    assert paths == {
+        ("broadcast", 262144): "slots",
+        ("broadcast", 393216): "direct",
+        ("reduce_scatter", 262144): "slots",
+        ("reduce_scatter", 393216): "slots",
+    }, paths
+    assert all(
+        r["rule_us"] > 0 and r["slots_us"] > 0 and r["rule_won"].endswith("/2") for r in rows
+    )

@@ -1,0 +1,165 @@
+"""Direct reads of the peers' memory against the shared-memory slots, in one run.
+
+Whether a large CPU collective reads the peers' memory (``process_vm_readv``)
+or copies through the shared slots is decided by size rules
+(``device_communicators/peer_reads.py``; docs/cpu_communicator.md, "Reading the
+peers' memory directly"). Two separate runs of ``bench_collectives.py``, one
+with ``GROUPCOORD_DISABLE_PEER_READS=1``, do not settle such a rule on a
+shared host: whole runs move (on the 2-core EPYC VM a 512 KiB world-2
+broadcast through the slots took 44-62 µs in some runs and 119-137 µs in
+others). Here both ways are timed in the same ranks on the same buffers:
+every round times a batch as shipped ("rule": peer reads on, the rule
+decides) and a batch with peer reads off ("slots"), all ranks switching
+together, the order swapped every round. Reported: the median of the rounds
+for each, ``slots_vs_rule`` = slots time / rule time (above 1: the rule's
+choice is faster), how many rounds the rule won, and whether the rule read
+directly at that size (``path``). Where it does not, the two are the same
+path and the ratio shows the noise.
+
+    python benchmarks/bench_peer_reads.py --quick
+    python benchmarks/bench_peer_reads.py --worlds 2,4 --sizes 393216,1048576,4194304 --ops broadcast --rounds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402 - after the path set-up above
+    environment,
+    human_bytes,
+    init_gloo_rank,
+    prepare_parent,
+    print_table,
+    reproduce_command,
+    write_json,
+)
+from _timing import per_call_seconds  # noqa: E402
+
+from coordinator.launch import free_port, run_ranks  # noqa: E402
+
+OPS = ["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+SIZES = [393216, 1048576, 4194304, 16777216]
+QUICK_SIZES = [393216, 4194304]
+COLUMNS = ["world", "op", "size", "path", "rule_us", "slots_us", "slots_vs_rule", "rule_won"]
+
+
+def _call(group: Any, op: str, x: Any) -> Callable[[], Any]:
+    """The timed call: ``op`` of ``x`` on ``group`` (dim 0; broadcast from rank 0)."""
+    if op == "all_gather":
+        return lambda: group.all_gather(x, 0)
+    if op == "reduce_scatter":
+        return lambda: group.reduce_scatter(x, 0)
+    if op == "all_reduce":
+        return lambda: group.all_reduce(x)
+    return lambda: group.broadcast(x, 0)
+
+
+def _rank_main(
+    rank: int, world: int, port: int, sizes: list[int], ops: list[str], rounds: int
+) -> list[dict[str, Any]] | str:
+    """One rank's sweep: rank 0 returns the rows (or why there are none)."""
+    import torch
+    import torch.distributed as dist
+
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo_rank(rank, world, port, timeout_s=600)
+    group = GroupCoordinator(
+        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=False
+    )
+    shm = group.device_communicator.shm_all_reduce  # type: ignore[union-attr]
+    reads = shm.peer_reads
+    if reads is None:
+        group.destroy()
+        return f"no direct reads here: {shm.peer_reads_reason or shm.disabled_reason}"
+
+    def agree(value: int) -> int:
+        box = torch.tensor([value])
+        dist.broadcast(box, 0)
+        return int(box)
+
+    rows = []
+    for op in ops:
+        for nbytes in sizes:
+            call = _call(group, op, torch.randn(nbytes // 4))
+            max_iters = max(2, (64 << 20) // (nbytes * world))
+            times: dict[str, list[float]] = {"rule": [], "slots": []}
+            direct = False
+            for r in range(rounds):
+                for way in ("rule", "slots") if r % 2 == 0 else ("slots", "rule"):
+                    shm.peer_reads = reads if way == "rule" else None
+                    before = reads.reads_made
+                    times[way].append(per_call_seconds(call, agree, max_iters, batches=1))
+                    direct = direct or (way == "rule" and reads.reads_made > before)
+            shm.peer_reads = reads
+            # Did any rank read directly (a broadcast's root never does)?
+            flag = torch.tensor([int(direct)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            direct = bool(flag)
+            rule, slots = statistics.median(times["rule"]), statistics.median(times["slots"])
+            won = sum(a < b for a, b in zip(times["rule"], times["slots"]))
+            rows.append(
+                {
+                    "world": world,
+                    "op": op,
+                    "bytes": nbytes,
+                    "size": human_bytes(nbytes),
+                    "path": "direct" if direct else "slots",
+                    "rule_us": rule * 1e6,
+                    "slots_us": slots * 1e6,
+                    "slots_vs_rule": slots / rule,
+                    "rule_won": f"{won}/{rounds}",
+                }
+            )
+    group.destroy()
+    dist.destroy_process_group()
+    return rows if rank == 0 else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    parser.add_argument("--sizes", default="", help="comma-separated bytes per rank")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
+    parser.add_argument("--rounds", type=int, default=8, help="alternating rounds (default 8)")
+    parser.add_argument("--quick", action="store_true", help="two sizes, four rounds")
+    parser.add_argument("--json", default="bench_results/peer_reads.json")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per world size, seconds")
+    args = parser.parse_args(argv)
+    ops = args.ops.split(",")
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        parser.error(f"--ops: unknown {unknown}; known: {OPS}")
+    sizes = (
+        [int(s) for s in args.sizes.split(",")]
+        if args.sizes
+        else (QUICK_SIZES if args.quick else SIZES)
+    )
+    rounds = 4 if args.quick and args.rounds == 8 else args.rounds
+    command = reproduce_command(None if argv is None else [sys.argv[0], *argv])
+    print(f"# {command}", flush=True)
+    prepare_parent()
+    rows: list[dict[str, Any]] = []
+    for world in (int(w) for w in args.worlds.split(",")):
+        got = run_ranks(_rank_main, world, free_port(), sizes, ops, rounds, timeout=args.timeout)
+        if isinstance(got[0], str):
+            print(f"# world {world}: {got[0]}", flush=True)
+            continue
+        rows.extend(got[0])
+    print_table(rows, COLUMNS)
+    path = write_json(args.json, {"command": command, "environment": environment(), "rows": rows})
+    print(f"# wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
