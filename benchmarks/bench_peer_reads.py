@@ -14,7 +14,9 @@ together, the order swapped every round. Reported: the median of the rounds
 for each, ``slots_vs_rule`` = slots time / rule time (above 1: the rule's
 choice is faster), how many rounds the rule won, and whether the rule read
 directly at that size (``path``). Where it does not, the two are the same
-path and the ratio shows the noise.
+path and the ratio shows the noise floor (0.87-1.43 on the 2-core EPYC VM,
+with one side "winning" 8 of 8 rounds on identical code): trust a ratio well
+clear of it.
 
     python benchmarks/bench_peer_reads.py --quick
     python benchmarks/bench_peer_reads.py --worlds 2,4 --sizes 393216,1048576,4194304 --ops broadcast --rounds 12
