@@ -27,31 +27,50 @@ def per_call_seconds(
     max_iters: int,
     batches: int,
 ) -> float:
-    """Median seconds per call of ``fn`` over ``batches`` timed batches, after an
-    untimed one (and a few untimed calls after each batch's barrier). Every rank
-    runs the same number of calls a batch: enough for ``TARGET_BATCH_S`` at rank
-    0's pace, at least 2, at most ``max_iters``.
+    """Median seconds per call of ``fn``: :func:`per_call_seconds_each` of one."""
+    return per_call_seconds_each([fn], agree, max_iters, batches)[0]
+
+
+def per_call_seconds_each(
+    fns: list[Callable[[], object]],
+    agree: Callable[[int], int],
+    max_iters: int,
+    batches: int,
+) -> list[float]:
+    """Median seconds per call of each of ``fns`` over ``batches`` timed batches,
+    after an untimed one (and a few untimed calls after each batch's barrier).
+
+    The functions take turns batch by batch, the order rotating every batch, so
+    whatever the host does over the run (it moves whole runs on a shared VM)
+    reaches each of them alike and their ratio stays fair. Every rank runs the
+    same number of calls of a function per batch: enough for
+    ``TARGET_BATCH_S`` at rank 0's pace, at least 2, at most ``max_iters``.
 
     ``agree(value)`` is collective: it returns rank 0's ``value`` on every rank
     (and so is also the barrier that starts each batch in step).
     """
     agree(0)
-    # The fastest probe call: a first call can pay a one-off set-up (a channel
-    # opened through the store, ~50 ms), which would shrink every batch to 2 calls.
-    each = float("inf")
-    for _ in range(_PROBE_CALLS):
-        start = time.perf_counter()
-        fn()
-        each = min(each, time.perf_counter() - start)
-    iters = agree(max(2, min(max_iters, int(TARGET_BATCH_S / max(each, 1e-7)))))
-    per_call = []
+    iters = []
+    for fn in fns:
+        # The fastest probe call: a first call can pay a one-off set-up (a channel
+        # opened through the store, ~50 ms), which would shrink every batch to 2 calls.
+        each = float("inf")
+        for _ in range(_PROBE_CALLS):
+            start = time.perf_counter()
+            fn()
+            each = min(each, time.perf_counter() - start)
+        iters.append(agree(max(2, min(max_iters, int(TARGET_BATCH_S / max(each, 1e-7))))))
+    per_call: list[list[float]] = [[] for _ in fns]
     for batch in range(batches + 1):
-        agree(0)
-        for _ in range(_IN_STEP_CALLS):
-            fn()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        if batch:
-            per_call.append((time.perf_counter() - start) / iters)
-    return statistics.median(per_call)
+        for turn in range(len(fns)):
+            i = (batch + turn) % len(fns)
+            fn, n = fns[i], iters[i]
+            agree(0)
+            for _ in range(_IN_STEP_CALLS):
+                fn()
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            if batch:
+                per_call[i].append((time.perf_counter() - start) / n)
+    return [statistics.median(times) for times in per_call]

@@ -18,7 +18,9 @@ torchcomms-style ``coordinator.comm.Comm`` on the group (``comm_us``;
 
 Numbers are medians over batches after a warm one; a batch is as many calls as
 take about 50 ms (at most the byte budget), the same rule for ours, Gloo's
-and MPI's (``_timing.py``); ratio = torch time / ours.
+and MPI's (``_timing.py``); ours, Gloo's and Comm's batches take turns (the
+order rotating), so drift over the run reaches each alike (MPI runs in its
+own processes, before); ratio = torch time / ours.
 
 ``--threads default,1`` runs each world with torch's default intra-op threads
 and with one (``threads`` column). ``--interleave`` puts an engine step's
@@ -56,7 +58,7 @@ from _common import (  # noqa: E402 - after the path set-up above
     reproduce_command,
     write_json,
 )
-from _timing import per_call_seconds  # noqa: E402
+from _timing import per_call_seconds_each  # noqa: E402
 
 OPS = [
     "all_reduce",
@@ -119,9 +121,6 @@ def _rank_main(
         dist.broadcast(box, 0, group=plain)
         return int(box)
 
-    def timed(fn: Callable[[], Any]) -> float:
-        return per_call_seconds(fn, agree, iters, batches)
-
     a, b, small = torch.randn(256, 256), torch.randn(256, 256), torch.ones(16)
 
     def work() -> None:  # the rest of an engine step, between two collectives
@@ -142,14 +141,16 @@ def _rank_main(
             x = torch.randn(n)
             iters, batches = _iters_for(nbytes, quick)
             ours, theirs, through_comm = _pair(op, group, plain, comm, x, rank, world)
-            t_work = None
             if interleave:
-                t_work = timed(work)
                 ours, theirs = with_work(ours), with_work(theirs)
                 through_comm = with_work(through_comm) if through_comm else None
-            t_ours = timed(ours)
-            t_torch = timed(theirs)
-            t_comm = timed(through_comm) if through_comm else None
+            # Ours, Gloo's (and Comm's, and the work alone) take turns batch by batch.
+            fns = [ours, theirs] + ([through_comm] if through_comm else [])
+            fns += [work] if interleave else []
+            times = per_call_seconds_each(fns, agree, iters, batches)
+            t_ours, t_torch = times[0], times[1]
+            t_comm = times[2] if through_comm else None
+            t_work = times[-1] if interleave else None
             rows.append(
                 {
                     "world": world,
