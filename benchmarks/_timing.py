@@ -37,7 +37,19 @@ def per_call_seconds_each(
     max_iters: int,
     batches: int,
 ) -> list[float]:
-    """Median seconds per call of each of ``fns`` over ``batches`` timed batches,
+    """Median seconds per call of each of ``fns``: :func:`batch_seconds_each`'s medians."""
+    return [
+        statistics.median(times) for times in batch_seconds_each(fns, agree, max_iters, batches)
+    ]
+
+
+def batch_seconds_each(
+    fns: list[Callable[[], object]],
+    agree: Callable[[int], int],
+    max_iters: int,
+    batches: int,
+) -> list[list[float]]:
+    """Seconds per call of each of ``fns`` in each of ``batches`` timed batches,
     after an untimed one (and a few untimed calls after each batch's barrier).
 
     The functions take turns batch by batch, the order rotating every batch, so
@@ -73,4 +85,4 @@ def per_call_seconds_each(
                 fn()
             if batch:
                 per_call[i].append((time.perf_counter() - start) / n)
-    return [statistics.median(times) for times in per_call]
+    return per_call

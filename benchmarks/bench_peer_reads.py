@@ -10,13 +10,14 @@ broadcast through the slots took 44-62 µs in some runs and 119-137 µs in
 others). Here both ways are timed in the same ranks on the same buffers:
 every round times a batch as shipped ("rule": peer reads on, the rule
 decides) and a batch with peer reads off ("slots"), all ranks switching
-together, the order swapped every round. Reported: the median of the rounds
+together, the order swapped every round (``_timing.batch_seconds_each``, as
+``bench_collectives.py`` alternates ours and Gloo's). Reported: the median of the rounds
 for each, ``slots_vs_rule`` = slots time / rule time (above 1: the rule's
 choice is faster), how many rounds the rule won, and whether the rule read
 directly at that size (``path``). Where it does not, the two are the same
-path and the ratio shows the noise floor (0.87-1.43 on the 2-core EPYC VM,
-with one side "winning" 8 of 8 rounds on identical code): trust a ratio well
-clear of it.
+path and the ratio shows the noise floor (mostly 0.97-1.04 on the 2-core
+EPYC VM, but 0.82 with one side winning 8 of 8 rounds once, on identical
+code): trust a ratio well clear of it.
 
     python benchmarks/bench_peer_reads.py --quick
     python benchmarks/bench_peer_reads.py --worlds 2,4 --sizes 393216,1048576,4194304 --ops broadcast --rounds 12
@@ -42,7 +43,7 @@ from _common import (  # noqa: E402 - after the path set-up above
     reproduce_command,
     write_json,
 )
-from _timing import per_call_seconds  # noqa: E402
+from _timing import batch_seconds_each  # noqa: E402
 
 from coordinator.launch import free_port, run_ranks  # noqa: E402
 
@@ -91,22 +92,28 @@ def _rank_main(
     for op in ops:
         for nbytes in sizes:
             call = _call(group, op, torch.randn(nbytes // 4))
+
+            def as_shipped(call: Callable[[], Any] = call) -> None:
+                shm.peer_reads = reads
+                call()
+
+            def slots_only(call: Callable[[], Any] = call) -> None:
+                shm.peer_reads = None
+                call()
+
+            before = reads.reads_made
             max_iters = max(2, (64 << 20) // (nbytes * world))
-            times: dict[str, list[float]] = {"rule": [], "slots": []}
-            direct = False
-            for r in range(rounds):
-                for way in ("rule", "slots") if r % 2 == 0 else ("slots", "rule"):
-                    shm.peer_reads = reads if way == "rule" else None
-                    before = reads.reads_made
-                    times[way].append(per_call_seconds(call, agree, max_iters, batches=1))
-                    direct = direct or (way == "rule" and reads.reads_made > before)
+            rule_times, slot_times = batch_seconds_each(
+                [as_shipped, slots_only], agree, max_iters, rounds
+            )
             shm.peer_reads = reads
+            direct = reads.reads_made > before
             # Did any rank read directly (a broadcast's root never does)?
             flag = torch.tensor([int(direct)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             direct = bool(flag)
-            rule, slots = statistics.median(times["rule"]), statistics.median(times["slots"])
-            won = sum(a < b for a, b in zip(times["rule"], times["slots"]))
+            rule, slots = statistics.median(rule_times), statistics.median(slot_times)
+            won = sum(a < b for a, b in zip(rule_times, slot_times))
             rows.append(
                 {
                     "world": world,
