@@ -51,6 +51,16 @@ def _shm_counting_reads(rank: int, world: int, disable: bool) -> tuple[Any, list
     return shm, reads
 
 
+def _ranks_or_skip(fn: Any, world: int, disable: bool, timeout: float) -> list[Any]:
+    """The ranks' results; the test skips when peer reads were wanted but the machine
+    refused them (a rank's result, or its first item, is then the reason)."""
+    results = run_ranks(fn, world, disable, timeout=timeout)
+    reasons = [r[0] if isinstance(r, tuple) else r for r in results]
+    if not disable and any(reasons):
+        pytest.skip(f"process_vm_readv not allowed here: {reasons}")
+    return results
+
+
 def _gathers(rank: int, world: int, disable: bool) -> str | None:
     shm, reads = _shm_counting_reads(rank, world, disable)
     try:
@@ -85,9 +95,7 @@ def _gathers(rank: int, world: int, disable: bool) -> str | None:
 def test_large_all_gathers_are_exact_read_directly_or_through_the_slots(
     world: int, disable: bool
 ) -> None:
-    reasons = run_ranks(_gathers, world, disable, timeout=120)
-    if not disable and any(reasons):
-        pytest.skip(f"process_vm_readv not allowed here: {reasons}")
+    _ranks_or_skip(_gathers, world, disable, 120)
 
 
 def _one_rank_cannot(rank: int, world: int) -> tuple[str | None, bool]:
@@ -249,9 +257,7 @@ def _reductions(rank: int, world: int, disable: bool) -> tuple[str | None, list[
 def test_large_reductions_match_the_fixed_order_reference_read_directly_or_not(
     world: int, disable: bool
 ) -> None:
-    results = run_ranks(_reductions, world, disable, timeout=180)
-    if not disable and any(reason for reason, _ in results):
-        pytest.skip(f"process_vm_readv not allowed here: {results[0][0]}")
+    results = _ranks_or_skip(_reductions, world, disable, 180)
     assert all(digests == results[0][1] for _, digests in results)  # bit-identical
 
 
@@ -352,9 +358,7 @@ def _broadcasts(rank: int, world: int, disable: bool) -> str | None:
 def test_large_broadcasts_read_the_root_directly_when_every_rank_has_a_core(
     world: int, disable: bool
 ) -> None:
-    reasons = run_ranks(_broadcasts, world, disable, timeout=120)
-    if not disable and any(reasons):
-        pytest.skip(f"process_vm_readv not allowed here: {reasons}")
+    _ranks_or_skip(_broadcasts, world, disable, 120)
 
 
 def test_groupcoord_info_probe_reports_why_ranks_could_not_read_each_other(
