@@ -2,8 +2,10 @@
 
 Ops: all_reduce, all_gather, reduce_scatter, broadcast (one tensor from rank
 0, in place), broadcast_tensor_dict (8 tensors plus plain values), send/recv_tensor_dict and send_recv (one tensor: ``send``
-then ``recv``); the last two are rank 0 -> 1 -> 0 ping-pongs, timed per one-way
-trip. Sizes are total bytes per rank. The torch side is what an engine would
+then ``recv``), rank 0 -> 1 -> 0 ping-pongs timed per one-way trip, and
+ring_exchange (every rank sends its tensor right and receives its left
+neighbour's, all in flight at once: ours is a ``coordinator.comm`` batch,
+torch's ``dist.batch_isend_irecv``). Sizes are total bytes per rank. The torch side is what an engine would
 write without groupcoord: ``dist.all_reduce``, ``dist.all_gather_single``,
 ``dist.reduce_scatter_single``, ``dist.broadcast``, ``broadcast_object_list`` of the metadata then
 one ``broadcast`` per tensor, ``send_object_list`` then one ``send`` per
@@ -12,8 +14,8 @@ tensor, and ``dist.send``/``dist.recv`` into a fresh tensor.
     python benchmarks/bench_collectives.py --quick
     python benchmarks/bench_collectives.py --worlds 2,4 --plot
 
-The same all_reduce, all_gather, reduce_scatter and broadcast also run through the
-torchcomms-style ``coordinator.comm.Comm`` on the group (``comm_us``;
+The same all_reduce, all_gather, reduce_scatter, broadcast and send_recv also run
+through the torchcomms-style ``coordinator.comm.Comm`` on the group (``comm_us``;
 ``comm_vs_group`` = Comm time / GroupCoordinator time, 1.0 = same speed).
 
 Numbers are medians over batches after a warm one; a batch is as many calls as
@@ -68,6 +70,7 @@ OPS = [
     "broadcast_tensor_dict",
     "send_recv_tensor_dict",
     "send_recv",
+    "ring_exchange",
 ]
 FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 256 << 10, 16 << 20]
@@ -237,7 +240,7 @@ def _pair(
         return ours_b, torch_b, None
     if op == "send_recv":
         if rank > 1:
-            return (lambda: None), (lambda: None), None
+            return (lambda: None), (lambda: None), (lambda: None)
         peer = 1 - rank
 
         def ours_t() -> None:
@@ -257,7 +260,39 @@ def _pair(
                 dist.recv(got, src=peer, group=plain)
                 dist.send(got, dst=peer, group=plain)
 
-        return ours_t, torch_t, None
+        # Comm receives into a buffer the caller owns (torchcomms' recv), reused.
+        into = torch.empty_like(x)
+
+        def comm_t() -> None:
+            if rank == 0:
+                comm.send(x, 1)
+                comm.recv(into, 1)
+            else:
+                comm.recv(into, 0)
+                comm.send(into, 0)
+
+        return ours_t, torch_t, comm_t
+    if op == "ring_exchange":
+        # Each rank sends right and receives left, all in flight at once: ours is a
+        # Comm batch (the GroupCoordinator has none), torch's dist.batch_isend_irecv.
+        right, left = (rank + 1) % world, (rank - 1) % world
+        got = torch.empty_like(x)
+
+        def ours_x() -> None:
+            batch = comm.batch_op_create()
+            batch.send(x, right)
+            batch.recv(got, left)
+            batch.issue()
+
+        def torch_x() -> None:
+            ops = [
+                dist.P2POp(dist.isend, x, right, group=plain),
+                dist.P2POp(dist.irecv, got, left, group=plain),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        return ours_x, torch_x, None
     if op == "send_recv_tensor_dict":
         if rank > 1:
             return (lambda: None), (lambda: None), None
@@ -354,6 +389,8 @@ def run_world(
             row["ours_us"] /= 2
             row["torch_us"] /= 2
             row["ours_GBps"] *= 2
+            if row["comm_us"] is not None:
+                row["comm_us"] /= 2
     return rows
 
 

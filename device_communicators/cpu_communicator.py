@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Store
 
 from shm_broadcast.codec import encode_message, loads, message_bytes
 from shm_broadcast.config import get_config, resolve_timeout
@@ -49,15 +49,19 @@ class CpuCommunicator(DeviceCommunicatorBase):
         *,
         timeout_s: float | None = None,
         global_ranks: list[int] | None = None,
+        p2p_store: Store | None = None,
     ) -> None:
+        """``p2p_store`` carries the channels' ring handles (default: torch's default
+        store; a ``Comm`` gives its own, as it may run without one)."""
         cfg = get_config()
         # Before the base constructor, whose failure path calls destroy(); the
         # rank is known once the base has read the group.
         self.p2p_channels = P2PChannels(
-            f"{unique_name or 'CpuCommunicator'}/cpu_communicator",
+            unique_name or "CpuCommunicator",
             -1,
             {},
             resolve_timeout(timeout_s),
+            store=p2p_store,
         )
         super().__init__(
             cpu_group,

@@ -65,7 +65,11 @@ class ReaderEnd(QueueEnd):
             self._end_call()
 
     def dequeue(
-        self, timeout: float | datetime.timedelta | None = None, indefinite: bool = False
+        self,
+        timeout: float | datetime.timedelta | None = None,
+        indefinite: bool = False,
+        *,
+        into: memoryview | None = None,
     ) -> Any:
         """Next object from the writer, in order.
 
@@ -74,6 +78,10 @@ class ReaderEnd(QueueEnd):
         worker is not an error, a dead writer raises :class:`PeerDiedError` within
         ``peer_check_interval_s``. A notice is logged every ``_IDLE_NOTICE_S`` of
         waiting unless ``indefinite`` is True.
+
+        ``into``: a writable buffer the caller owns. A message that is one tensor of
+        exactly ``len(into)`` bytes is copied there by a local reader, and the tensor
+        returned is built on it (no buffer of its own, no second copy).
         """
         self._check_open()
         timeout_s, deadline = deadline_of(timeout)
@@ -81,17 +89,21 @@ class ReaderEnd(QueueEnd):
         self._busy = True
         try:
             if self.role == "local reader":
-                return self._dequeue_local(deadline, timeout_s)
+                return self._dequeue_local(deadline, timeout_s, into)
             if self.role == "remote reader":
                 return self._dequeue_remote(deadline, timeout_s)
             raise GroupcoordValueError(f"{self.what}: dequeue on the writer (rank {self.rank})")
         finally:
             self._end_call()
 
-    def _dequeue_local(self, deadline: float, timeout_s: float) -> Any:
+    def _dequeue_local(
+        self, deadline: float, timeout_s: float, into: memoryview | None = None
+    ) -> Any:
         assert self._cursor is not None
         return self._cursor.read(
-            self._local_index, lambda idx: self._reader_wait_chunk(idx, deadline, timeout_s)
+            self._local_index,
+            lambda idx: self._reader_wait_chunk(idx, deadline, timeout_s),
+            into,
         )
 
     def _reader_wait_chunk(

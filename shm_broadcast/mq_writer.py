@@ -147,6 +147,14 @@ class WriterEnd(QueueEnd):
         finally:
             self._end_call()
 
+    def takes_without_waiting(self, tensor_bytes: list[int]) -> bool:
+        """Writer with only local readers: whether ``enqueue`` of lone CPU tensors of
+        these byte counts, in order, would return without waiting for a reader."""
+        cursor = self._cursor
+        if self.role != "writer" or cursor is None or self._tcp_writer is not None:
+            return False
+        return cursor.free_for(tensor_bytes)
+
     def all_read(self) -> bool:
         """Writer: whether every local reader has read everything sent so far (a
         reader that shut down counts as done; remote readers are not tracked)."""

@@ -36,12 +36,13 @@ party that ever attaches), so nothing stays in /dev/shm however either ends.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import multiprocessing.util
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,7 @@ from .message_queue import Handle, MessageQueue
 from .segments import unlink_segment
 
 __all__ = [
+    "Limit",
     "P2P_LINGER_S",
     "P2P_CHUNK_BYTES",
     "P2P_MAX_CHUNKS",
@@ -86,7 +88,12 @@ P2P_LINGER_S = 30.0
 # deliver_pending_sends). Held strongly: a group dropped without destroy() still
 # delivers what it sent before the process exits.
 _senders: set[P2PChannels] = set()
+_LAST_LOOK_S = 0.001
 _exit_hook_pid: int | None = None
+
+
+def _default_store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -112,18 +119,46 @@ def _hook_exit() -> None:
     multiprocessing.util.Finalize(None, deliver_pending_sends, exitpriority=100)
 
 
+class Limit(NamedTuple):
+    """How long one call may wait: ``timeout_s`` (what an error reports) ending at
+    ``deadline`` (monotonic; earlier when the call queued first)."""
+
+    timeout_s: float
+    deadline: float
+
+    @classmethod
+    def of(cls, timeout_s: float) -> Limit:
+        return cls(timeout_s, time.monotonic() + timeout_s)
+
+    def left(self) -> float:
+        """Seconds to the deadline; one short look once it has passed."""
+        return max(self.deadline - time.monotonic(), _LAST_LOOK_S)
+
+
 class P2PChannels:
     """The shared-memory channels of one group, to and from its peers on this node.
 
     ``peers`` maps the global ranks usable this way (same node, same pid
-    namespace) to their pids. Ranks are global ranks throughout.
+    namespace) to their pids. Ranks are global ranks throughout. ``store``
+    carries the rings' handles (default: torch's default store, looked up at
+    first use). A pair's channel may be used from one thread at a time in
+    each direction; different pairs and directions may run on different
+    threads.
     """
 
-    def __init__(self, name: str, rank: int, peers: dict[int, int], timeout_s: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        peers: dict[int, int],
+        timeout_s: float,
+        store: dist.Store | None = None,
+    ) -> None:
         self.name = name
         self.rank = rank
         self.peers = dict(peers)
         self.timeout_s = timeout_s
+        self._store = store
         self._writers: dict[int, MessageQueue] = {}
         self._readers: dict[int, MessageQueue] = {}
         # Pairs whose ring did not fit in /dev/shm: they use Gloo (both ends know).
@@ -138,11 +173,18 @@ class P2PChannels:
             return False
         return self._writer(dst, operation) is not None
 
-    def open_from(self, src: int, operation: str) -> bool:
-        """Whether dicts from ``src`` come through shared memory (joins the channel on first use)."""
+    def open_from(self, src: int, operation: str, limit: Limit | None = None) -> bool:
+        """Whether dicts from ``src`` come through shared memory (joins the channel on
+        first use, waiting for the sender to open it within ``limit``)."""
         if self._closed or src not in self.peers or src in self._gloo_from:
             return False
-        return self._reader(src, operation) is not None
+        return self._reader(src, operation, limit) is not None
+
+    def _limit(self, limit: Limit | None) -> Limit:
+        return limit if limit is not None else Limit.of(self.timeout_s)
+
+    def store(self) -> dist.Store:
+        return self._store if self._store is not None else _default_store()
 
     def _key(self, src: int, dst: int) -> str:
         return f"groupcoord/p2p/{self.name}/{src}->{dst}"
@@ -172,7 +214,7 @@ class P2PChannels:
             return mq
         if self._closed:
             raise ClosedError(f"{self.name}: shared-memory channels are closed")
-        store = dist.distributed_c10d._get_default_store()
+        store = self.store()
         key = self._key(self.rank, dst)
         try:
             mq = MessageQueue(
@@ -194,29 +236,46 @@ class P2PChannels:
             return None
         try:
             self._store_call(operation, dst, store.set, key, dumps(mq.export_handle()))
+            self._keep(self._writers, dst, mq)
         except BaseException:
             mq.shutdown()
             raise
-        self._writers[dst] = mq
         _senders.add(self)
         _hook_exit()
         return mq
 
-    def _put(self, mq: MessageQueue, obj: Any, dst: int, operation: str) -> None:
+    def _keep(self, queues: dict[int, MessageQueue], peer: int, mq: MessageQueue) -> None:
+        """Record a new queue, unless close() ran meanwhile (on another thread): then
+        the caller shuts it."""
+        if self._closed:
+            raise ClosedError(f"{self.name}: shared-memory channels are closed")
+        queues[peer] = mq
+
+    def _put(
+        self, mq: MessageQueue, obj: Any, dst: int, operation: str, limit: Limit | None
+    ) -> None:
         # One wait to the deadline: a message larger than the ring streams
         # through it, and a stream cut by a timeout cannot resume (a receiver
         # busy elsewhere for a while is not an error). The queue knows the
         # receiver's pid, attached or not, and ends the wait if it dies.
+        limit = self._limit(limit)
         self._queue_wait(
-            lambda: mq.enqueue(obj, timeout=self.timeout_s),
+            lambda: mq.enqueue(obj, timeout=limit.left()),
             dst,
             operation,
+            limit.timeout_s,
             "sender",
             "the receiver has not read the shared-memory channel",
         )
 
     def _queue_wait(
-        self, call: Callable[[], Any], peer: int, operation: str, role: str, waiting_for: str
+        self,
+        call: Callable[[], Any],
+        peer: int,
+        operation: str,
+        timeout_s: float,
+        role: str,
+        waiting_for: str,
     ) -> Any:
         """One enqueue or dequeue; its errors name the group, the operation and the peer."""
         try:
@@ -225,7 +284,7 @@ class P2PChannels:
             raise GroupcoordTimeoutError(
                 self.name,
                 operation,
-                self.timeout_s,
+                timeout_s,
                 [peer],
                 f"{role} rank {self.rank}",
                 waiting_for,
@@ -236,23 +295,36 @@ class P2PChannels:
     def send_message(self, dst: int, msg: EncodedMessage, operation: str) -> None:
         """Send an encoded object (a tensor dict's head), whatever its size: one
         larger than a chunk streams through the ring."""
-        self._put(self._writers[dst], msg, dst, operation)
+        self._put(self._writers[dst], msg, dst, operation, None)
 
-    def send_tensor(self, dst: int, tensor: torch.Tensor, operation: str) -> None:
+    def sends_without_waiting(self, dst: int, tensor_bytes: list[int], operation: str) -> bool:
+        """Whether tensors of these byte counts sent to ``dst`` now, in order, all go
+        into the pair's ring without waiting for the receiver (the channel opened,
+        if need be): a caller may then send them all before receiving anything."""
+        return self.open_to(dst, operation) and self._writers[dst].takes_without_waiting(
+            tensor_bytes
+        )
+
+    def send_tensor(
+        self, dst: int, tensor: torch.Tensor, operation: str, limit: Limit | None = None
+    ) -> None:
+        """Send one tensor (after ``open_to``) within ``limit`` (default: the group's
+        timeout from now)."""
         # The codec copies it (strided or not) straight into the ring.
-        self._put(self._writers[dst], tensor, dst, operation)
+        self._put(self._writers[dst], tensor, dst, operation, limit)
 
     # ---- receiver -----------------------------------------------------------
 
-    def _reader(self, src: int, operation: str) -> MessageQueue | None:
+    def _reader(self, src: int, operation: str, limit: Limit | None) -> MessageQueue | None:
         mq = self._readers.get(src)
         if mq is not None:
             return mq
         if self._closed:
             raise ClosedError(f"{self.name}: shared-memory channels are closed")
-        store = dist.distributed_c10d._get_default_store()
+        store = self.store()
         key = self._key(src, self.rank)
-        deadline = time.monotonic() + self.timeout_s
+        limit = self._limit(limit)
+        deadline = limit.deadline
         pause = 0.001
         # The sender publishes the handle on its first send; until then, poll.
         while not self._store_call(operation, src, store.check, [key]):
@@ -264,7 +336,7 @@ class P2PChannels:
                 raise GroupcoordTimeoutError(
                     self.name,
                     operation,
-                    self.timeout_s,
+                    limit.timeout_s,
                     [src],
                     f"receiver rank {self.rank}",
                     "the sender has not opened its shared-memory channel",
@@ -289,29 +361,55 @@ class P2PChannels:
         # This rank is the ring's only reader: once mapped, its name has done its job.
         if handle.buffer_name is not None:
             unlink_segment(handle.buffer_name)
-        self._readers[src] = mq
+        try:
+            self._keep(self._readers, src, mq)
+        except BaseException:
+            mq.shutdown()
+            raise
         return mq
 
-    def _get(self, mq: MessageQueue, src: int, operation: str) -> Any:
+    def _get(
+        self,
+        mq: MessageQueue,
+        src: int,
+        operation: str,
+        limit: Limit | None,
+        into: memoryview | None = None,
+    ) -> Any:
+        limit = self._limit(limit)
         return self._queue_wait(
-            lambda: mq.dequeue(timeout=self.timeout_s),
+            lambda: mq.dequeue(timeout=limit.left(), into=into),
             src,
             operation,
+            limit.timeout_s,
             "receiver",
             "nothing arrived on the shared-memory channel",
         )
 
     def recv_message(self, src: int, operation: str) -> Any:
         """The object :meth:`send_message` sent."""
-        return self._get(self._readers[src], src, operation)
+        return self._get(self._readers[src], src, operation, None)
 
     def recv_tensor(
-        self, src: int, dtype: torch.dtype, shape: tuple[int, ...], operation: str
+        self,
+        src: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        operation: str,
+        limit: Limit | None = None,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The tensor ``src`` sent with :meth:`send_tensor`, shaped ``shape``; a tensor
         of another dtype or size, or anything else, is a ``DesyncError`` naming both
-        sides (the message is consumed: the channel stays in step)."""
-        got = self._get(self._readers[src], src, operation)
+        sides (the message is consumed: the channel stays in step). ``into`` (dense,
+        ``shape`` and ``dtype``): the bytes land there when the sizes match (the
+        tensor returned is then built on its memory; after a ``DesyncError`` it holds
+        whatever came)."""
+        sink = None
+        if into is not None and into.numel():
+            raw = (ctypes.c_ubyte * into.nbytes).from_address(into.data_ptr())
+            sink = memoryview(raw).cast("B")  # ctypes says "<B", which slicing refuses
+        got = self._get(self._readers[src], src, operation, limit, sink)
         numel = 1
         for s in shape:
             numel *= s
@@ -331,11 +429,14 @@ class P2PChannels:
 
     # ---- both ---------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, linger: bool = True) -> None:
         """Shut every channel down once each receiver has read what this rank sent
-        it (or shut its end, or died; at most ``P2P_LINGER_S``); idempotent."""
+        it (or shut its end, or died; at most ``P2P_LINGER_S``); idempotent. Without
+        ``linger`` (an abort) at once: a call waiting on another thread raises
+        ``ClosedError``."""
         self._closed = True
-        self._linger()
+        if linger:
+            self._linger()
         _senders.discard(self)
         queues = list(self._writers.values()) + list(self._readers.values())
         self._writers.clear()

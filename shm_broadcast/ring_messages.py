@@ -49,6 +49,7 @@ MSG_OFFSET = 64
 _TENSOR_HEAD = struct.Struct("<BQ")  # the tensor header's length, the tensor's bytes
 _STREAM_LEN = struct.Struct("<Q")
 _PART_COUNT = struct.Struct("<I")
+_STREAM_ALLOWANCE = 4096  # a streamed tensor's bytes beyond its data, at most
 
 WaitFor = Callable[[int], None]
 
@@ -71,6 +72,21 @@ class RingCursor:
 
     def _advance(self) -> None:
         self.idx = (self.idx + 1) % self.ring.max_chunks
+
+    def free_for(self, tensor_bytes: list[int]) -> bool:
+        """Writer: whether lone tensors of these byte counts, written in order from
+        here, would find every chunk they need free (no wait for a reader). Only the
+        writer takes chunks, so the answer holds until it writes."""
+        ring = self.ring
+        needed = 0
+        for n in tensor_bytes:
+            # A tensor chunk's bytes start MSG_OFFSET into the message; a larger one
+            # streams with a table and the codec's header (well under a KiB).
+            fits_one = n <= self.capacity - MSG_OFFSET
+            needed += 1 if fits_one else -(-(n + _STREAM_ALLOWANCE) // self.capacity)
+        if needed > ring.max_chunks:
+            return False
+        return all(ring.chunk_free((self.idx + j) % ring.max_chunks) for j in range(needed))
 
     # ---- writer ---------------------------------------------------------------
 
@@ -189,15 +205,16 @@ class RingCursor:
             wait_ready(idx)
         return idx
 
-    def read(self, me: int, wait_ready: WaitFor) -> Any:
-        """The next message for local reader ``me``, decoded."""
+    def read(self, me: int, wait_ready: WaitFor, into: memoryview | None = None) -> Any:
+        """The next message for local reader ``me``, decoded; a lone tensor of
+        ``len(into)`` bytes lands in ``into`` (see ``MessageQueue.dequeue``)."""
         ring = self.ring
         idx = self._wait_written(me, wait_ready)
         buf = ring.buf
         at = ring.chunk_at[idx]
         kind = buf[at]
         if kind == STREAM:
-            return self._read_stream(me, wait_ready)
+            return self._read_stream(me, wait_ready, into)
         try:
             if kind == INLINE:
                 pos = at + MSG_OFFSET
@@ -206,7 +223,7 @@ class RingCursor:
                     return self.codec.decode_header_only(buf[pos + 8 : pos + 8 + header_len])
                 return read_message(self.codec, buf, pos)
             if kind == TENSOR:
-                return self._read_tensor(buf, at + MSG_OFFSET)
+                return self._read_tensor(buf, at + MSG_OFFSET, into)
             if kind == RAW:
                 raise ProtocolError(
                     f"{self.what}: chunk {idx} holds raw bytes written with acquire_write: "
@@ -218,18 +235,22 @@ class RingCursor:
             ring.release(idx, me)
             self._advance()
 
-    def _read_tensor(self, buf: memoryview, pos: int) -> Any:
+    def _read_tensor(self, buf: memoryview, pos: int, into: memoryview | None) -> Any:
         meta_len, nbytes = _TENSOR_HEAD.unpack_from(buf, pos)
         start = pos + _TENSOR_HEAD.size
         if start + meta_len > pos + MSG_OFFSET or nbytes > self.capacity - MSG_OFFSET:
             raise ProtocolError(f"{self.what}: a tensor chunk's header is out of bounds")
         data = pos + MSG_OFFSET
         with buf[start : start + meta_len] as meta, buf[data : data + nbytes] as frame:
+            if into is not None and nbytes == len(into) and nbytes:
+                into[:] = frame
+                return decode_tensor(meta, (into,), owned=True)
             return decode_tensor(meta, (frame,), owned=False)
 
-    def _read_stream(self, me: int, wait_ready: WaitFor) -> Any:
+    def _read_stream(self, me: int, wait_ready: WaitFor, into: memoryview | None) -> Any:
         """Copy a streamed message's parts out as its chunks arrive (releasing each),
-        each part into a buffer of its own, then decode them."""
+        each part into a buffer of its own (a lone tensor's: ``into``, when it is that
+        size), then decode them."""
         ring = self.ring
         total = _STREAM_LEN.unpack_from(ring.buf, ring.chunk_at[self.idx] + 8)[0]
         stream = _StreamIn(self, me, wait_ready, total)
@@ -237,11 +258,13 @@ class RingCursor:
             (count,) = _PART_COUNT.unpack(stream.take(_PART_COUNT.size))
             lens = struct.unpack(f"<{count}Q", stream.take(8 * count)) if count else ()
             at = _PART_COUNT.size + 8 * count
+            # [header, one frame] of exactly into's size: the frame goes there.
+            sink = into if count == 2 and into is not None and lens[1] == len(into) else None
             parts = []
-            for n in lens:
+            for i, n in enumerate(lens):
                 stream.skip(-at % 64)
                 at += -at % 64 + n
-                parts.append(stream.take(n))
+                parts.append(stream.take(n, sink if i == 1 else None))
             stream.finish()
         except BaseException:
             stream.abandon()
@@ -314,9 +337,10 @@ class _StreamIn:
             self.view = rest
             done += k
 
-    def take(self, n: int) -> memoryview:
-        """The next ``n`` bytes, in a buffer of their own (pooled when large)."""
-        dest = large_buffer(n) if n >= LARGE_DECODE_BYTES else memoryview(bytearray(n))
+    def take(self, n: int, dest: memoryview | None = None) -> memoryview:
+        """The next ``n`` bytes, in ``dest`` or a buffer of their own (pooled when large)."""
+        if dest is None:
+            dest = large_buffer(n) if n >= LARGE_DECODE_BYTES else memoryview(bytearray(n))
         self._copy(dest, n)
         return dest
 

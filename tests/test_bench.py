@@ -145,3 +145,16 @@ def test_the_peer_reads_benchmark_times_both_ways_and_says_which_path_the_rule_t
     assert all(
         r["rule_us"] > 0 and r["slots_us"] > 0 and r["rule_won"].endswith("/2") for r in rows
     )
+
+
+def test_the_collectives_benchmark_times_point_to_point_through_comm_too(tmp_path) -> None:
+    from benchmarks.bench_collectives import main
+
+    out = tmp_path / "collectives.json"
+    args = ["--worlds", "2", "--sizes", "4096", "--quick", "--no-mpi", "--json", str(out)]
+    assert main([*args, "--ops", "send_recv,ring_exchange"]) == 0
+    rows = {r["op"]: r for r in json.loads(out.read_text())["rows"]}
+    # send_recv: GroupCoordinator, Gloo and Comm, one way each; ring_exchange: a
+    # Comm batch against dist.batch_isend_irecv.
+    assert rows["send_recv"]["comm_us"] > 0 and rows["send_recv"]["torch_us"] > 0
+    assert rows["ring_exchange"]["ours_us"] > 0 and rows["ring_exchange"]["torch_us"] > 0

@@ -107,3 +107,46 @@ def _corrupt(rank: int, world_size: int) -> str:
 
 def test_a_corrupt_tensor_chunk_is_refused_and_the_queue_goes_on() -> None:
     assert "out of bounds" in run_ranks(_corrupt, 2, timeout=60)[1]
+
+
+def _into_and_room(rank: int, world_size: int) -> list[bool]:
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, 1, max_chunk_bytes=1 << 12, max_chunks=4)
+    one_chunk, streamed = torch.arange(8.0), torch.arange(2000.0)  # 32 B; 8000 B: 3 chunks
+    seen: list[bool] = []
+    if rank == 0:
+        # An empty ring of four 4 KiB chunks takes one chunk plus three streamed ones.
+        seen.append(mq.takes_without_waiting([32, 8000]))
+        seen.append(mq.takes_without_waiting([32, 32, 8000]))  # five chunks: no
+        for tensor in (one_chunk, streamed):
+            mq.enqueue(tensor, timeout=30)
+        # Every chunk written, none read yet: the next message would wait.
+        seen.append(mq.takes_without_waiting([32]))
+        dist.barrier()
+        dist.barrier()  # the reader has read both
+        seen.append(mq.takes_without_waiting([32, 8000]))
+        for tensor in (one_chunk, streamed):
+            mq.enqueue(tensor, timeout=30)
+    else:
+        dist.barrier()  # both messages are in the ring
+        for tensor in (one_chunk, streamed):
+            into = torch.empty_like(tensor)
+            got = mq.dequeue(timeout=30, into=memoryview(into.numpy()).cast("B"))
+            # Landed in the caller's buffer: the tensor returned shares its memory.
+            seen.append(got.data_ptr() == into.data_ptr() and torch.equal(into, tensor))
+        dist.barrier()
+        # A buffer of another size is not used: the message gets one of its own.
+        other = torch.empty(7)
+        got = mq.dequeue(timeout=30, into=memoryview(other.numpy()).cast("B"))
+        seen.append(got.data_ptr() != other.data_ptr() and torch.equal(got, one_chunk))
+        seen.append(torch.equal(mq.dequeue(timeout=30), streamed))
+    dist.barrier()
+    mq.shutdown()
+    return seen
+
+
+def test_dequeue_into_a_callers_buffer_and_the_writers_room_check() -> None:
+    writer, reader = run_ranks(_into_and_room, 2, timeout=60)
+    assert writer == [True, False, False, True]
+    assert reader == [True, True, True, True]

@@ -1,9 +1,11 @@
 """Batched point-to-point: queue sends and receives, then put them all in flight.
 
-Gloo posts a send or a receive the moment it is issued and moves the bytes
-on its own transport threads, so issuing every op of the batch before waiting
-on any lets a ring exchange (each rank sends right, receives left) complete
-without the send/recv ordering dance that blocking calls need.
+Every op of the batch is in flight before any is waited on, so a ring
+exchange (each rank sends right, receives left) completes without the
+send/recv ordering dance that blocking calls need: on shared-memory channels
+each op runs on its (direction, peer) lane's thread (``p2p_lanes``); on Gloo,
+which posts a send or a receive the moment it is issued and moves the bytes
+on its own transport threads, the ops are all posted, then waited on.
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ class P2PBatch:
         if not ops:
             return Work.completed(comm.get_name(), "batch")
         checks.flag(async_op, "async_op")
+        peers = sorted({op.peer for op in ops})
+        if comm._p2p is not None:
+            work = comm._new_work("batch", peers, timeout, async_op, hints)
+            self._issued = True
+            comm._p2p.run_batch(work, [(op.kind, op.tensor, op.peer) for op in ops], async_op)
+            return work
         pg = comm._pg
 
         def launch(td: datetime.timedelta) -> list[Any]:
@@ -105,7 +113,7 @@ class P2PBatch:
         self._issued = True  # even if the wait below times out: the ops were posted
         return comm._run(
             "batch",
-            sorted({op.peer for op in ops}),
+            peers,
             timeout,
             async_op,
             hints,

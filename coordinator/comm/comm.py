@@ -12,8 +12,10 @@ shared-memory back end as ``GroupCoordinator``
 check) when every rank is on this node and the back end takes the tensor; the
 choice depends only on the group, the dtype and the operator, never on
 ``async_op``, so every rank makes the same one. Those calls run in issue
-order through the communicator's :class:`~coordinator.comm.shm_lane.ShmLane`
-(asynchronous ones on its thread); everything else runs on Gloo.
+order through the communicator's :class:`~coordinator.comm.lanes.ShmLane`
+(asynchronous ones on its thread). Send, receive and batches go through
+shared-memory channels to peers on the same node, one lane per (direction,
+peer) (:mod:`~coordinator.comm.p2p_lanes`); everything else runs on Gloo.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ from ..errors import (
 from .batch import P2PBatch
 from .bootstrap import default_store, rank_and_size, unique_prefix
 from .core import CommOptions, timeout_seconds
+from .lanes import ShmLane
 from .monitored_barrier import monitored_barrier
 from .ops import CommOps
-from .shm_lane import ShmLane
+from .p2p_lanes import P2PLanes
 from .split import split_members
 from .window import Window
 
@@ -149,6 +152,7 @@ class Comm(CommOps):
             unique_name=f"communicator {self._name!r}",
             timeout_s=self._timeout_s,
             global_ranks=list(range(self._size)),
+            p2p_store=dist.PrefixStore(self._prefix + "/p2p", self._base_store),
         )
         self._communicator = communicator
         self._local_pids = communicator.peer_pids
@@ -156,6 +160,13 @@ class Comm(CommOps):
         if shm.disabled_reason is None:  # the same verdict on every rank
             self._lane = ShmLane(
                 self._name, shm, self._weak_failure_marker(self), close=communicator.destroy
+            )
+        if communicator.p2p_channels.peers:  # peers on this node: the same on both ends
+            self._p2p = P2PLanes(
+                self._name,
+                communicator.p2p_channels,
+                self._pg,
+                self._weak_failure_marker(self),
             )
 
     def unsafe_get_backend(self) -> Any:

@@ -18,7 +18,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from device_communicators import checks
+from device_communicators import c10d_calls, checks
 from device_communicators.cpu_communicator import CpuCommunicator, ShmTransport
 from device_communicators.shm_all_reduce import ShmAllReduce
 from device_communicators.shm_reduce import settle_torch_pool
@@ -30,8 +30,9 @@ from ..errors import (
     GroupcoordTypeError,
     GroupcoordValueError,
 )
+from .lanes import ShmLane
+from .p2p_lanes import Kind, P2PLanes
 from .reduce_ops import ReduceOp
-from .shm_lane import ShmLane
 from .work import Completer, Work, translate_error
 
 _Launch = Callable[[datetime.timedelta], Sequence[Any]]
@@ -101,6 +102,7 @@ class CommCore:
         # The device communicator over this comm's group (``Comm._connect_local``).
         self._communicator: CpuCommunicator | None = None
         self._lane: ShmLane | None = None  # None: no shared-memory path for this comm
+        self._p2p: P2PLanes | None = None  # None: send/recv/batches go to Gloo directly
         self._done: dict[str, Work] = {}  # the finished work lean calls return, by operation
         self._on_timeout = self._weak_timeout_marker(self)
 
@@ -214,20 +216,13 @@ class CommCore:
     ) -> Work:
         """Check, then run ``fast`` on the shared-memory back end (synchronous calls it
         takes) or launch the c10d work(s), hand them to the completer, maybe wait."""
-        checks.flag(async_op, "async_op")
-        checks.hints(hints)
-        timeout_s = timeout_seconds(timeout, self._timeout_s)
-        self._check_usable(op)
+        work = self._new_work(op, peers, timeout, async_op, hints)
         if fast is not None:
             assert self._lane is not None  # fast is only offered with a lane
-            work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
-            self._lane.run(work, fast, async_op)
+            self._lane.run_shm(work, fast, async_op)
             return work
-        work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
-        local_pids = self._local_pids
-        work.local_pids = local_pids
         try:
-            c10d_works = launch(datetime.timedelta(seconds=timeout_s))
+            c10d_works = launch(datetime.timedelta(seconds=work.timeout_s))
         except RuntimeError as exc:
             raise translate_error(work, exc) from exc
         if async_op:
@@ -235,6 +230,48 @@ class CommCore:
         else:
             Completer.run_inline(work, c10d_works, finish)
             work.wait()
+        return work
+
+    def _new_work(
+        self,
+        op: str,
+        peers: Sequence[int],
+        timeout: float | datetime.timedelta | None,
+        async_op: bool,
+        hints: Mapping[str, str] | None,
+    ) -> Work:
+        """The work of one operation, after the checks every operation makes."""
+        checks.flag(async_op, "async_op")
+        checks.hints(hints)
+        timeout_s = timeout_seconds(timeout, self._timeout_s)
+        self._check_usable(op)
+        work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
+        work.local_pids = self._local_pids
+        return work
+
+    def _point_to_point(
+        self,
+        kind: Kind,
+        tensor: torch.Tensor,
+        peer: int,
+        async_op: bool,
+        hints: Mapping[str, str] | None,
+        timeout: float | datetime.timedelta | None,
+    ) -> Work:
+        """A send or receive: on its peer's lane when the comm has them, else on Gloo."""
+        if self._p2p is None:
+            post = c10d_calls.send if kind == "send" else c10d_calls.recv
+            return self._run(
+                kind,
+                [peer],
+                timeout,
+                async_op,
+                hints,
+                lambda td: [post(self._pg, tensor, peer)],
+                completes_in_wait=True,
+            )
+        work = self._new_work(kind, [peer], timeout, async_op, hints)
+        self._p2p.run(work, kind, tensor, peer, async_op)
         return work
 
     def _lean(
@@ -299,6 +336,8 @@ class CommCore:
     def _close_local(self, abandon: str | None = None) -> None:
         """Unmap the windows and the shared-memory back end (``abandon``: its call in
         progress gives up first)."""
+        if self._p2p is not None:
+            self._p2p.close(abandon)
         windows, self._windows = self._windows, []
         for window in windows:
             window.close()

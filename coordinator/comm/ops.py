@@ -345,17 +345,10 @@ class CommOps(Reductions):
         hints: Mapping[str, str] | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
+        """Send ``tensor`` to rank ``dst`` (through shared memory when both share a node)."""
         tensor = self._tensor(tensor, "tensor")
         dst = checks.rank(dst, "dst", self._size, self_rank=self._rank)
-        return self._run(
-            "send",
-            [dst],
-            timeout,
-            async_op,
-            hints,
-            lambda td: [c10d_calls.send(self._pg, tensor, dst)],
-            completes_in_wait=True,
-        )
+        return self._point_to_point("send", tensor, dst, async_op, hints, timeout)
 
     def recv(
         self,
@@ -365,14 +358,8 @@ class CommOps(Reductions):
         hints: Mapping[str, str] | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
+        """Receive into ``tensor`` what rank ``src`` sent; a send of another dtype or
+        size is a ``DesyncError`` naming both sides (on the shared-memory path)."""
         tensor = self._tensor(tensor, "tensor")
         src = checks.rank(src, "src", self._size, self_rank=self._rank)
-        return self._run(
-            "recv",
-            [src],
-            timeout,
-            async_op,
-            hints,
-            lambda td: [c10d_calls.recv(self._pg, tensor, src)],
-            completes_in_wait=True,
-        )
+        return self._point_to_point("recv", tensor, src, async_op, hints, timeout)

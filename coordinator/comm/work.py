@@ -73,6 +73,8 @@ class Work:
         # Set by the communicator: rank -> pid of the peers on this host, so a
         # failure can name the dead among them.
         self.local_pids: Mapping[int, int] | None = None
+        # Called once the work is finished (a batch counts its parts with it).
+        self._then: Callable[[Work], None] | None = None
 
     # -- how a work finishes ------------------------------------------------
     @classmethod
@@ -106,6 +108,8 @@ class Work:
             event = self._event
         if event is not None:
             event.set()
+        if self._then is not None:
+            self._then(self)
 
     def _wait_done(self, seconds: float) -> bool:
         """Block until finished or ``seconds`` passed; True when finished."""

@@ -1,0 +1,170 @@
+"""Comm.send/recv and batches between ranks on one node: the shared-memory channels.
+
+Order per pair whatever mix of sync and async calls, a wrong-sized receive
+named on both sides, receives that wait on a peer without holding up a
+collective, batches larger than a pair's ring, abort and a dead peer, and the
+Gloo path when the channels are switched off.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from coordinator.comm import WorkStatus, new_comm
+from coordinator.errors import ClosedError, PeerDiedError
+from coordinator.launch import run_ranks, start_ranks
+from shm_broadcast.config import set_config
+from shm_broadcast.errors import DesyncError
+from shm_broadcast.p2p_channels import P2P_CHUNK_BYTES, P2P_MAX_CHUNKS
+
+SMALL = 1024  # floats: one chunk, the tensor-chunk path
+LARGE = 3 * P2P_CHUNK_BYTES // 4  # floats: streamed through three chunks
+
+
+def _in_order(rank: int, world_size: int, shm: bool) -> list[float]:
+    set_config(disable_shm_p2p=not shm)
+    comm = new_comm("gloo", "cpu", "order", timeout=30)
+    assert (comm._p2p is not None) == shm  # which path the rest of the test exercises
+    sizes = [SMALL, LARGE, SMALL, LARGE]
+    got = []
+    if rank == 0:
+        works = []
+        for i, n in enumerate(sizes):
+            # Sync and async calls mixed: the pair's order is the order of issue.
+            work = comm.send(torch.full((n,), float(i)), 1, async_op=i % 2 == 0)
+            works.append(work)
+        for work in works:
+            work.wait()
+        assert all(w.status is WorkStatus.COMPLETED for w in works)
+    else:
+        outs = [torch.empty(n) for n in sizes]
+        works = [comm.recv(t, 0, async_op=i != 1) for i, t in enumerate(outs)]
+        for work in works:
+            work.wait()
+        got = [float(t.min()) for t in outs] + [float(t.max()) for t in outs]
+    comm.finalize()
+    return got
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["channels", "gloo"])
+def test_sends_arrive_in_issue_order_whatever_mix_of_sync_and_async(shm: bool) -> None:
+    got = run_ranks(_in_order, 2, shm, timeout=60)[1]
+    assert got == [0.0, 1.0, 2.0, 3.0] * 2
+
+
+def _mismatch(rank: int, world_size: int) -> str:
+    comm = new_comm("gloo", "cpu", "mismatch", timeout=30)
+    message = ""
+    if rank == 0:
+        comm.send(torch.ones(4096), 1)
+        comm.send(torch.ones(4096), 1)
+        comm.send(torch.full((8,), 7.0), 1)
+    else:
+        with pytest.raises(DesyncError) as caught:
+            comm.recv(torch.empty(8192), 0)
+        message = str(caught.value)
+        # Same bytes, another dtype: still refused.
+        with pytest.raises(DesyncError, match=r"int32\[4096\].*float32\[4096\]"):
+            comm.recv(torch.empty(4096, dtype=torch.int32), 0)
+        # The channel stayed in step: the next message arrives whole.
+        after = torch.empty(8)
+        comm.recv(after, 0)
+        assert after.tolist() == [7.0] * 8
+    comm.barrier()
+    comm.finalize()
+    return message
+
+
+def test_a_receive_of_another_size_names_both_sides_and_the_comm_stays_usable() -> None:
+    message = run_ranks(_mismatch, 2, timeout=60)[1]
+    assert "rank 1 called recv(float32[8192]) from rank 0" in message, message
+    assert "float32[4096]" in message, message
+
+
+def _recv_waits_beside_a_collective(rank: int, world_size: int) -> float:
+    comm = new_comm("gloo", "cpu", "beside", timeout=30)
+    got = torch.zeros(4)
+    if rank == 0:
+        # The receive waits for a send rank 1 makes only after the all-reduce.
+        work = comm.recv(got, 1, async_op=True)
+        total = torch.ones(4)
+        comm.all_reduce(total)
+        work.wait()
+        assert got.tolist() == [5.0] * 4
+    else:
+        total = torch.ones(4)
+        comm.all_reduce(total)
+        comm.send(torch.full((4,), 5.0), 0)
+    comm.finalize()
+    return float(total[0])
+
+
+def test_an_async_receive_does_not_hold_up_a_collective() -> None:
+    assert run_ranks(_recv_waits_beside_a_collective, 2, timeout=60) == [2.0, 2.0]
+
+
+def _exchange_past_the_ring(rank: int, world_size: int, async_op: bool) -> bool:
+    comm = new_comm("gloo", "cpu", "past-ring", timeout=60)
+    n = P2P_CHUNK_BYTES * P2P_MAX_CHUNKS // 4 + 4 * P2P_CHUNK_BYTES  # floats: > the ring
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    mine = torch.arange(n, dtype=torch.float32) + rank
+    from_left = torch.empty(n)
+    batch = comm.batch_op_create()
+    batch.send(mine, right)
+    batch.recv(from_left, left)
+    batch.issue(async_op=async_op).wait()
+    comm.finalize()
+    return bool(torch.equal(from_left, torch.arange(n, dtype=torch.float32) + left))
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_batch_exchange_larger_than_a_pairs_ring_completes(async_op: bool) -> None:
+    # Every rank sends more than the ring holds before anyone receives: with the
+    # sends made one after the other on the caller's thread this would deadlock.
+    assert run_ranks(_exchange_past_the_ring, 3, async_op, timeout=90) == [True] * 3
+
+
+def _abort_a_waiting_recv(rank: int, world_size: int) -> float:
+    comm = new_comm("gloo", "cpu", "abort-recv", timeout=30)
+    comm.barrier()
+    if rank == 1:
+        time.sleep(3)  # alive, sends nothing
+        comm.finalize()
+        return 0.0
+    work = comm.recv(torch.empty(4), 1, async_op=True)
+    time.sleep(0.2)
+    start = time.monotonic()
+    comm.abort()
+    with pytest.raises(ClosedError, match="recv aborted"):
+        work.wait()
+    assert work.status is WorkStatus.ABORTED
+    return time.monotonic() - start
+
+
+def test_abort_ends_a_receive_waiting_on_a_peer_at_once() -> None:
+    assert run_ranks(_abort_a_waiting_recv, 2, timeout=60)[0] < 1.0
+
+
+def _recv_from_the_dead(rank: int, world_size: int) -> tuple[list[int], float]:
+    comm = new_comm("gloo", "cpu", "dead-peer", timeout=30)
+    comm.send(torch.ones(4), 1 - rank)  # both pairs' channels are open
+    comm.recv(torch.empty(4), 1 - rank)
+    comm.barrier()
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    with pytest.raises(PeerDiedError) as caught:
+        comm.recv(torch.empty(4), 1, timeout=20)
+    elapsed = time.monotonic() - start
+    comm.abort()
+    return caught.value.dead, elapsed
+
+
+def test_a_receive_from_a_dead_peer_names_it_within_seconds() -> None:
+    dead, elapsed = start_ranks(_recv_from_the_dead, 2, timeout=60).collect(killed=[1])[0]
+    assert dead == [1]
+    assert elapsed < 5.0
