@@ -368,10 +368,14 @@ class GroupCoordinator(GroupMessaging):
     # ---- control --------------------------------------------------------------------
 
     def barrier(self) -> None:
-        """Wait until every rank of the group is here (CPU group, bounded by the deadline)."""
+        """Wait until every rank of the group is here (bounded by the deadline): the
+        device communicator's barrier (shared memory on CPU), else the CPU group's."""
         if self.world_size == 1:
             return
-        self._collective("barrier", dist.barrier, self.cpu_group)
+        if self.device_communicator is not None:
+            self._collective("barrier", self.device_communicator.barrier)
+        else:
+            self._collective("barrier", dist.barrier, self.cpu_group)
 
     def _moe(self, operation: str, alone: Any, *args: Any) -> Any:
         """An EP call through the device communicator's all2all manager; a group of

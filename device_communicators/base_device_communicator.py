@@ -257,6 +257,11 @@ class DeviceCommunicatorBase:
         (sizes,) = self._discover_sizes([input_], [dim])
         return self._gather_padded(input_, dim, sizes, dst=dst)
 
+    def barrier(self) -> None:
+        """Return once every rank of the group has called it (on the CPU group)."""
+        with self._gloo("barrier", group=self.cpu_group):
+            dist.barrier(self.cpu_group)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with ``src``'s; returns ``tensor``."""
         checks.tensor(tensor, "tensor", self.device)
@@ -498,14 +503,11 @@ class DeviceCommunicatorBase:
         moved = tensor.movedim(dim, 0)
         padded = moved.new_zeros((longest, *moved.shape[1:]))
         padded[: moved.shape[0]] = moved
-        parts: list[torch.Tensor] | torch.Tensor | None
+        parts: torch.Tensor | None
         if dst is None:
             parts = self._all_gather_stacked(padded)
         else:
-            mine = self.rank_in_group == dst
-            parts = [torch.empty_like(padded) for _ in self.ranks] if mine else None
-            with self._gloo("gather"):
-                c10d_calls.gather(self.device_group, parts, padded, dst, self._deadline).wait()
+            parts = self.transports.select("gather", padded).gather_stacked(padded, dst)
         if parts is None:
             return None
         joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)

@@ -27,7 +27,7 @@ from .base_device_communicator import DeviceCommunicatorBase
 from .custom_all_reduce import CustomAllreduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .pynccl import PyNcclCommunicator, nccl_data_type, nccl_red_op
-from .transports import Transport
+from .transports import NOT_OFFERED, Transport
 
 __all__ = ["CudaCommunicator", "NcclTransport", "PyNcclAllReduce"]
 
@@ -171,6 +171,8 @@ class NcclTransport(Transport):
         self.pynccl = pynccl
 
     def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
+        if op == "gather":
+            return NOT_OFFERED  # NCCL has none; c10d's gather on the device group does it
         if not self.pynccl.available:
             return self.pynccl.reason or "not available"
         return None

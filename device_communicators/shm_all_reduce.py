@@ -116,9 +116,39 @@ class ShmAllReduce(ShmBase):
         return self._all_reduce(self.refusal(tensor, op), tensor, op, out)
 
     @one_at_a_time
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        op: ReduceOp.RedOpType = ReduceOp.SUM,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The reduction, for in-group rank ``dst`` (checked as a reduce to ``dst``: a
+        rank that calls anything else raises on every rank). Every rank computes it
+        (the reduction is one-shot or split among the ranks anyway), so the others'
+        result is the same; a caller may treat it as scratch."""
+        self._check_index(dst, "dst")
+        return self._all_reduce(self.refusal(tensor, op), tensor, op, out, "reduce", dst)
+
+    @one_at_a_time
     def reduce_in_chain(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
         # The chain took this back end because its refusal was None: not asked again.
         return self._all_reduce(None, tensor, op, None)
+
+    @one_at_a_time
+    def barrier(self) -> None:
+        """Return once every rank of the group has called it (fingerprinted as a
+        barrier: a rank that calls a collective here instead raises on every rank)."""
+        if self.disabled_reason is not None:
+            raise GroupcoordValueError(f"{self.what} cannot run a barrier: {self.disabled_reason}")
+        self._empty_barrier(self._start("barrier", None, None))
+
+    def _check_index(self, rank: int, argument: str) -> None:
+        if type(rank) is not int or not 0 <= rank < self.world_size:
+            raise GroupcoordValueError(
+                f"{argument} must be an in-group rank in [0, {self.world_size}), got {rank!r}"
+            )
 
     def _all_reduce(
         self,
@@ -126,10 +156,12 @@ class ShmAllReduce(ShmBase):
         tensor: torch.Tensor,
         op: ReduceOp.RedOpType,
         out: torch.Tensor | None,
+        operation: str = "all_reduce",
+        root: int = 0,
     ) -> torch.Tensor:
         if out is not None:
             _check_out(out, tensor.dtype, tensor.numel())
-        lines = self._start("all_reduce", reason, tensor, op)
+        lines = self._start(operation, reason, tensor, op, root)
         numel = tensor.numel()
         nbytes = numel * tensor.element_size()
         if 0 < nbytes <= ONE_SHOT_MAX_BYTES and nbytes <= self.max_bytes:
@@ -249,35 +281,59 @@ class ShmAllReduce(ShmBase):
     def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``,
         new or written into contiguous ``out`` of as many elements and ``tensor``'s dtype."""
+        result = self._gather(tensor, out, None)
+        assert result is not None  # every rank receives
+        return result
+
+    @one_at_a_time
+    def gather(
+        self, tensor: torch.Tensor, dst: int, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """:meth:`all_gather`'s result on in-group rank ``dst`` only (None elsewhere:
+        the other ranks copy nothing out); checked as a gather to ``dst``."""
+        self._check_index(dst, "dst")
+        return self._gather(tensor, out, dst)
+
+    def _gather(
+        self, tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None
+    ) -> torch.Tensor | None:
         if out is not None:
             _check_out(out, tensor.dtype, self.world_size * tensor.numel())
-        lines = self._start("all_gather", self.copy_refusal(tensor), tensor)
+        reason = self.copy_refusal(tensor)
+        if dst is None:
+            lines = self._start("all_gather", reason, tensor)
+        else:
+            lines = self._start("gather", reason, tensor, root=dst)
+        receives = dst is None or dst == self.rank_in_group
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > LEAN_MAX_BYTES and self.peer_reads is not None:
-            if out is None:
-                out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
+        direct = nbytes > LEAN_MAX_BYTES and self.peer_reads is not None
+        one_piece = not direct and 0 < nbytes <= self.max_bytes
+        # A small one-piece result is cloned out of the slots below (one op).
+        clone = one_piece and nbytes * self.world_size < CLONE_MAX_BYTES
+        if out is None and receives and not clone:
+            out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
+        if direct:
+            assert self.peer_reads is not None
             with self._desync_guard:
                 self._gather_direct(lines, self.peer_reads, tensor.contiguous(), out, nbytes)
             return out
-        if 0 < nbytes <= self.max_bytes:
+        if one_piece:
             # One piece: the whole set of slots is one (world, *shape) view.
             shape, dtype = tensor.shape, tensor.dtype
             with self._desync_guard, OneTorchThread(nbytes):
                 slots, s = self._one_piece(lines, tensor)
+                if not receives:
+                    return None
                 every = slots.stacked(s, dtype, shape)
                 if out is None:
-                    if nbytes * self.world_size < CLONE_MAX_BYTES:  # allocate and copy in one op
-                        return every.clone(memory_format=torch.contiguous_format)
-                    out = empty_output((self.world_size, *shape), dtype)
+                    return every.clone(memory_format=torch.contiguous_format)
                 out.view(self.world_size, *shape).copy_(every)
             return out
-        if out is None:
-            out = empty_output((self.world_size, *tensor.shape), tensor.dtype)
         if nbytes == 0:
             self._empty_barrier(lines)
             return out
         src = _bytes_of(tensor.contiguous())
-        dst = out.view(self.world_size, -1).view(torch.uint8)
+        dst_bytes = None if out is None else out.view(self.world_size, -1).view(torch.uint8)
         with self._desync_guard, OneTorchThread(src.numel()):
             for start in range(0, src.numel(), self.max_bytes):
                 stop = min(start + self.max_bytes, src.numel())
@@ -285,8 +341,10 @@ class ShmAllReduce(ShmBase):
                 s = gen & 1
                 self._view(s, self.rank_in_group, torch.uint8, stop - start).copy_(src[start:stop])
                 lines.arrive(2 * gen - 1)
+                if dst_bytes is None:
+                    continue
                 for r in range(self.world_size):
-                    dst[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
+                    dst_bytes[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
         return out
 
     # ---- reading the peers' memory directly (peer_reads) ----------------------------
@@ -309,16 +367,26 @@ class ShmAllReduce(ShmBase):
             lines.arrive(2 * gen)
 
     def _gather_direct(
-        self, lines: PhaseLines, reads: PeerReads, src: torch.Tensor, out: torch.Tensor, nbytes: int
+        self,
+        lines: PhaseLines,
+        reads: PeerReads,
+        src: torch.Tensor,
+        out: torch.Tensor | None,
+        nbytes: int,
     ) -> None:
         """All-gather by reading each peer's ``src`` straight into ``out`` (one copy);
-        this rank's part is copied while the peers arrive."""
+        this rank's part is copied while the peers arrive. Without ``out`` (a gather's
+        other ranks) this rank only offers ``src``."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
-        me, at = self.rank_in_group, out.data_ptr()
-        ctypes.memmove(at + me * nbytes, src.data_ptr(), nbytes)
+        me = self.rank_in_group
+        if out is not None:
+            ctypes.memmove(out.data_ptr() + me * nbytes, src.data_ptr(), nbytes)
 
         def read(s: int) -> None:
+            if out is None:
+                return
+            at = out.data_ptr()
             for r in range(self.world_size):
                 if r != me:
                     reads.read(r, at + r * nbytes, slots.posted(s, r, 0), nbytes, "all_gather")

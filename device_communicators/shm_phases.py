@@ -53,7 +53,15 @@ _FP_SLOTS = (6, 4)  # by call parity: even calls, odd calls
 _COUNT_BITS = 44
 _CALL_MASK = (1 << (63 - _COUNT_BITS)) - 1
 
-OPERATIONS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OPERATIONS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "reduce",
+    "gather",
+)
 _DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
@@ -63,10 +71,10 @@ _REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PR
 
 
 # Codes already made (every call stamps one; a few kinds of calls repeat).
-_CALL_CODES: dict[tuple[str, torch.dtype, object, int], int] = {}
+_CALL_CODES: dict[tuple[str, torch.dtype | None, object, int], int] = {}
 
 
-def call_code(operation: str, dtype: torch.dtype, reduce_op: object, root: int) -> int:
+def call_code(operation: str, dtype: torch.dtype | None, reduce_op: object, root: int) -> int:
     """Operation, dtype, reduce op and root of a call, packed into one int64."""
     key = (operation, dtype, reduce_op, root)
     try:
@@ -80,12 +88,12 @@ def call_code(operation: str, dtype: torch.dtype, reduce_op: object, root: int) 
     return code
 
 
-def _make_code(operation: str, dtype: torch.dtype, reduce_op: object, root: int) -> int:
+def _make_code(operation: str, dtype: torch.dtype | None, reduce_op: object, root: int) -> int:
     op_name = str(reduce_op).rsplit(".", 1)[-1].upper() if reduce_op is not None else ""
     op_code = _REDUCE_OPS.index(op_name) + 1 if op_name in _REDUCE_OPS else 0
     return (
         (OPERATIONS.index(operation) << 40)
-        | (_DTYPE_CODE.get(dtype, 0) << 32)
+        | ((_DTYPE_CODE.get(dtype, 0) if dtype is not None else 0) << 32)
         | (op_code << 16)
         | (root & 0xFFFF)
     )
@@ -118,12 +126,18 @@ def describe_call(code: int, count: int) -> str:
     dtype = str(_DTYPES[dtype_code - 1]).removeprefix("torch.") if dtype_code else "other"
     op_code, root = (code >> 16) & 0xFFFF, code & 0xFFFF
     extra = ""
-    if operation in ("all_reduce", "reduce_scatter"):
+    if operation == "barrier":
+        return "barrier()"
+    if operation in ("all_reduce", "reduce_scatter", "reduce"):
         extra = f", {_REDUCE_OPS[op_code - 1] if op_code else 'op?'}"
-        if root:  # a reduce-scatter's split_code
+        if operation == "reduce":
+            extra += f", dst={root}"
+        elif root:  # a reduce-scatter's split_code
             extra += f", sizes #{root:04x}"
     elif operation == "broadcast":
         extra = f", src={root}"
+    elif operation == "gather":
+        extra = f", dst={root}"
     return f"{operation}({dtype}[{count}]{extra})"
 
 

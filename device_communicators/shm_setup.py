@@ -216,12 +216,12 @@ class ShmBase(AllReduceBackend):
         self,
         operation: str,
         reason: str | None,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | None,
         op: ReduceOp.RedOpType | None = None,
         root: int = 0,
     ) -> PhaseLines:
         """Refuse, or stamp the call's fingerprint (checked against every rank's at the
-        call's first barrier: desync detection, always on)."""
+        call's first barrier: desync detection, always on). A barrier has no tensor."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._failure is not None:
@@ -229,7 +229,10 @@ class ShmBase(AllReduceBackend):
         lines = self._lines
         assert lines is not None  # enabled (no refusal) means set up
         lines.operation = operation
-        lines.stamp(call_code(operation, tensor.dtype, op, root), tensor.numel())
+        if tensor is None:
+            lines.stamp(call_code(operation, None, None, 0), 0)
+        else:
+            lines.stamp(call_code(operation, tensor.dtype, op, root), tensor.numel())
         return lines
 
     def _one_piece(self, lines: PhaseLines, tensor: torch.Tensor) -> tuple[SlotSegment, int]:

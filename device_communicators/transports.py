@@ -31,7 +31,7 @@ from .errors import GroupcoordValueError
 
 logger = logging.getLogger("groupcoord.device_communicators")
 
-OPERATIONS = ("all_gather", "all_gatherv", "reduce_scatter", "broadcast", "send", "recv")
+OPERATIONS = ("all_gather", "all_gatherv", "gather", "reduce_scatter", "broadcast", "send", "recv")
 
 # What a transport that lacks an operation says.
 NOT_OFFERED = "does not offer this operation"
@@ -60,6 +60,10 @@ class Transport:
 
     def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows."""
+        raise NotImplementedError
+
+    def gather_stacked(self, tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
+        """``all_gather_stacked``'s result on rank ``dst``; None on the others."""
         raise NotImplementedError
 
     def reduce_scatter_sizes(
@@ -187,6 +191,18 @@ class TorchTransport(Transport):
     def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         out = self.comm._gather_padded(tensor, dim, sizes, dst=None)
         assert out is not None  # every rank gets the result of an all-gather
+        return out
+
+    def gather_stacked(self, tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
+        comm = self.comm
+        out = None
+        if comm.rank_in_group == dst:
+            out = torch.empty(
+                (comm.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+            )
+        parts = None if out is None else list(out.unbind(0))
+        with comm._gloo("gather", group=self.group):
+            c10d_calls.gather(self.group, parts, tensor.contiguous(), dst, comm._deadline).wait()
         return out
 
     def reduce_scatter_sizes(

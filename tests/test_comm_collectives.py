@@ -342,3 +342,45 @@ def _shared_memory_path(rank: int, world_size: int) -> str:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_comm_collectives_share_the_coordinators_shared_memory_path(world_size: int) -> None:
     assert run_ranks(_shared_memory_path, world_size, timeout=60) == ["ok"] * world_size
+
+
+def _rooted_on_shared_memory(rank: int, world: int, peer_reads: bool) -> list[str]:
+    from shm_broadcast.config import set_config
+
+    # Small pieces (64 KiB): the larger sizes take many pieces on the slots.
+    set_config(disable_peer_reads=not peer_reads, shm_all_reduce_max_bytes=64 * 1024)
+    comm = new_comm("gloo", "cpu", "rooted", timeout=30)
+    assert comm._lane is not None  # the shared-memory back end serves these calls
+    wrong = []
+    w = world
+    for n in (16, 100_000, 700_000):  # one-shot; past one-shot; past peer-read sizes
+        root = n % world
+        mine = torch.arange(n, dtype=torch.float32) + 1000 * rank
+        out = torch.full((world * n,), -1.0)
+        comm.gather_single(out, mine, root)
+        everyone = torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(w)])
+        if rank == root and not torch.equal(out, everyone):
+            wrong.append(f"gather_single {n}")
+        if rank != root and not bool((out == -1.0).all()):
+            wrong.append(f"gather_single {n} wrote a non-root's output")
+        parts = [torch.empty(n) for _ in range(w)] if rank == root else None
+        comm.gather(parts, mine, root)
+        if parts is not None and not torch.equal(torch.cat(parts), everyone):
+            wrong.append(f"gather {n}")
+        t = mine.clone()
+        comm.reduce(t, root, ReduceOp.AVG)
+        if rank == root and not torch.allclose(t, everyone.view(w, n).mean(0)):
+            wrong.append(f"reduce AVG {n}")
+        t = mine.clone()
+        comm.reduce(t, root, ReduceOp.PREMUL_SUM(0.5), async_op=True).wait()
+        if rank == root and not torch.allclose(t, everyone.view(w, n).sum(0) * 0.5):
+            wrong.append(f"reduce PREMUL_SUM {n}")
+        comm.barrier()
+    comm.finalize()
+    return wrong
+
+
+@pytest.mark.parametrize("peer_reads", [True, False], ids=["peer-reads", "slots"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_gather_and_barrier_on_shared_memory_at_every_size(world, peer_reads) -> None:
+    assert run_ranks(_rooted_on_shared_memory, world, peer_reads, timeout=120) == [[]] * world

@@ -40,6 +40,27 @@ CASES = {
         lambda g: g.broadcast(torch.ones(8), src=1),
         ("broadcast(float32[8], src=0)", "broadcast(float32[8], src=1)"),
     ),
+    # A barrier is a call of its own, not an all-reduce of nothing.
+    "barrier": (
+        lambda g: g.barrier(),
+        lambda g: g.all_reduce(torch.ones(1)),
+        ("barrier()", "all_reduce(float32[1], SUM)"),
+    ),
+    "reduce destination": (
+        lambda g: g.device_communicator.shm_all_reduce.reduce(torch.ones(16), 0),
+        lambda g: g.device_communicator.shm_all_reduce.reduce(torch.ones(16), 1),
+        ("reduce(float32[16], SUM, dst=0)", "reduce(float32[16], SUM, dst=1)"),
+    ),
+    "gather destination": (
+        lambda g: g.gather(torch.ones(16), dst=0),
+        lambda g: g.gather(torch.ones(16), dst=1),
+        ("gather(float32[16], dst=0)", "gather(float32[16], dst=1)"),
+    ),
+    "gather or all_gather": (
+        lambda g: g.device_communicator.shm_all_reduce.gather(torch.ones(16), 0),
+        lambda g: g.device_communicator.shm_all_reduce.all_gather(torch.ones(16)),
+        ("gather(float32[16], dst=0)", "all_gather(float32[16])"),
+    ),
 }
 
 

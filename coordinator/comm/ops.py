@@ -289,11 +289,42 @@ class CommOps(Reductions):
         outputs: list[torch.Tensor] = []
         if self._rank == root:
             outputs = self._per_rank(output_tensor_list, "output_tensor_list", input_tensor)
+        return self._gather(outputs, input_tensor, root, async_op, hints, timeout)
+
+    def _gather(
+        self,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        root: int,
+        async_op: bool,
+        hints: Mapping[str, str] | None,
+        timeout: float | datetime.timedelta | None,
+        stacked: torch.Tensor | None = None,
+    ) -> Work:
+        """``outputs[i]`` on ``root`` gets rank ``i``'s ``tensor``; ``stacked`` (the
+        root's, when given) holds every output in rank order, for the shm path."""
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            return [c10d_calls.gather(self._pg, outputs, input_tensor, root, td)]
+            return [c10d_calls.gather(self._pg, outputs, tensor, root, td)]
 
-        return self._run("gather", self._others(), timeout, async_op, hints, launch)
+        def fast(shm: ShmAllReduce) -> None:
+            if stacked is not None:
+                shm.gather(tensor, root, out=stacked)
+                return
+            got = shm.gather(tensor, root)
+            if got is not None:
+                for output, part in zip(outputs, got.unbind(0)):
+                    output.copy_(part)
+
+        return self._run(
+            "gather",
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            fast=fast if self._shm_takes(tensor, "all_gather") else None,
+        )
 
     def gather_single(
         self,
@@ -307,13 +338,14 @@ class CommOps(Reductions):
         """Gather every rank's ``input`` into ``output`` (``size * input.numel()``
         elements, rank-major) on ``root``; ``output`` is ignored elsewhere."""
         input = self._tensor(input, "input")
-        parts = None
-        if self._rank == checks.rank(root, "root", self._size):
-            output = self._tensor(output, "output")
-            checks.dtype_match(output, input, "output", "input")
-            checks.numel(output, self._size * input.numel(), "output", "size * input.numel()")
-            parts = list(output.view(self._size, *input.shape).unbind(0))
-        return self.gather(parts, input, root, async_op, hints, timeout)
+        root = checks.rank(root, "root", self._size)
+        if self._rank != root:
+            return self._gather([], input, root, async_op, hints, timeout)
+        output = self._tensor(output, "output")
+        checks.dtype_match(output, input, "output", "input")
+        checks.numel(output, self._size * input.numel(), "output", "size * input.numel()")
+        parts = list(output.view(self._size, *input.shape).unbind(0))
+        return self._gather(parts, input, root, async_op, hints, timeout, stacked=output)
 
     def scatter(
         self,

@@ -87,7 +87,20 @@ class Reductions(CommCore):
             if is_root:
                 op.finish(tensor, size)
 
-        return self._run("reduce", self._others(), timeout, async_op, hints, launch, finish)
+        def fast(shm: ShmAllReduce) -> None:
+            shm.reduce(op.premultiply(tensor), root, op.c10d_op(), out=tensor)
+            finish()
+
+        return self._run(
+            "reduce",
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            finish,
+            fast=fast if self._shm_takes(tensor, op) else None,
+        )
 
     def _reduce_scatter(
         self,
@@ -233,7 +246,21 @@ class Reductions(CommCore):
         hints: Mapping[str, str] | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
+        """Return once every rank has called it (on the shared-memory back end when the
+        ranks share a node: checked as a barrier against what the peers called)."""
+
         def launch(td: datetime.timedelta) -> list[Any]:
             return [c10d_calls.barrier(self._pg, td)]
 
-        return self._run("barrier", self._others(), timeout, async_op, hints, launch)
+        def fast(shm: ShmAllReduce) -> None:
+            shm.barrier()
+
+        return self._run(
+            "barrier",
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            fast=fast if self._lane is not None else None,
+        )
