@@ -5,7 +5,9 @@ Ops: all_reduce, all_gather, reduce_scatter, broadcast (one tensor from rank
 then ``recv``), rank 0 -> 1 -> 0 ping-pongs timed per one-way trip, and
 ring_exchange (every rank sends its tensor right and receives its left
 neighbour's, all in flight at once: ours is a ``coordinator.comm`` batch,
-torch's ``dist.batch_isend_irecv``). Sizes are total bytes per rank. The torch side is what an engine would
+torch's ``dist.batch_isend_irecv``), barrier, gather (to rank 0), reduce
+(SUM to rank 0) and all_to_all (equal blocks; ours is ``Comm.reduce`` and
+``Comm.all_to_all_single`` for these two, which ``GroupCoordinator`` lacks). Sizes are total bytes per rank. The torch side is what an engine would
 write without groupcoord: ``dist.all_reduce``, ``dist.all_gather_single``,
 ``dist.reduce_scatter_single``, ``dist.broadcast``, ``broadcast_object_list`` of the metadata then
 one ``broadcast`` per tensor, ``send_object_list`` then one ``send`` per
@@ -71,6 +73,10 @@ OPS = [
     "send_recv_tensor_dict",
     "send_recv",
     "ring_exchange",
+    "barrier",
+    "gather",
+    "reduce",
+    "all_to_all",
 ]
 FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 256 << 10, 16 << 20]
@@ -272,6 +278,30 @@ def _pair(
                 comm.send(into, 0)
 
         return ours_t, torch_t, comm_t
+    if op == "barrier":
+        return (
+            (lambda: group.barrier()),
+            (lambda: dist.barrier(group=plain)),
+            (lambda: comm.barrier()),
+        )
+    if op == "gather":  # to rank 0
+        parts = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+        joined = torch.empty(world * x.numel())
+        return (
+            (lambda: group.gather(x, 0, 0)),
+            (lambda: dist.gather(x, parts, dst=0, group=plain)),
+            (lambda: comm.gather_single(joined, x, 0)),
+        )
+    if op in ("reduce", "all_to_all"):
+        # No GroupCoordinator call: ours is the Comm's (SUM to rank 0; equal blocks).
+        buf, out = x.clone(), torch.empty_like(x)
+        if op == "reduce":
+            return (lambda: comm.reduce(buf, 0)), (lambda: dist.reduce(buf, 0, group=plain)), None
+        return (
+            (lambda: comm.all_to_all_single(out, x)),
+            (lambda: dist.all_to_all_single(out, x, group=plain)),
+            None,
+        )
     if op == "ring_exchange":
         # Each rank sends right and receives left, all in flight at once: ours is a
         # Comm batch (the GroupCoordinator has none), torch's dist.batch_isend_irecv.

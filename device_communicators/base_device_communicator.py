@@ -34,6 +34,7 @@ from .all2all import create_all2all_manager
 from .all2all_base import All2AllManagerBase, Cache, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
+from .shm_reduce import OneTorchThread
 from .shm_small import SmallCalls
 from .transports import TorchTransport, Transport, TransportChain
 
@@ -497,18 +498,29 @@ class DeviceCommunicatorBase:
         """Gather (to ``dst``, or to all when None) tensors whose lengths along ``dim`` are ``sizes``.
 
         c10d's Gloo collectives need equal shapes, so each part travels padded
-        to the longest and is cut back to its true length on arrival.
+        to the longest and is cut back to its true length on arrival. A part that
+        is already the longest travels as it is, and equal parts are joined by a
+        reshape. The copies run with torch's pool at one thread (``OneTorchThread``):
+        split over the pool they fought the peer ranks for the cores, and a 1 MiB
+        gather to rank 0 at world 2 took 2.6 ms against Gloo's 1.3.
         """
         longest = max(sizes)
         moved = tensor.movedim(dim, 0)
-        padded = moved.new_zeros((longest, *moved.shape[1:]))
-        padded[: moved.shape[0]] = moved
-        parts: torch.Tensor | None
-        if dst is None:
-            parts = self._all_gather_stacked(padded)
-        else:
-            parts = self.transports.select("gather", padded).gather_stacked(padded, dst)
-        if parts is None:
-            return None
-        joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
-        return joined.movedim(0, dim).contiguous()
+        with OneTorchThread(tensor.nbytes if tensor.is_cpu else 0):
+            if moved.shape[0] == longest:
+                padded = moved.contiguous()
+            else:
+                padded = moved.new_zeros((longest, *moved.shape[1:]))
+                padded[: moved.shape[0]] = moved
+            parts: torch.Tensor | None
+            if dst is None:
+                parts = self._all_gather_stacked(padded)
+            else:
+                parts = self.transports.select("gather", padded).gather_stacked(padded, dst)
+            if parts is None:
+                return None
+            if all(n == longest for n in sizes):
+                joined = parts.reshape(len(sizes) * longest, *parts.shape[2:])
+            else:
+                joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+            return joined.movedim(0, dim).contiguous()

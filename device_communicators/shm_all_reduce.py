@@ -347,6 +347,64 @@ class ShmAllReduce(ShmBase):
                     dst_bytes[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
         return out
 
+    @one_at_a_time
+    def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Block ``r`` of contiguous ``tensor`` (``world`` equal blocks along its flat
+        memory) to in-group rank ``r``; block ``r`` of contiguous ``out`` (as large,
+        same dtype) from rank ``r``. Returns ``out``, which must not be ``tensor``.
+
+        Per piece every rank writes its part of each block into its slot, one after
+        the other; after the barrier each rank copies its own part out of every
+        rank's slot. One barrier a piece, as ``reduce_range`` (two sets of slots).
+        Past the one-shot size, where the kernel allows it, each rank instead reads
+        its block straight out of every peer's ``tensor`` (one copy, as a large
+        all-gather does).
+        """
+        n = tensor.numel()
+        world = self.world_size
+        if not (tensor.is_contiguous() and out.is_contiguous() and n % world == 0):
+            raise GroupcoordValueError(
+                f"all_to_all needs contiguous tensors whose {n} elements split into "
+                f"{world} equal blocks"
+            )
+        _check_out(out, tensor.dtype, n)
+        if out.data_ptr() == tensor.data_ptr() and n:
+            raise GroupcoordValueError("all_to_all: out must not be the input tensor")
+        lines = self._start("all_to_all", self.copy_refusal(tensor), tensor)
+        if n == 0:
+            self._empty_barrier(lines)
+            return out
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        block = n // world * tensor.element_size()  # bytes each rank sends each rank
+        piece = max(1, self.max_bytes // world // 64 * 64)  # bytes of each block a piece
+        me, src, dst = self.rank_in_group, tensor.data_ptr(), out.data_ptr()
+        reads = self.peer_reads
+        if block * world > LEAN_MAX_BYTES and reads is not None:
+            ctypes.memmove(dst + me * block, src + me * block, block)
+
+            def read(s: int) -> None:
+                for r in range(world):
+                    if r != me:
+                        remote = slots.posted(s, r, 0) + me * block
+                        reads.read(r, dst + r * block, remote, block, "all_to_all")
+
+            with self._desync_guard:
+                self._read_posted(lines, src, read)
+            return out
+        with self._desync_guard:
+            for a in range(0, block, piece):
+                size = min(piece, block - a)
+                gen = self._next_generation()
+                s = gen & 1
+                mine = slots.address(s, me)
+                for r in range(world):
+                    ctypes.memmove(mine + r * size, src + r * block + a, size)
+                lines.arrive(2 * gen - 1)
+                for r in range(world):
+                    ctypes.memmove(dst + r * block + a, slots.address(s, r) + me * size, size)
+        return out
+
     # ---- reading the peers' memory directly (peer_reads) ----------------------------
 
     def _read_posted(self, lines: PhaseLines, address: int, read: Callable[[int], None]) -> None:

@@ -54,14 +54,9 @@ _COUNT_BITS = 44
 _CALL_MASK = (1 << (63 - _COUNT_BITS)) - 1
 
 OPERATIONS = (
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "barrier",
-    "reduce",
-    "gather",
-)
+    "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
+    "all_to_all",
+)  # fmt: skip
 _DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,

@@ -376,11 +376,24 @@ def _rooted_on_shared_memory(rank: int, world: int, peer_reads: bool) -> list[st
         if rank == root and not torch.allclose(t, everyone.view(w, n).sum(0) * 0.5):
             wrong.append(f"reduce PREMUL_SUM {n}")
         comm.barrier()
+    # all_to_all_single: block r of each rank's input lands in block (sender) of rank r's.
+    for n, dtype in ((w, torch.bfloat16), (w * 24_000, torch.float32), (w * 50_001, torch.int64)):
+        inp = (torch.arange(n) + 1_000_000 * rank).to(dtype).view(w, -1)
+        out = torch.empty_like(inp)
+        comm.all_to_all_single(out, inp, async_op=n > w).wait()
+        block = n // w
+        want = torch.cat(
+            [torch.arange(rank * block, (rank + 1) * block) + 1_000_000 * r for r in range(w)]
+        )
+        if not torch.equal(out.view(-1), want.to(dtype)):
+            wrong.append(f"all_to_all_single {n} {dtype}")
     comm.finalize()
     return wrong
 
 
 @pytest.mark.parametrize("peer_reads", [True, False], ids=["peer-reads", "slots"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_reduce_gather_and_barrier_on_shared_memory_at_every_size(world, peer_reads) -> None:
+def test_rooted_calls_barrier_and_all_to_all_on_shared_memory_at_every_size(
+    world, peer_reads
+) -> None:
     assert run_ranks(_rooted_on_shared_memory, world, peer_reads, timeout=120) == [[]] * world

@@ -56,6 +56,11 @@ CASES = {
         lambda g: g.gather(torch.ones(16), dst=1),
         ("gather(float32[16], dst=0)", "gather(float32[16], dst=1)"),
     ),
+    "all_to_all or all_gather": (
+        lambda g: g.device_communicator.shm_all_reduce.all_to_all(torch.ones(16), torch.empty(16)),
+        lambda g: g.device_communicator.shm_all_reduce.all_gather(torch.ones(16)),
+        ("all_to_all(float32[16])", "all_gather(float32[16])"),
+    ),
     "gather or all_gather": (
         lambda g: g.device_communicator.shm_all_reduce.gather(torch.ones(16), 0),
         lambda g: g.device_communicator.shm_all_reduce.all_gather(torch.ones(16)),

@@ -173,11 +173,12 @@ class CommOps(Reductions):
         hints: Mapping[str, str] | None,
         timeout: float | datetime.timedelta | None,
         finish: Callable[[], None] | None = None,
+        fast: Callable[[ShmAllReduce], None] | None = None,
     ) -> Work:
         def launch(td: datetime.timedelta) -> list[Any]:
             return [c10d_calls.all_to_all(self._pg, output, input, output_splits, input_splits, td)]
 
-        return self._run(name, self._others(), timeout, async_op, hints, launch, finish)
+        return self._run(name, self._others(), timeout, async_op, hints, launch, finish, fast=fast)
 
     def all_to_all(
         self,
@@ -239,8 +240,22 @@ class CommOps(Reductions):
             raise GroupcoordValueError(
                 f"output shape {tuple(output.shape)} must equal input shape {tuple(input.shape)}"
             )
+        if output.data_ptr() == input.data_ptr() and input.numel():
+            raise GroupcoordValueError("output must not be the input tensor (out of place)")
+
+        def fast(shm: ShmAllReduce) -> None:
+            shm.all_to_all(input, output)
+
         return self._alltoall_base(
-            "all_to_all_single", output, input, [], [], async_op, hints, timeout
+            "all_to_all_single",
+            output,
+            input,
+            [],
+            [],
+            async_op,
+            hints,
+            timeout,
+            fast=fast if self._shm_takes(input, "all_gather") else None,
         )
 
     def all_to_all_v_single(
