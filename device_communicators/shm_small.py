@@ -3,7 +3,7 @@
 An engine makes many small collectives per step (a per-layer all-reduce of
 a few KiB, the logits' all-gather, a sequence-parallel reduce-scatter), and
 what those cost is Python and torch overhead, not bytes. ``SmallCalls`` runs
-a SUM all-reduce, an all-gather or a reduce-scatter of a dense CPU tensor
+a SUM all-reduce, a SUM reduce, an all-gather or a reduce-scatter of a dense CPU tensor
 of up to ``LEAN_MAX_BYTES`` (256 KiB, the one-shot size) with exactly the
 protocol and fingerprint of
 ``ShmAllReduce``'s general path (one generation, one barrier, the same
@@ -73,12 +73,13 @@ class _Plan:
     """What one kind of call (operation, dtype, shape, dim) needs, for both slot sets."""
 
     __slots__ = (
-        "code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim", "pair", "blocks",
-        "one_thread",
+        "operation", "code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim",
+        "pair", "blocks", "one_thread",
     )  # fmt: skip
 
     def __init__(
         self,
+        operation: str,
         code: int,
         tensor: torch.Tensor,
         slots: SlotSegment,
@@ -88,6 +89,7 @@ class _Plan:
         dim: int = 0,
         op_numel: int = 0,
     ) -> None:
+        self.operation = operation  # what the control line says while the call runs
         self.code = code
         self.count = tensor.numel()
         self.nbytes = self.count * tensor.element_size()
@@ -120,9 +122,9 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
     )
 
 
-# Plans by (dtype, shape, dim) for each kind of call (all_reduce: dim 0); None:
-# such calls take the general path.
-_SUM, _GATHER, _SCATTER, _BROADCAST = 0, 1, 2, 3
+# Plans by (dtype, shape, dim) for each kind of call (all_reduce: dim 0; a broadcast
+# or reduce: its root); None: such calls take the general path.
+_SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE = 0, 1, 2, 3, 4
 _Plans = dict[tuple, "_Plan | None"]
 _UNSEEN: Any = object()
 
@@ -138,9 +140,14 @@ class SmallCalls:
     def __init__(self, owner: _Owner) -> None:
         self.owner = owner
         self.slots: SlotSegment | None = None
-        self._plans: tuple[_Plans, _Plans, _Plans, _Plans] = ({}, {}, {}, {})
-        self._makers = (self._sum_plan, self._gather_plan, self._scatter_plan, self._copy_plan)
-        self._runs = (self._run_sum, self._run_gather, self._run_scatter, self._run_broadcast)
+        self._plans: tuple[_Plans, ...] = ({}, {}, {}, {}, {})
+        self._makers = (
+            self._sum_plan, self._gather_plan, self._scatter_plan, self._copy_plan,
+            self._reduce_plan,
+        )  # fmt: skip
+        self._runs = (
+            self._run_sum, self._run_gather, self._run_sum, self._run_broadcast, self._run_sum,
+        )  # fmt: skip
 
     def attach(self, slots: SlotSegment | None) -> None:
         """The slots to use from now on (None: the path is down); plans of the old ones go."""
@@ -148,7 +155,7 @@ class SmallCalls:
         for plans in self._plans:
             plans.clear()
 
-    # ---- the three calls ------------------------------------------------------------
+    # ---- the calls -------------------------------------------------------------------
     # ``out``: write the result there instead of a new tensor; it must have the
     # result's shape and dtype (else None). The input is copied in before anything
     # is written, so ``out`` may be the input itself.
@@ -171,6 +178,13 @@ class SmallCalls:
         """The SUM over the group of this rank's equal slice along ``dim``."""
         return self._call(_SCATTER, tensor, dim, out)
 
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """A SUM reduce to in-group rank ``dst``, fingerprinted as one (every rank
+        computes the sum, as ``ShmAllReduce.reduce`` does)."""
+        return self._call(_REDUCE, tensor, dst, out)
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor | None:
         """In-group rank ``src``'s ``tensor`` on every rank, in place (any dtype)."""
         return self._call(_BROADCAST, tensor, src, None)
@@ -189,7 +203,8 @@ class SmallCalls:
                 return self._runs[kind](plan, tensor, out)
 
     def _run_sum(self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        return self._sum(plan.reads[self._exchange(plan, tensor, "all_reduce")], plan, out)
+        """An all-reduce, a reduce or a reduce-scatter (the plan's reads say which rows)."""
+        return self._sum(plan.reads[self._exchange(plan, tensor, plan.operation)], plan, out)
 
     def _run_gather(
         self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None
@@ -212,11 +227,6 @@ class SmallCalls:
         if out is None:
             return torch.cat(plan.reads[s], plan.dim)
         return torch.cat(plan.reads[s], plan.dim, out=out)
-
-    def _run_scatter(
-        self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self._sum(plan.reads[self._exchange(plan, tensor, "reduce_scatter")], plan, out)
 
     def _run_broadcast(
         self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None
@@ -314,7 +324,7 @@ class SmallCalls:
         if not 0 <= src < slots.world_size:
             return None  # the general path says what is wrong
         code = call_code("broadcast", tensor.dtype, None, src)
-        return _Plan(code, tensor, slots, src, ((), ()), tensor.shape, src)
+        return _Plan("broadcast", code, tensor, slots, src, ((), ()), tensor.shape, src)
 
     def _sum_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
         if not self._fits(tensor):
@@ -327,7 +337,21 @@ class SmallCalls:
         )
         code = call_code("all_reduce", dtype, ReduceOp.SUM, 0)
         rank = self.owner.rank_in_group
-        return _Plan(code, tensor, slots, rank, (reads[0], reads[1]), shape, 0, tensor.numel())
+        return _Plan(
+            "all_reduce", code, tensor, slots, rank, (reads[0], reads[1]), shape, 0, tensor.numel()
+        )
+
+    def _reduce_plan(self, tensor: torch.Tensor, dst: int) -> _Plan | None:
+        """An all-reduce's plan with a reduce's fingerprint (``dst`` in it)."""
+        slots = self.slots
+        assert slots is not None
+        if not 0 <= dst < slots.world_size:
+            return None  # the general path says what is wrong
+        plan = self._sum_plan(tensor, 0)
+        if plan is not None:
+            plan.operation = "reduce"
+            plan.code = call_code("reduce", tensor.dtype, ReduceOp.SUM, dst)
+        return plan
 
     def _gather_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
         if not self._fits(tensor) or not -tensor.dim() <= dim < tensor.dim():
@@ -347,7 +371,9 @@ class SmallCalls:
         code = call_code("all_gather", dtype, None, 0)
         rank = self.owner.rank_in_group
         op_numel = 0 if in_blocks else joined
-        plan = _Plan(code, tensor, slots, rank, (reads[0], reads[1]), out_shape, dim, op_numel)
+        plan = _Plan(
+            "all_gather", code, tensor, slots, rank, (reads[0], reads[1]), out_shape, dim, op_numel
+        )
         if in_blocks:
             plan.blocks = ([slots.address(0, r) for r in range(world)],
                            [slots.address(1, r) for r in range(world)])  # fmt: skip
@@ -375,5 +401,13 @@ class SmallCalls:
         # The sum covers this rank's 1/world of the tensor.
         op_numel = tensor.numel() // world
         return _Plan(
-            code, tensor, slots, rank, (reads[0], reads[1]), reads[0][0].shape, 0, op_numel
+            "reduce_scatter",
+            code,
+            tensor,
+            slots,
+            rank,
+            (reads[0], reads[1]),
+            reads[0][0].shape,
+            0,
+            op_numel,
         )

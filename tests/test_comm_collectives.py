@@ -367,6 +367,12 @@ def _rooted_on_shared_memory(rank: int, world: int, peer_reads: bool) -> list[st
         comm.gather(parts, mine, root)
         if parts is not None and not torch.equal(torch.cat(parts), everyone):
             wrong.append(f"gather {n}")
+        # SUM: a small one takes the lean path, except on rank 0 (a per-call timeout
+        # sends it the general way): the two paths meet on one protocol.
+        t = mine.clone()
+        comm.reduce(t, root, ReduceOp.SUM, timeout=30 if rank == 0 else None)
+        if rank == root and not torch.equal(t, everyone.view(w, n).sum(0)):
+            wrong.append(f"reduce SUM {n}")
         t = mine.clone()
         comm.reduce(t, root, ReduceOp.AVG)
         if rank == root and not torch.allclose(t, everyone.view(w, n).mean(0)):

@@ -72,6 +72,10 @@ class Reductions(CommCore):
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """Reduce into ``tensor`` on ``root``; other ranks' tensors are scratch afterwards."""
+        if op is ReduceOp.SUM and async_op is False and hints is None and timeout is None:
+            done = self._lean("reduce", lambda small: small.reduce(tensor, root, tensor), tensor)
+            if done is not None:
+                return done
         tensor = self._tensor(tensor, "tensor")
         root = checks.rank(root, "root", self._size)
         op = self._op(op, tensor.dtype, "tensor")
