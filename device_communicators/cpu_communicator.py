@@ -164,11 +164,23 @@ class ShmTransport(Transport):
             return self.shm.refusal(tensor)
         return NOT_OFFERED
 
+    # A small call takes the lean path (its result joined along dim 0, a view away
+    # from stacked): the size exchanges of all_gatherv and gather are such calls.
+
     def all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.shm.all_gather(tensor)
+        joined = self.shm.small.all_gather(tensor, 0)
+        if joined is None:
+            return self.shm.all_gather(tensor)
+        return joined.view(self.shm.world_size, *tensor.shape)
 
     def gather_stacked(self, tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
-        return self.shm.gather(tensor, dst)  # the other ranks copy nothing out
+        # The other ranks copy nothing out, on either path.
+        joined = self.shm.small.gather(tensor, dst)
+        if joined is None:
+            return self.shm.gather(tensor, dst)
+        if self.shm.rank_in_group != dst:
+            return None
+        return joined.view(self.shm.world_size, *tensor.shape)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         return self.shm.broadcast_(tensor, src)

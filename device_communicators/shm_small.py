@@ -74,7 +74,7 @@ class _Plan:
 
     __slots__ = (
         "operation", "code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim",
-        "pair", "blocks", "one_thread",
+        "pair", "blocks", "one_thread", "root",
     )  # fmt: skip
 
     def __init__(
@@ -109,6 +109,7 @@ class _Plan:
         # (``count``) is one torch would split over its pool: the call runs with the
         # pool at one thread (about 0.5 us; small calls skip it).
         self.one_thread = max(op_numel, self.count) >= TORCH_GRAIN
+        self.root = -1  # a gather's destination (-1: every rank receives)
 
 
 def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -124,7 +125,7 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 # Plans by (dtype, shape, dim) for each kind of call (all_reduce: dim 0; a broadcast
 # or reduce: its root); None: such calls take the general path.
-_SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE = 0, 1, 2, 3, 4
+_SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE, _GATHER_TO = 0, 1, 2, 3, 4, 5
 _Plans = dict[tuple, "_Plan | None"]
 _UNSEEN: Any = object()
 
@@ -140,13 +141,14 @@ class SmallCalls:
     def __init__(self, owner: _Owner) -> None:
         self.owner = owner
         self.slots: SlotSegment | None = None
-        self._plans: tuple[_Plans, ...] = ({}, {}, {}, {}, {})
+        self._plans: tuple[_Plans, ...] = ({}, {}, {}, {}, {}, {})
         self._makers = (
             self._sum_plan, self._gather_plan, self._scatter_plan, self._copy_plan,
-            self._reduce_plan,
+            self._reduce_plan, self._gather_to_plan,
         )  # fmt: skip
         self._runs = (
             self._run_sum, self._run_gather, self._run_sum, self._run_broadcast, self._run_sum,
+            self._run_gather,
         )  # fmt: skip
 
     def attach(self, slots: SlotSegment | None) -> None:
@@ -185,6 +187,13 @@ class SmallCalls:
         computes the sum, as ``ShmAllReduce.reduce`` does)."""
         return self._call(_REDUCE, tensor, dst, out)
 
+    def gather(
+        self, tensor: torch.Tensor, dst: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """:meth:`all_gather` along dim 0 on in-group rank ``dst``, fingerprinted as a
+        gather to ``dst``; the other ranks copy nothing out and get ``tensor`` back."""
+        return self._call(_GATHER_TO, tensor, dst, out)
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor | None:
         """In-group rank ``src``'s ``tensor`` on every rank, in place (any dtype)."""
         return self._call(_BROADCAST, tensor, src, None)
@@ -209,7 +218,9 @@ class SmallCalls:
     def _run_gather(
         self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None
     ) -> torch.Tensor:
-        s = self._exchange(plan, tensor, "all_gather")
+        s = self._exchange(plan, tensor, plan.operation)
+        if plan.root not in (-1, self.owner.rank_in_group):
+            return tensor  # a gather's other rank: its part is in its slot, nothing to read
         if plan.blocks:  # a memmove per rank: no torch op
             if out is None:
                 out = (
@@ -377,6 +388,19 @@ class SmallCalls:
         if in_blocks:
             plan.blocks = ([slots.address(0, r) for r in range(world)],
                            [slots.address(1, r) for r in range(world)])  # fmt: skip
+        return plan
+
+    def _gather_to_plan(self, tensor: torch.Tensor, dst: int) -> _Plan | None:
+        """An all-gather's plan (along dim 0) with a gather's fingerprint and root."""
+        slots = self.slots
+        assert slots is not None
+        if not 0 <= dst < slots.world_size:
+            return None  # the general path says what is wrong
+        plan = self._gather_plan(tensor, 0)
+        if plan is not None:
+            plan.operation = "gather"
+            plan.code = call_code("gather", tensor.dtype, None, dst)
+            plan.root = dst
         return plan
 
     def _scatter_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:

@@ -184,6 +184,7 @@ class P2PChannels:
         return limit if limit is not None else Limit.of(self.timeout_s)
 
     def store(self) -> dist.Store:
+        """The store the rings' handles go through."""
         return self._store if self._store is not None else _default_store()
 
     def _key(self, src: int, dst: int) -> str:

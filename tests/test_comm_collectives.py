@@ -357,7 +357,8 @@ def _rooted_on_shared_memory(rank: int, world: int, peer_reads: bool) -> list[st
         root = n % world
         mine = torch.arange(n, dtype=torch.float32) + 1000 * rank
         out = torch.full((world * n,), -1.0)
-        comm.gather_single(out, mine, root)
+        # Small: lean on every rank but 0 (a per-call timeout sends it the general way).
+        comm.gather_single(out, mine, root, timeout=30 if rank == 0 else None)
         everyone = torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(w)])
         if rank == root and not torch.equal(out, everyone):
             wrong.append(f"gather_single {n}")

@@ -168,3 +168,40 @@ def test_a_receive_from_a_dead_peer_names_it_within_seconds() -> None:
     dead, elapsed = start_ranks(_recv_from_the_dead, 2, timeout=60).collect(killed=[1])[0]
     assert dead == [1]
     assert elapsed < 5.0
+
+
+def _two_threads_one_peer(rank: int, world_size: int) -> list[float]:
+    import threading
+
+    comm = new_comm("gloo", "cpu", "threads", timeout=60)
+    count = 40  # 120 MiB in all: the ring fills, and a sender waits mid-message
+    got: list[float] = []
+    if rank == 0:
+
+        def sender(tag: int) -> None:
+            for i in range(count):
+                # Streamed messages: two sends interleaved on one ring would garble them.
+                comm.send(torch.full((LARGE,), float(tag * 1000 + i)), 1, async_op=i % 3 == 0)
+
+        threads = [threading.Thread(target=sender, args=(t,)) for t in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        comm.barrier()
+    else:
+        for _ in range(2 * count):
+            t = torch.empty(LARGE)
+            comm.recv(t, 0)
+            assert float(t.min()) == float(t.max()), "a message arrived garbled"
+            got.append(float(t[0]))
+        comm.barrier()
+    comm.finalize()
+    return got
+
+
+def test_two_threads_sending_to_one_peer_take_turns_whole_messages() -> None:
+    got = run_ranks(_two_threads_one_peer, 2, timeout=60)[1]
+    for tag in (1, 2):
+        mine = [v for v in got if int(v) // 1000 == tag]
+        assert mine == [tag * 1000.0 + i for i in range(40)], mine

@@ -56,6 +56,11 @@ CASES = {
         lambda g: g.device_communicator.small_calls.reduce(torch.ones(16), 1),
         ("reduce(float32[16], SUM, dst=0)", "reduce(float32[16], SUM, dst=1)"),
     ),
+    "lean gather destination": (
+        lambda g: g.device_communicator.small_calls.gather(torch.ones(16), 0),
+        lambda g: g.device_communicator.small_calls.gather(torch.ones(16), 1),
+        ("gather(float32[16], dst=0)", "gather(float32[16], dst=1)"),
+    ),
     "gather destination": (
         lambda g: g.gather(torch.ones(16), dst=0),
         lambda g: g.gather(torch.ones(16), dst=1),

@@ -49,6 +49,9 @@ class Lane:
         self._name = name
         self._on_failure = on_failure
         self._lock = threading.Lock()
+        # Held while a call runs: two threads of the caller that issue at once run
+        # their calls one after the other, never together (one channel, one set of slots).
+        self._running = threading.Lock()
         self._queued: list[Work] = []  # issued asynchronously, not yet finished
         self._closing = False
         self._jobs: queue.SimpleQueue[tuple[Work, LaneCall] | None] = queue.SimpleQueue()
@@ -78,6 +81,7 @@ class Lane:
                 admitted = self._admit()
             else:
                 self._queued.append(work)
+                self._start_thread()  # under the lock: one worker, whoever comes first
         if inline:
             if admitted:
                 self._settle(work, call, inline=True)
@@ -88,14 +92,14 @@ class Lane:
         # The lane ends the call by the op's deadline with the precise error (the
         # ranks that did not arrive); wait() gives it that moment to arrive.
         work.settle_grace_s = _SETTLE_GRACE_S
-        self._start_thread()
         self._jobs.put((work, call))
         if not async_op:
             work.wait()
 
     def _settle(self, work: Work, call: LaneCall, inline: bool) -> None:
         try:
-            call(work)
+            with self._running:
+                call(work)
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
             if isinstance(exc, GroupcoordTimeoutError):
                 work._expire()  # TIMED_OUT, and the comm is told through the work

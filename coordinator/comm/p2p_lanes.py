@@ -8,7 +8,9 @@ small tensor. Each (direction, peer) has its own
 :class:`~coordinator.comm.lanes.Lane`, so calls to one peer keep their order
 while a receive waiting on one peer never holds up a send, a receive from
 another peer or a collective. A synchronous call runs on the caller's
-thread; an asynchronous one, and every op of a batch, on its lane's thread.
+thread, an asynchronous one on its lane's thread; a batch runs on the
+caller's thread when its sends cannot wait (see :meth:`P2PLanes.run_batch`),
+else every op on its lane's thread.
 
 A pair with no channel (a peer on another node, a ring that did not fit in
 /dev/shm: both ends learn it from the store) goes over Gloo inside the same
