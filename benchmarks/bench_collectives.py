@@ -6,8 +6,9 @@ then ``recv``), rank 0 -> 1 -> 0 ping-pongs timed per one-way trip, and
 ring_exchange (every rank sends its tensor right and receives its left
 neighbour's, all in flight at once: ours is a ``coordinator.comm`` batch,
 torch's ``dist.batch_isend_irecv``), barrier, gather (to rank 0), reduce
-(SUM to rank 0) and all_to_all (equal blocks; ours is ``Comm.reduce`` and
-``Comm.all_to_all_single`` for these two, which ``GroupCoordinator`` lacks). Sizes are total bytes per rank. The torch side is what an engine would
+(SUM to rank 0), all_to_all (equal blocks) and scatter (from rank 0; ours is
+``Comm.reduce``, ``Comm.all_to_all_single`` and ``Comm.scatter`` for these
+three, which ``GroupCoordinator`` lacks). Sizes are total bytes per rank. The torch side is what an engine would
 write without groupcoord: ``dist.all_reduce``, ``dist.all_gather_single``,
 ``dist.reduce_scatter_single``, ``dist.broadcast``, ``broadcast_object_list`` of the metadata then
 one ``broadcast`` per tensor, ``send_object_list`` then one ``send`` per
@@ -77,6 +78,7 @@ OPS = [
     "gather",
     "reduce",
     "all_to_all",
+    "scatter",
 ]
 FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 256 << 10, 16 << 20]
@@ -292,11 +294,19 @@ def _pair(
             (lambda: dist.gather(x, parts, dst=0, group=plain)),
             (lambda: comm.gather_single(joined, x, 0)),
         )
-    if op in ("reduce", "all_to_all"):
-        # No GroupCoordinator call: ours is the Comm's (SUM to rank 0; equal blocks).
+    if op in ("reduce", "all_to_all", "scatter"):
+        # No GroupCoordinator call: ours is the Comm's (SUM to rank 0; equal blocks;
+        # from rank 0, one x-sized part per rank).
         buf, out = x.clone(), torch.empty_like(x)
         if op == "reduce":
             return (lambda: comm.reduce(buf, 0)), (lambda: dist.reduce(buf, 0, group=plain)), None
+        if op == "scatter":
+            parts = [x] * world if rank == 0 else None
+            return (
+                (lambda: comm.scatter(out, parts, 0)),
+                (lambda: dist.scatter(out, parts, src=0, group=plain)),
+                None,
+            )
         return (
             (lambda: comm.all_to_all_single(out, x)),
             (lambda: dist.all_to_all_single(out, x, group=plain)),

@@ -36,7 +36,7 @@ before the data, so a reader that sees the counter also sees the data.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed import ReduceOp
@@ -348,6 +348,64 @@ class ShmAllReduce(ShmBase):
         return out
 
     @one_at_a_time
+    def scatter(
+        self, out: torch.Tensor, inputs: Sequence[torch.Tensor] | None, src: int
+    ) -> torch.Tensor:
+        """In-group rank ``src``'s ``inputs[r]`` into rank ``r``'s contiguous ``out``
+        (``inputs``, one tensor per rank of ``out``'s dtype and size, on ``src`` only;
+        checked as a scatter from ``src``). Returns ``out``.
+
+        Through the slots the root copies part ``r`` into rank ``r``'s slot and each
+        rank copies its slot out, a piece a barrier; past the one-shot size, where
+        the kernel allows it, each rank reads its part straight out of the root's
+        input (one copy)."""
+        self._check_index(src, "src")
+        me, world = self.rank_in_group, self.world_size
+        if not out.is_contiguous():
+            raise GroupcoordValueError("scatter: out must be contiguous")
+        parts: list[torch.Tensor] = []
+        if me == src:
+            if inputs is None or len(inputs) != world:
+                raise GroupcoordValueError(f"scatter: the root needs {world} input tensors")
+            for i, part in enumerate(inputs):
+                if part.dtype != out.dtype or part.numel() != out.numel():
+                    raise GroupcoordValueError(
+                        f"scatter: inputs[{i}] is {part.dtype}[{part.numel()}], out is "
+                        f"{out.dtype}[{out.numel()}]"
+                    )
+            parts = [part.contiguous() for part in inputs]
+        lines = self._start("scatter", self.copy_refusal(out), out, root=src)
+        nbytes = out.numel() * out.element_size()
+        if nbytes == 0:
+            self._empty_barrier(lines)
+            return out
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        reads, at = self.peer_reads, out.data_ptr()
+        if nbytes > LEAN_MAX_BYTES and reads is not None:
+            addresses = [part.data_ptr() for part in parts] or [0]
+            if me == src:
+                ctypes.memmove(at, addresses[me], nbytes)
+
+            def read(s: int) -> None:
+                if me != src:
+                    reads.read(src, at, slots.posted(s, src, me), nbytes, "scatter")
+
+            with self._desync_guard:
+                self._read_posted(lines, addresses[0], read, *addresses[1:])
+            return out
+        with self._desync_guard:
+            for start in range(0, nbytes, self.max_bytes):
+                size = min(self.max_bytes, nbytes - start)
+                gen = self._next_generation()
+                s = gen & 1
+                for r, part in enumerate(parts):  # the root only
+                    ctypes.memmove(slots.address(s, r), part.data_ptr() + start, size)
+                lines.arrive(2 * gen - 1)
+                ctypes.memmove(at + start, slots.address(s, me), size)
+        return out
+
+    @one_at_a_time
     def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Block ``r`` of contiguous ``tensor`` (``world`` equal blocks along its flat
         memory) to in-group rank ``r``; block ``r`` of contiguous ``out`` (as large,
@@ -407,17 +465,21 @@ class ShmAllReduce(ShmBase):
 
     # ---- reading the peers' memory directly (peer_reads) ----------------------------
 
-    def _read_posted(self, lines: PhaseLines, address: int, read: Callable[[int], None]) -> None:
+    def _read_posted(
+        self, lines: PhaseLines, address: int, read: Callable[[int], None], *more: int
+    ) -> None:
         """The frame of a direct read: post ``address`` (what this rank offers its
-        peers), wait for every rank, ``read(s)`` from the peers' posts in set ``s``,
-        and wait again, so no rank returns (and lets its caller change or free what
-        it posted) while a peer still reads it. The second wait runs after a failed
-        read too: the peers are waiting for this rank's phase."""
+        peers; ``more`` addresses after it, as posts 1, 2, ...), wait for every rank,
+        ``read(s)`` from the peers' posts in set ``s``, and wait again, so no rank
+        returns (and lets its caller change or free what it posted) while a peer
+        still reads it. The second wait runs after a failed read too: the peers are
+        waiting for this rank's phase."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
         gen = self._next_generation()
         s = gen & 1
-        slots.post(s, self.rank_in_group, 0, address)
+        for i, at in enumerate((address, *more)):
+            slots.post(s, self.rank_in_group, i, at)
         lines.arrive(2 * gen - 1)
         try:
             read(s)

@@ -55,7 +55,7 @@ _CALL_MASK = (1 << (63 - _COUNT_BITS)) - 1
 
 OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
-    "all_to_all",
+    "all_to_all", "scatter",
 )  # fmt: skip
 _DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
@@ -129,7 +129,7 @@ def describe_call(code: int, count: int) -> str:
             extra += f", dst={root}"
         elif root:  # a reduce-scatter's split_code
             extra += f", sizes #{root:04x}"
-    elif operation == "broadcast":
+    elif operation in ("broadcast", "scatter"):
         extra = f", src={root}"
     elif operation == "gather":
         extra = f", dst={root}"

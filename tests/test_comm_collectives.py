@@ -383,6 +383,14 @@ def _rooted_on_shared_memory(rank: int, world: int, peer_reads: bool) -> list[st
         if rank == root and not torch.allclose(t, everyone.view(w, n).sum(0) * 0.5):
             wrong.append(f"reduce PREMUL_SUM {n}")
         comm.barrier()
+    # scatter: part r of the root's inputs lands in rank r's output.
+    for n in (16, 100_000, 700_000):
+        root = (n + 1) % w
+        parts = [torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(w)]
+        out = torch.full((n,), -1.0)
+        comm.scatter(out, parts if rank == root else None, root, async_op=n == 16).wait()
+        if not torch.equal(out, parts[rank]):
+            wrong.append(f"scatter {n}")
     # all_to_all_single: block r of each rank's input lands in block (sender) of rank r's.
     for n, dtype in ((w, torch.bfloat16), (w * 24_000, torch.float32), (w * 50_001, torch.int64)):
         inp = (torch.arange(n) + 1_000_000 * rank).to(dtype).view(w, -1)

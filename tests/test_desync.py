@@ -71,6 +71,15 @@ CASES = {
         lambda g: g.device_communicator.shm_all_reduce.all_gather(torch.ones(16)),
         ("all_to_all(float32[16])", "all_gather(float32[16])"),
     ),
+    "scatter source": (
+        lambda g: g.device_communicator.shm_all_reduce.scatter(
+            torch.empty(8), [torch.ones(8)] * g.world_size, 0
+        ),
+        lambda g: g.device_communicator.shm_all_reduce.scatter(
+            torch.empty(8), [torch.ones(8)] * g.world_size, 1
+        ),
+        ("scatter(float32[8], src=0)", "scatter(float32[8], src=1)"),
+    ),
     "gather or all_gather": (
         lambda g: g.device_communicator.shm_all_reduce.gather(torch.ones(16), 0),
         lambda g: g.device_communicator.shm_all_reduce.all_gather(torch.ones(16)),

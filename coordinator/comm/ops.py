@@ -386,7 +386,18 @@ class CommOps(Reductions):
         def launch(td: datetime.timedelta) -> list[Any]:
             return [c10d_calls.scatter(self._pg, output_tensor, inputs, root, td)]
 
-        return self._run("scatter", self._others(), timeout, async_op, hints, launch)
+        def fast(shm: ShmAllReduce) -> None:
+            shm.scatter(output_tensor, inputs if self._rank == root else None, root)
+
+        return self._run(
+            "scatter",
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            fast=fast if self._shm_takes(output_tensor, "broadcast") else None,
+        )
 
     # -- point to point ----------------------------------------------------
     def send(
