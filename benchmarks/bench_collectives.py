@@ -6,9 +6,10 @@ then ``recv``), rank 0 -> 1 -> 0 ping-pongs timed per one-way trip, and
 ring_exchange (every rank sends its tensor right and receives its left
 neighbour's, all in flight at once: ours is a ``coordinator.comm`` batch,
 torch's ``dist.batch_isend_irecv``), barrier, gather (to rank 0), reduce
-(SUM to rank 0), all_to_all (equal blocks) and scatter (from rank 0; ours is
-``Comm.reduce``, ``Comm.all_to_all_single`` and ``Comm.scatter`` for these
-three, which ``GroupCoordinator`` lacks). Sizes are total bytes per rank. The torch side is what an engine would
+(SUM to rank 0), all_to_all (equal blocks), all_to_all_v (the same with
+explicit split sizes) and scatter (from rank 0; ours is ``Comm.reduce``,
+``Comm.all_to_all_single``, ``Comm.all_to_all_v_single`` and ``Comm.scatter``
+for these, which ``GroupCoordinator`` lacks). Sizes are total bytes per rank. The torch side is what an engine would
 write without groupcoord: ``dist.all_reduce``, ``dist.all_gather_single``,
 ``dist.reduce_scatter_single``, ``dist.broadcast``, ``broadcast_object_list`` of the metadata then
 one ``broadcast`` per tensor, ``send_object_list`` then one ``send`` per
@@ -78,6 +79,7 @@ OPS = [
     "gather",
     "reduce",
     "all_to_all",
+    "all_to_all_v",
     "scatter",
 ]
 FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -293,6 +295,15 @@ def _pair(
             (lambda: group.gather(x, 0, 0)),
             (lambda: dist.gather(x, parts, dst=0, group=plain)),
             (lambda: comm.gather_single(joined, x, 0)),
+        )
+    if op == "all_to_all_v":
+        # Explicit split sizes (equal here), which the ranks exchange and check first.
+        splits = [x.numel() // world] * world
+        got = torch.empty_like(x)
+        return (
+            (lambda: comm.all_to_all_v_single(got, x, splits, splits)),
+            (lambda: dist.all_to_all_single(got, x, splits, splits, group=plain)),
+            None,
         )
     if op in ("reduce", "all_to_all", "scatter"):
         # No GroupCoordinator call: ours is the Comm's (SUM to rank 0; equal blocks;

@@ -43,7 +43,7 @@ from torch.distributed import ReduceOp
 
 from shm_broadcast.host_memory import empty_output
 
-from .errors import GroupcoordValueError
+from .errors import DesyncError, GroupcoordValueError
 from .peer_reads import (
     DIRECT_ALL_REDUCE_MIN_BYTES,
     READ_SCRATCH_BYTES,
@@ -461,6 +461,93 @@ class ShmAllReduce(ShmBase):
                 lines.arrive(2 * gen - 1)
                 for r in range(world):
                     ctypes.memmove(dst + r * block + a, slots.address(s, r) + me * size, size)
+        return out
+
+    @one_at_a_time
+    def all_to_all_v(
+        self,
+        tensor: torch.Tensor,
+        out: torch.Tensor,
+        in_counts: Sequence[int],
+        out_counts: Sequence[int],
+    ) -> torch.Tensor:
+        """Uneven all-to-all of flat contiguous tensors: the next ``in_counts[q]``
+        elements of ``tensor`` go to in-group rank ``q``, in rank order; ``out``
+        gets ``out_counts[r]`` elements from rank ``r``, in rank order. Returns
+        ``out``, which must not be ``tensor``.
+
+        The ranks first exchange every rank's counts (one barrier, fingerprinted as
+        this call): a pair whose counts disagree raises ``DesyncError`` on every
+        rank, naming it, and the ranks stay in step. Then, past the one-shot size
+        where the kernel allows it, each rank reads its block straight out of every
+        peer's ``tensor``; else in rounds of a slot each, every rank writes the next
+        slot's worth of its ``tensor`` and copies out whatever of its blocks that
+        holds.
+        """
+        world, me = self.world_size, self.rank_in_group
+        counts = [int(n) for n in (*in_counts, *out_counts)]
+        if len(counts) != 2 * world or min(counts, default=0) < 0:
+            raise GroupcoordValueError(f"all_to_all_v needs {world} counts each way, none < 0")
+        if not (tensor.is_contiguous() and out.is_contiguous()):
+            raise GroupcoordValueError("all_to_all_v needs contiguous tensors")
+        if tensor.numel() != sum(counts[:world]) or out.numel() != sum(counts[world:]):
+            raise GroupcoordValueError(
+                f"all_to_all_v: tensor has {tensor.numel()} elements for counts summing to "
+                f"{sum(counts[:world])}, out {out.numel()} for {sum(counts[world:])}"
+            )
+        _check_out(out, tensor.dtype, out.numel())
+        if out.data_ptr() == tensor.data_ptr() and out.numel():
+            raise GroupcoordValueError("all_to_all_v: out must not be the input tensor")
+        mine = torch.tensor(counts, dtype=torch.int64)
+        lines = self._start("all_to_all_v", self.copy_refusal(tensor), mine)
+        with self._desync_guard:
+            slots, s = self._one_piece(lines, mine)
+            table = slots.stacked(s, torch.int64, mine.shape).tolist()
+        sent = [row[:world] for row in table]  # sent[r][q]: elements r sends q
+        for r in range(world):
+            for q in range(world):
+                if sent[r][q] != table[q][world + r]:
+                    raise DesyncError(
+                        f"{self.what}: all_to_all_v: rank {r} sends {sent[r][q]} elements to "
+                        f"rank {q}, which expects {table[q][world + r]} from it"
+                    )
+        size = tensor.element_size()
+        starts = [[sum(row[:q]) * size for q in range(world)] for row in sent]  # bytes
+        into = [sum(counts[world : world + r]) * size for r in range(world)]
+        src, dst = tensor.data_ptr(), out.data_ptr()
+        lines = self._start("all_to_all_v", None, mine)  # the data's own call, in step
+        reads = self.peer_reads
+        if max(sum(row) for row in sent) * size > LEAN_MAX_BYTES and reads is not None:
+            ctypes.memmove(dst + into[me], src + starts[me][me], sent[me][me] * size)
+
+            def read(s: int) -> None:
+                for r in range(world):
+                    if r != me and sent[r][me]:
+                        remote = slots.posted(s, r, 0) + starts[r][me]
+                        reads.read(r, dst + into[r], remote, sent[r][me] * size, "all_to_all_v")
+
+            with self._desync_guard:
+                self._read_posted(lines, src, read)
+            return out
+        step = self.max_bytes
+        rounds = max(1, -(-max(sum(row) for row in sent) * size // step))
+        with self._desync_guard:
+            for k in range(rounds):
+                lo, hi = k * step, (k + 1) * step
+                gen = self._next_generation()
+                s = gen & 1
+                length = min(hi, sum(sent[me]) * size) - lo
+                if length > 0:
+                    ctypes.memmove(slots.address(s, me), src + lo, length)
+                lines.arrive(2 * gen - 1)
+                for r in range(world):
+                    a = starts[r][me]
+                    b = a + sent[r][me] * size
+                    x, y = max(a, lo), min(b, hi)
+                    if y > x:
+                        ctypes.memmove(
+                            dst + into[r] + (x - a), slots.address(s, r) + (x - lo), y - x
+                        )
         return out
 
     # ---- reading the peers' memory directly (peer_reads) ----------------------------

@@ -55,7 +55,7 @@ _CALL_MASK = (1 << (63 - _COUNT_BITS)) - 1
 
 OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
-    "all_to_all", "scatter",
+    "all_to_all", "scatter", "all_to_all_v",
 )  # fmt: skip
 _DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,

@@ -391,6 +391,21 @@ def _rooted_on_shared_memory(rank: int, world: int, peer_reads: bool) -> list[st
         comm.scatter(out, parts if rank == root else None, root, async_op=n == 16).wait()
         if not torch.equal(out, parts[rank]):
             wrong.append(f"scatter {n}")
+    # all_to_all_v_single: rank r sends (r + q) * k rows to rank q (none to itself at
+    # k = 0 rows), rows of 3; small, past a slot, past the direct-read size.
+    for k in (1, 9_000, 60_000):
+        sends = [(rank + q) * k for q in range(w)]
+        recvs = [(r + rank) * k for r in range(w)]
+        inp = torch.cat([torch.full((n, 3), float(100 * rank + q)) for q, n in enumerate(sends)])
+        out = torch.full((sum(recvs), 3), -1.0)
+        comm.all_to_all_v_single(out, inp, recvs, sends, async_op=k == 1).wait()
+        want = torch.cat([torch.full((n, 3), float(100 * r + rank)) for r, n in enumerate(recvs)])
+        if not torch.equal(out, want):
+            wrong.append(f"all_to_all_v_single {k}")
+    outs = [torch.empty(r + 1) for r in range(w)]
+    comm.all_to_all(outs, [torch.full((rank + 1,), float(q)) for q in range(w)])
+    if [t.tolist() for t in outs] != [[float(rank)] * (r + 1) for r in range(w)]:
+        wrong.append("all_to_all lists")
     # all_to_all_single: block r of each rank's input lands in block (sender) of rank r's.
     for n, dtype in ((w, torch.bfloat16), (w * 24_000, torch.float32), (w * 50_001, torch.int64)):
         inp = (torch.arange(n) + 1_000_000 * rank).to(dtype).view(w, -1)
@@ -412,3 +427,24 @@ def test_rooted_calls_barrier_and_all_to_all_on_shared_memory_at_every_size(
     world, peer_reads
 ) -> None:
     assert run_ranks(_rooted_on_shared_memory, world, peer_reads, timeout=120) == [[]] * world
+
+
+def _splits_disagree(rank: int, world: int) -> tuple[str, list[float]]:
+    from shm_broadcast.errors import DesyncError
+
+    comm = new_comm("gloo", "cpu", "splits", timeout=30)
+    inp, out = torch.ones(2, 3), torch.empty(2, 3)
+    # Rank 1 sends both rows to itself; rank 0 expects one of them.
+    sends = [1, 1] if rank == 0 else [0, 2]
+    with pytest.raises(DesyncError) as caught:
+        comm.all_to_all_v_single(out, inp, [1, 1], sends)
+    t = torch.full((4,), float(rank))
+    comm.all_reduce(t, ReduceOp.SUM, timeout=30)  # still in step, still usable
+    comm.finalize()
+    return str(caught.value), t.tolist()
+
+
+def test_all_to_all_v_with_splits_that_disagree_raises_on_every_rank() -> None:
+    for message, after in run_ranks(_splits_disagree, 2, timeout=60):
+        assert "rank 1 sends 0 elements to rank 0, which expects 3 from it" in message, message
+        assert after == [1.0] * 4

@@ -147,11 +147,14 @@ class CommOps(Reductions):
             outputs[self._rank], input.numel(), f"output_list[{self._rank}]", "this rank's input"
         )
         # Gloo's allgather needs equal sizes: pad every part to the longest
-        # (all lengths are known from output_list), then copy the parts out.
+        # (all lengths are known from output_list), then copy the parts out. The
+        # shared-memory path gathers the same padded parts (ranks whose output_list
+        # sizes disagree pad differently, and its desync check names them).
         longest = max(t.numel() for t in outputs)
         padded = torch.zeros(longest, dtype=input.dtype)
         padded[: input.numel()] = input.view(-1)
-        staged = [torch.empty(longest, dtype=input.dtype) for _ in outputs]
+        stacked = torch.empty(self._size, longest, dtype=input.dtype)
+        staged = list(stacked.unbind(0))
 
         def finish() -> None:
             for out, part in zip(outputs, staged):
@@ -160,7 +163,20 @@ class CommOps(Reductions):
         def launch(td: datetime.timedelta) -> list[Any]:
             return [c10d_calls.all_gather(self._pg, staged, padded, td)]
 
-        return self._run("all_gather_v", self._others(), timeout, async_op, hints, launch, finish)
+        def fast(shm: ShmAllReduce) -> None:
+            shm.all_gather(padded, out=stacked)
+            finish()
+
+        return self._run(
+            "all_gather_v",
+            self._others(),
+            timeout,
+            async_op,
+            hints,
+            launch,
+            finish,
+            fast=fast if self._shm_takes(padded, "all_gather") else None,
+        )
 
     def _alltoall_base(
         self,
@@ -206,16 +222,23 @@ class CommOps(Reductions):
                 t.view(-1).copy_(staged_out[offset : offset + t.numel()])
                 offset += t.numel()
 
+        out_counts, in_counts = [t.numel() for t in outputs], [t.numel() for t in inputs]
+
+        def fast(shm: ShmAllReduce) -> None:
+            shm.all_to_all_v(staged_in, staged_out, in_counts, out_counts)
+            finish()
+
         return self._alltoall_base(
             "all_to_all",
             staged_out,
             staged_in,
-            [t.numel() for t in outputs],
-            [t.numel() for t in inputs],
+            out_counts,
+            in_counts,
             async_op,
             hints,
             timeout,
             finish,
+            fast=fast if self._shm_takes(staged_in, "all_gather") else None,
         )
 
     def all_to_all_single(
@@ -285,8 +308,24 @@ class CommOps(Reductions):
         in_splits = checks.split_sizes(
             input_split_sizes, "input_split_sizes", self._size, input.shape[0], "input's dim 0"
         )
+        if output.data_ptr() == input.data_ptr() and input.numel():
+            raise GroupcoordValueError("output must not be the input tensor (out of place)")
+        row = input.shape[1:].numel()  # elements per row (input and output rows match)
+
+        def fast(shm: ShmAllReduce) -> None:
+            in_counts = [n * row for n in in_splits]
+            shm.all_to_all_v(input, output, in_counts, [n * row for n in out_splits])
+
         return self._alltoall_base(
-            "all_to_all_v_single", output, input, out_splits, in_splits, async_op, hints, timeout
+            "all_to_all_v_single",
+            output,
+            input,
+            out_splits,
+            in_splits,
+            async_op,
+            hints,
+            timeout,
+            fast=fast if self._shm_takes(input, "all_gather") else None,
         )
 
     def gather(
