@@ -109,7 +109,7 @@ class _Plan:
         # (``count``) is one torch would split over its pool: the call runs with the
         # pool at one thread (about 0.5 us; small calls skip it).
         self.one_thread = max(op_numel, self.count) >= TORCH_GRAIN
-        self.root = -1  # a gather's destination (-1: every rank receives)
+        self.root = -1  # a reduce's or gather's destination (-1: every rank receives)
 
 
 def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -353,15 +353,24 @@ class SmallCalls:
         )
 
     def _reduce_plan(self, tensor: torch.Tensor, dst: int) -> _Plan | None:
-        """An all-reduce's plan with a reduce's fingerprint (``dst`` in it)."""
+        return self._rooted(self._sum_plan(tensor, 0), "reduce", tensor.dtype, ReduceOp.SUM, dst)
+
+    def _gather_to_plan(self, tensor: torch.Tensor, dst: int) -> _Plan | None:
+        return self._rooted(self._gather_plan(tensor, 0), "gather", tensor.dtype, None, dst)
+
+    def _rooted(
+        self, plan: _Plan | None, operation: str, dtype: torch.dtype, op: object, dst: int
+    ) -> _Plan | None:
+        """An all-reduce's or all-gather's ``plan`` as a call to in-group rank ``dst``,
+        fingerprinted as ``operation`` to ``dst``; None for a ``dst`` out of range (the
+        general path says what is wrong)."""
         slots = self.slots
         assert slots is not None
-        if not 0 <= dst < slots.world_size:
-            return None  # the general path says what is wrong
-        plan = self._sum_plan(tensor, 0)
-        if plan is not None:
-            plan.operation = "reduce"
-            plan.code = call_code("reduce", tensor.dtype, ReduceOp.SUM, dst)
+        if plan is None or not 0 <= dst < slots.world_size:
+            return None
+        plan.operation = operation
+        plan.code = call_code(operation, dtype, op, dst)
+        plan.root = dst
         return plan
 
     def _gather_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
@@ -388,19 +397,6 @@ class SmallCalls:
         if in_blocks:
             plan.blocks = ([slots.address(0, r) for r in range(world)],
                            [slots.address(1, r) for r in range(world)])  # fmt: skip
-        return plan
-
-    def _gather_to_plan(self, tensor: torch.Tensor, dst: int) -> _Plan | None:
-        """An all-gather's plan (along dim 0) with a gather's fingerprint and root."""
-        slots = self.slots
-        assert slots is not None
-        if not 0 <= dst < slots.world_size:
-            return None  # the general path says what is wrong
-        plan = self._gather_plan(tensor, 0)
-        if plan is not None:
-            plan.operation = "gather"
-            plan.code = call_code("gather", tensor.dtype, None, dst)
-            plan.root = dst
         return plan
 
     def _scatter_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
