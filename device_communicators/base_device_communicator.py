@@ -250,12 +250,21 @@ class DeviceCommunicatorBase:
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's ``input_`` along ``dim`` on ``dst``; None elsewhere.
 
-        Ranks may hold different lengths along ``dim`` (discovered, exact result).
+        Ranks may hold different lengths along ``dim`` (discovered, exact result):
+        on the shared-memory path in the gather's own barrier (``SmallCalls.gather_v``,
+        which also moves parts that fit a slot), else by a small all-gather first.
         """
         checks.tensor(input_, "input_", self.device)
         dim = checks.dim(input_, dim)
         checks.rank(dst, "dst", self.world_size)
-        (sizes,) = self._discover_sizes([input_], [dim])
+        small = self.small_calls
+        done = None if small is None else small.gather_v(input_, dst, dim)
+        if done is None:
+            (sizes,) = self._discover_sizes([input_], [dim])
+        elif done[1] is None:
+            return done[0]
+        else:
+            sizes = done[1]
         return self._gather_padded(input_, dim, sizes, dst=dst)
 
     def barrier(self) -> None:

@@ -52,6 +52,11 @@ _BELL = 5  # int32 index within a line (bytes 20..23)
 _FP_SLOTS = (6, 4)  # by call parity: even calls, odd calls
 _COUNT_BITS = 44
 _CALL_MASK = (1 << (63 - _COUNT_BITS)) - 1
+_COUNT_MASK = (1 << _COUNT_BITS) - 1
+# A code with this bit is a call whose ranks may bring different element counts
+# (a gather of parts of different lengths): the counts are not compared, the
+# rest of the code, which then holds a checksum of the parts' layout, is.
+VARYING_COUNTS = 1 << 48
 
 OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
@@ -94,6 +99,14 @@ def _make_code(operation: str, dtype: torch.dtype | None, reduce_op: object, roo
     )
 
 
+def varying_gather_code(dtype: torch.dtype, dst: int, layout: str) -> int:
+    """A gather to ``dst`` whose parts may differ in length along one dim: the ranks'
+    ``layout`` (the dim and every other dim) must agree, as a 16-bit checksum in the
+    reduce-op field, and their element counts need not."""
+    checksum = zlib.crc32(layout.encode()) & 0xFFFF
+    return call_code("gather", dtype, None, dst) | VARYING_COUNTS | (checksum << 16)
+
+
 def split_code(sizes: list[int]) -> int:
     """A reduce-scatter's cut of its rows among the ranks, as the 16-bit root field
     of its fingerprint: 0 for equal parts (the cut every plain reduce-scatter makes),
@@ -107,7 +120,7 @@ def _describe_stamp(stamp: tuple[int, int], near: int) -> str:
     """The call of a stamp, numbered as the call nearest ``near`` (this rank's call
     number) whose low bits the stamp holds."""
     code, word = stamp
-    count = word & ((1 << _COUNT_BITS) - 1)
+    count = word & _COUNT_MASK
     offset = ((word >> _COUNT_BITS) - near) & _CALL_MASK
     if offset > _CALL_MASK // 2:
         offset -= _CALL_MASK + 1
@@ -133,6 +146,8 @@ def describe_call(code: int, count: int) -> str:
         extra = f", src={root}"
     elif operation == "gather":
         extra = f", dst={root}"
+        if code & VARYING_COUNTS:  # the parts' layout (dim, other dims) as a checksum
+            return f"{operation}({dtype}[{count}]{extra}) of parts laid out #{op_code:04x}"
     return f"{operation}({dtype}[{count}]{extra})"
 
 
@@ -245,6 +260,9 @@ class PhaseLines:
         code, word = counters[me], counters[me + 1]
         for at in self._peer_stamps[parity]:
             if counters[at] != code or counters[at + 1] != word:
+                if code & VARYING_COUNTS and counters[at] == code:
+                    if (counters[at + 1] ^ word) >> _COUNT_BITS == 0:
+                        continue  # the same call; only the counts differ, as they may
                 r = at // _QWORDS
                 raise DesyncError(
                     f"{self.what}: rank {self.ranks[self.rank_in_group]} called "
@@ -252,6 +270,12 @@ class PhaseLines:
                     f"called {_describe_stamp((counters[at], counters[at + 1]), self.calls)}: "
                     "the ranks' collectives are out of step (no result returned)"
                 )
+
+    def counts(self) -> list[int]:
+        """Every rank's element count in the current call's stamp (after its first
+        barrier), in rank order."""
+        counters, slot = self._counters, _FP_SLOTS[self.calls & 1] + 1
+        return [counters[r * _QWORDS + slot] & _COUNT_MASK for r in range(self.world_size)]
 
     # ---- publish and wait ---------------------------------------------------------
 

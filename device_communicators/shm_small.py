@@ -29,6 +29,7 @@ the numbers before and after.
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any, Protocol
 
 import torch
@@ -36,8 +37,8 @@ from torch.distributed import ReduceOp
 
 from shm_broadcast.host_memory import empty_output
 
-from .errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
-from .shm_phases import PhaseLines, call_code
+from .errors import ClosedError, DesyncError, GroupcoordTimeoutError, PeerDiedError
+from .shm_phases import PhaseLines, call_code, varying_gather_code
 from .shm_reduce import (
     CLONE_MAX_BYTES,
     ONE_SHOT_MAX_BYTES,
@@ -74,7 +75,7 @@ class _Plan:
 
     __slots__ = (
         "operation", "code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim",
-        "pair", "blocks", "one_thread", "root",
+        "pair", "blocks", "one_thread", "root", "inner",
     )  # fmt: skip
 
     def __init__(
@@ -110,6 +111,7 @@ class _Plan:
         # pool at one thread (about 0.5 us; small calls skip it).
         self.one_thread = max(op_numel, self.count) >= TORCH_GRAIN
         self.root = -1  # a reduce's or gather's destination (-1: every rank receives)
+        self.inner = 0  # a gather_v's elements per unit of length along ``dim``
 
 
 def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -125,7 +127,7 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 # Plans by (dtype, shape, dim) for each kind of call (all_reduce: dim 0; a broadcast
 # or reduce: its root); None: such calls take the general path.
-_SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE, _GATHER_TO = 0, 1, 2, 3, 4, 5
+_SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE, _GATHER_TO, _GATHER_V = 0, 1, 2, 3, 4, 5, 6
 _Plans = dict[tuple, "_Plan | None"]
 _UNSEEN: Any = object()
 
@@ -141,7 +143,7 @@ class SmallCalls:
     def __init__(self, owner: _Owner) -> None:
         self.owner = owner
         self.slots: SlotSegment | None = None
-        self._plans: tuple[_Plans, ...] = ({}, {}, {}, {}, {}, {})
+        self._plans: tuple[_Plans, ...] = ({}, {}, {}, {}, {}, {}, {})
         self._makers = (
             self._sum_plan, self._gather_plan, self._scatter_plan, self._copy_plan,
             self._reduce_plan, self._gather_to_plan,
@@ -197,6 +199,67 @@ class SmallCalls:
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor | None:
         """In-group rank ``src``'s ``tensor`` on every rank, in place (any dtype)."""
         return self._call(_BROADCAST, tensor, src, None)
+
+    def gather_v(
+        self, tensor: torch.Tensor, dst: int, dim: int
+    ) -> tuple[torch.Tensor | None, list[int] | None] | None:
+        """Every rank's ``tensor`` joined along ``dim`` on in-group rank ``dst``, where
+        the lengths along ``dim`` may differ by rank (``GroupCoordinator.gather``), in
+        one barrier: each rank's stamp carries its element count, which tells every
+        rank the others' lengths, and the stamps' layout checksum makes ranks whose
+        other dims (or ``dim``) differ raise ``DesyncError`` naming both.
+
+        None: not taken, nothing ran (another device or layout, the path is down).
+        Else ``(result, None)`` when every part fit its slot (the result on ``dst``,
+        None elsewhere), or ``(None, lengths)`` when one did not: every rank knows
+        that and every rank's length, and moves the parts another way.
+        """
+        if type(tensor) is not torch.Tensor or type(dim) is not int or type(dst) is not int:
+            return None
+        with self.owner.call_lock:
+            plans = self._plans[_GATHER_V]
+            key = (tensor.dtype, tensor.shape, dim, dst)
+            plan = plans.get(key, _UNSEEN)
+            if plan is _UNSEEN:
+                if self.slots is None:
+                    return None
+                if len(plans) >= _PLAN_ENTRIES:
+                    plans.clear()
+                plan = plans[key] = self._gather_v_plan(tensor, dst, dim)
+            if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
+                return None
+            return self._run_gather_v(plan, tensor)
+
+    def _run_gather_v(
+        self, plan: _Plan, tensor: torch.Tensor
+    ) -> tuple[torch.Tensor | None, list[int] | None]:
+        slots, owner = self.slots, self.owner
+        assert slots is not None and owner._lines is not None
+        limit = min(LEAN_MAX_BYTES, slots.max_bytes)
+        size = tensor.element_size()
+        try:
+            s = self._exchange(plan, tensor, "gather", copy_in=plan.nbytes <= limit)
+        except DesyncError as exc:
+            raise DesyncError(
+                f"{exc}; this rank's part: shape {tuple(tensor.shape)} joined along dim "
+                f"{plan.dim} (lengths along it may differ by rank, the other dims may not)"
+            ) from exc
+        counts = owner._lines.counts()
+        inner = plan.inner  # the same on every rank (the stamps' layouts agree)
+        if any(n * size > limit for n in counts):
+            return None, [n // inner for n in counts]
+        if owner.rank_in_group != plan.root:
+            return None, None
+        if all(n == plan.count for n in counts):
+            parts = plan.reads[s]
+        else:
+            shape = list(tensor.shape)
+            parts = []
+            for r, n in enumerate(counts):
+                shape[plan.dim] = n // inner
+                parts.append(slots.shaped(s, r, tensor.dtype, torch.Size(shape)))
+        with OneTorchThread(size * sum(counts)):
+            return torch.cat(parts, plan.dim), None
 
     def _call(
         self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
@@ -371,6 +434,36 @@ class SmallCalls:
         plan.operation = operation
         plan.code = call_code(operation, dtype, op, dst)
         plan.root = dst
+        return plan
+
+    def _gather_v_plan(self, tensor: torch.Tensor, dst: int, dim: int) -> _Plan | None:
+        """:meth:`gather_v`'s, for this rank's part; the reads are those of parts all
+        as long as this one. None: a part with no elements but for its length along
+        ``dim`` (the counts could not tell the lengths), or arguments the general path
+        refuses with a clear error."""
+        slots = self.slots
+        assert slots is not None
+        shape, world = tensor.shape, slots.world_size
+        if not (-tensor.dim() <= dim < tensor.dim() and 0 <= dst < world):
+            return None
+        dim %= tensor.dim()
+        others = [n for i, n in enumerate(shape) if i != dim]
+        if 0 in others:
+            return None
+        code = varying_gather_code(tensor.dtype, dst, f"{tensor.dim()}|{dim}|{others}")
+        rank = self.owner.rank_in_group
+        out_shape = torch.Size([n * world if i == dim else n for i, n in enumerate(shape)])
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > min(LEAN_MAX_BYTES, slots.max_bytes):
+            # Too large for a slot: the call only tells the ranks each other's lengths.
+            plan = _Plan("gather", code, tensor.new_empty(0), slots, rank, ((), ()), shape, dim)
+            plan.count, plan.nbytes = tensor.numel(), nbytes
+        else:
+            reads = tuple(
+                [slots.shaped(s, r, tensor.dtype, shape) for r in range(world)] for s in (0, 1)
+            )
+            plan = _Plan("gather", code, tensor, slots, rank, (reads[0], reads[1]), out_shape, dim)
+        plan.root, plan.inner = dst, math.prod(others)
         return plan
 
     def _gather_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:

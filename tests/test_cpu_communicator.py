@@ -533,3 +533,71 @@ def _freed_without_the_collector(rank: int, world: int) -> bool:
 
 def test_a_dropped_communicator_is_freed_without_the_garbage_collector() -> None:
     assert run_ranks(_freed_without_the_collector, 2) == [True, True]
+
+
+def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
+    from device_communicators.errors import DesyncError
+
+    comm = make_comm(rank, world, "gv")
+    shm = comm.shm_all_reduce
+    dst = world - 1
+    barriers = []
+
+    def check(shape_of: object, dim: int, dtype: torch.dtype = torch.float32) -> None:
+        """Every rank's part of shape ``shape_of(r)`` gathered along ``dim`` to ``dst``."""
+        parts = [data(r, shape_of(r), dtype) for r in range(world)]  # type: ignore[operator]
+        before = shm.generation
+        got = comm.gather(parts[rank], dst=dst, dim=dim)
+        barriers.append(shm.generation - before)
+        if rank == dst:
+            assert got is not None
+            assert torch.equal(got, torch.cat(parts, dim)), (shape_of(0), dim)
+        else:
+            assert got is None
+
+    try:
+        check(lambda r: (1024,), 0)  # equal parts: one barrier, no size exchange
+        check(lambda r: (3, 2 + r), 1)  # lengths differ along dim 1
+        check(lambda r: (2 * r, 5), 0, torch.int64)  # rank 0's part is empty
+        check(lambda r: (2 * (world - 1 - r), 5), 0)  # the destination's part is empty
+        check(lambda r: (4, 3 + r), -1, torch.bfloat16)
+        big = 70_000 * 4 > 256 * 1024  # floats past a slot's 256 KiB
+        assert big
+        check(lambda r: (70_000 if r == 0 else 10,), 0)  # one part too large for a slot
+        check(lambda r: (70_000 + r,), 0)  # every part too large
+        check(lambda r: (0, 4), 1)  # no elements at all: lengths unknown from counts
+        # A non-contiguous part, and bool.
+        parts = [data(r, (5, 2 + r)).t() for r in range(world)]
+        got = comm.gather(parts[rank], dst=0, dim=0)
+        assert rank != 0 or torch.equal(got, torch.cat(parts, 0))
+        flags = [torch.arange(r + 3) % 2 == 0 for r in range(world)]
+        got = comm.gather(flags[rank], dst=0, dim=0)
+        assert rank != 0 or torch.equal(got, torch.cat(flags))
+        # Other dims that differ: every rank raises, naming both sides, and goes on.
+        try:
+            comm.gather(torch.ones(2, 3 + (rank > 0)), dst=0, dim=0)
+        except DesyncError as exc:
+            message = str(exc)
+        else:
+            raise AssertionError("parts whose other dims differ were joined")
+        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        return [str(b) for b in barriers] + [message]
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_of_parts_of_different_lengths_takes_one_barrier_on_shared_memory(
+    world: int,
+) -> None:
+    """``gather`` learns the parts' lengths in its own barrier (each rank's stamp holds
+    its element count): parts that fit a slot move in that one barrier, larger ones
+    afterwards with the lengths already known; incompatible parts raise on every rank."""
+    results = run_ranks(_gathers_of_varying_lengths, world, timeout=120)
+    for got in results:
+        *barriers, message = got
+        assert barriers[:5] == ["1"] * 5, barriers
+        assert int(barriers[5]) > 1 and int(barriers[6]) > 1, barriers  # then the big parts
+        assert "gather(float32[6], dst=0)" in message, message
+        assert "gather(float32[8], dst=0)" in message, message
+        assert "this rank's part: shape (2, " in message and "other dims may not" in message
