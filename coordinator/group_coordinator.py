@@ -205,6 +205,8 @@ class GroupCoordinator(GroupMessaging):
     def _all_gatherv_eager(
         self, input_: torch.Tensor | list[torch.Tensor], dim: int, sizes: list[int] | None
     ) -> Any:
+        # Lengths along dim may differ by rank; given sizes may not.
+        self._in_step("all_gatherv", lambda: f"dim={dim}, sizes={sizes}")
         return self._collective("all_gatherv", self._tensor_comm().all_gatherv, input_, dim, sizes)
 
     def _reduce_scatter_eager(self, input_: torch.Tensor, dim: int) -> torch.Tensor:

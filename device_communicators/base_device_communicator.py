@@ -192,8 +192,10 @@ class DeviceCommunicatorBase:
         """All-gather where ranks may hold different lengths along ``dim``.
 
         ``sizes[i]`` is rank i's length along ``dim``; when None the lengths are
-        discovered with one small all-gather. The result is exact (no padding).
-        A list of tensors gathers each and returns a list.
+        discovered: on the shared-memory path in each tensor's own barrier
+        (``SmallCalls.gather_v``, which also moves parts that fit a slot, and checks
+        given ``sizes`` against the parts), else with one small all-gather. The
+        result is exact (no padding). A list of tensors gathers each and returns a list.
         """
         tensors = input_ if isinstance(input_, list) else [input_]
         if not tensors:
@@ -211,14 +213,29 @@ class DeviceCommunicatorBase:
                         f"sizes[{self.rank_in_group}]={sizes[self.rank_in_group]} but this "
                         f"rank's input_ has {t.shape[d]} along dim {dim}"
                     )
-            per_tensor_sizes = [list(sizes) for _ in tensors]
-        else:
-            per_tensor_sizes = self._discover_sizes(tensors, dims)
-        out = [
-            self.transports.select("all_gatherv", t).all_gatherv_exact(t, d, s)
-            for t, d, s in zip(tensors, dims, per_tensor_sizes)
-        ]
+        small = self.small_calls
+        out = [self._all_gatherv_one(small, t, d, sizes) for t, d in zip(tensors, dims)]
         return out if isinstance(input_, list) else out[0]
+
+    def _all_gatherv_one(
+        self, small: SmallCalls | None, tensor: torch.Tensor, dim: int, sizes: list[int] | None
+    ) -> torch.Tensor:
+        done = None if small is None else small.gather_v(tensor, dim)
+        if done is None:
+            if sizes is None:
+                (sizes,) = self._discover_sizes([tensor], [dim])
+        elif sizes is not None and list(sizes) != done.lengths:
+            # The other ranks' entries were not checkable before: a wrong one would
+            # cut their parts at the wrong length.
+            raise GroupcoordValueError(
+                f"sizes={list(sizes)} but the ranks' parts have {done.lengths} along dim {dim}"
+            )
+        elif done.moved:
+            assert done.result is not None  # every rank receives
+            return done.result
+        else:
+            sizes = done.lengths
+        return self.transports.select("all_gatherv", tensor).all_gatherv_exact(tensor, dim, sizes)
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal 1/world slice along ``dim``."""
@@ -258,13 +275,13 @@ class DeviceCommunicatorBase:
         dim = checks.dim(input_, dim)
         checks.rank(dst, "dst", self.world_size)
         small = self.small_calls
-        done = None if small is None else small.gather_v(input_, dst, dim)
+        done = None if small is None else small.gather_v(input_, dim, dst)
         if done is None:
             (sizes,) = self._discover_sizes([input_], [dim])
-        elif done[1] is None:
-            return done[0]
+        elif done.moved:
+            return done.result
         else:
-            sizes = done[1]
+            sizes = done.lengths
         return self._gather_padded(input_, dim, sizes, dst=dst)
 
     def barrier(self) -> None:

@@ -100,11 +100,16 @@ def _make_code(operation: str, dtype: torch.dtype | None, reduce_op: object, roo
 
 
 def varying_gather_code(dtype: torch.dtype, dst: int, layout: str) -> int:
-    """A gather to ``dst`` whose parts may differ in length along one dim: the ranks'
-    ``layout`` (the dim and every other dim) must agree, as a 16-bit checksum in the
-    reduce-op field, and their element counts need not."""
+    """A gather to in-group rank ``dst`` (-1: an all-gather) whose parts may differ in
+    length along one dim: the ranks' ``layout`` (the dim and every other dim) must
+    agree, as a 16-bit checksum in the reduce-op field; their element counts need not."""
     checksum = zlib.crc32(layout.encode()) & 0xFFFF
-    return call_code("gather", dtype, None, dst) | VARYING_COUNTS | (checksum << 16)
+    base = (
+        call_code("all_gather", dtype, None, 0)
+        if dst < 0
+        else call_code("gather", dtype, None, dst)
+    )
+    return base | VARYING_COUNTS | (checksum << 16)
 
 
 def split_code(sizes: list[int]) -> int:
@@ -146,8 +151,8 @@ def describe_call(code: int, count: int) -> str:
         extra = f", src={root}"
     elif operation == "gather":
         extra = f", dst={root}"
-        if code & VARYING_COUNTS:  # the parts' layout (dim, other dims) as a checksum
-            return f"{operation}({dtype}[{count}]{extra}) of parts laid out #{op_code:04x}"
+    if code & VARYING_COUNTS:  # a gather's parts' layout (dim, other dims) as a checksum
+        return f"{operation}({dtype}[{count}]{extra}) of parts laid out #{op_code:04x}"
     return f"{operation}({dtype}[{count}]{extra})"
 
 

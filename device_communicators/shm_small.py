@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.distributed import ReduceOp
@@ -49,7 +49,7 @@ from .shm_reduce import (
 )
 from .shm_slots import SlotSegment
 
-__all__ = ["SmallCalls"]
+__all__ = ["SmallCalls", "VaryingParts"]
 
 _SHM_DTYPES = frozenset(SHM_DTYPES)
 _HALF = (torch.float16, torch.bfloat16)
@@ -129,6 +129,18 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
 # or reduce: its root); None: such calls take the general path.
 _SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE, _GATHER_TO, _GATHER_V = 0, 1, 2, 3, 4, 5, 6
 _Plans = dict[tuple, "_Plan | None"]
+
+
+class VaryingParts(NamedTuple):
+    """What :meth:`SmallCalls.gather_v` did: ``moved`` (every part fit its slot and
+    ``result`` is the joined tensor, None on a gather's other ranks) and every rank's
+    length along the dim (known on every rank either way)."""
+
+    moved: bool
+    result: torch.Tensor | None
+    lengths: list[int]
+
+
 _UNSEEN: Any = object()
 
 
@@ -200,19 +212,18 @@ class SmallCalls:
         """In-group rank ``src``'s ``tensor`` on every rank, in place (any dtype)."""
         return self._call(_BROADCAST, tensor, src, None)
 
-    def gather_v(
-        self, tensor: torch.Tensor, dst: int, dim: int
-    ) -> tuple[torch.Tensor | None, list[int] | None] | None:
-        """Every rank's ``tensor`` joined along ``dim`` on in-group rank ``dst``, where
-        the lengths along ``dim`` may differ by rank (``GroupCoordinator.gather``), in
-        one barrier: each rank's stamp carries its element count, which tells every
-        rank the others' lengths, and the stamps' layout checksum makes ranks whose
-        other dims (or ``dim``) differ raise ``DesyncError`` naming both.
+    def gather_v(self, tensor: torch.Tensor, dim: int, dst: int = -1) -> VaryingParts | None:
+        """Every rank's ``tensor`` joined along ``dim`` on in-group rank ``dst`` (-1:
+        on every rank), where the lengths along ``dim`` may differ by rank
+        (``GroupCoordinator.gather`` and ``all_gatherv``), in one barrier: each rank's
+        stamp carries its element count, which tells every rank the others' lengths,
+        and the stamps' layout checksum makes ranks whose other dims (or ``dim``)
+        differ raise ``DesyncError`` naming both.
 
         None: not taken, nothing ran (another device or layout, the path is down).
-        Else ``(result, None)`` when every part fit its slot (the result on ``dst``,
-        None elsewhere), or ``(None, lengths)`` when one did not: every rank knows
-        that and every rank's length, and moves the parts another way.
+        Else every rank's length and, when every part fit its slot, the result (None
+        on a gather's other ranks); when one did not, ``moved`` is False and the
+        caller moves the parts another way, the lengths known on every rank.
         """
         if type(tensor) is not torch.Tensor or type(dim) is not int or type(dst) is not int:
             return None
@@ -225,20 +236,18 @@ class SmallCalls:
                     return None
                 if len(plans) >= _PLAN_ENTRIES:
                     plans.clear()
-                plan = plans[key] = self._gather_v_plan(tensor, dst, dim)
+                plan = plans[key] = self._gather_v_plan(tensor, dim, dst)
             if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
                 return None
             return self._run_gather_v(plan, tensor)
 
-    def _run_gather_v(
-        self, plan: _Plan, tensor: torch.Tensor
-    ) -> tuple[torch.Tensor | None, list[int] | None]:
+    def _run_gather_v(self, plan: _Plan, tensor: torch.Tensor) -> VaryingParts:
         slots, owner = self.slots, self.owner
         assert slots is not None and owner._lines is not None
         limit = min(LEAN_MAX_BYTES, slots.max_bytes)
         size = tensor.element_size()
         try:
-            s = self._exchange(plan, tensor, "gather", copy_in=plan.nbytes <= limit)
+            s = self._exchange(plan, tensor, plan.operation, copy_in=plan.nbytes <= limit)
         except DesyncError as exc:
             raise DesyncError(
                 f"{exc}; this rank's part: shape {tuple(tensor.shape)} joined along dim "
@@ -246,20 +255,21 @@ class SmallCalls:
             ) from exc
         counts = owner._lines.counts()
         inner = plan.inner  # the same on every rank (the stamps' layouts agree)
+        lengths = [n // inner for n in counts]
         if any(n * size > limit for n in counts):
-            return None, [n // inner for n in counts]
-        if owner.rank_in_group != plan.root:
-            return None, None
+            return VaryingParts(False, None, lengths)
+        if plan.root not in (-1, owner.rank_in_group):
+            return VaryingParts(True, None, lengths)
         if all(n == plan.count for n in counts):
             parts = plan.reads[s]
         else:
             shape = list(tensor.shape)
             parts = []
-            for r, n in enumerate(counts):
-                shape[plan.dim] = n // inner
+            for r, n in enumerate(lengths):
+                shape[plan.dim] = n
                 parts.append(slots.shaped(s, r, tensor.dtype, torch.Size(shape)))
         with OneTorchThread(size * sum(counts)):
-            return torch.cat(parts, plan.dim), None
+            return VaryingParts(True, torch.cat(parts, plan.dim), lengths)
 
     def _call(
         self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
@@ -436,7 +446,7 @@ class SmallCalls:
         plan.root = dst
         return plan
 
-    def _gather_v_plan(self, tensor: torch.Tensor, dst: int, dim: int) -> _Plan | None:
+    def _gather_v_plan(self, tensor: torch.Tensor, dim: int, dst: int) -> _Plan | None:
         """:meth:`gather_v`'s, for this rank's part; the reads are those of parts all
         as long as this one. None: a part with no elements but for its length along
         ``dim`` (the counts could not tell the lengths), or arguments the general path
@@ -444,25 +454,26 @@ class SmallCalls:
         slots = self.slots
         assert slots is not None
         shape, world = tensor.shape, slots.world_size
-        if not (-tensor.dim() <= dim < tensor.dim() and 0 <= dst < world):
+        if not (-tensor.dim() <= dim < tensor.dim() and -1 <= dst < world):
             return None
         dim %= tensor.dim()
         others = [n for i, n in enumerate(shape) if i != dim]
         if 0 in others:
             return None
         code = varying_gather_code(tensor.dtype, dst, f"{tensor.dim()}|{dim}|{others}")
+        operation = "all_gather" if dst < 0 else "gather"
         rank = self.owner.rank_in_group
         out_shape = torch.Size([n * world if i == dim else n for i, n in enumerate(shape)])
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > min(LEAN_MAX_BYTES, slots.max_bytes):
             # Too large for a slot: the call only tells the ranks each other's lengths.
-            plan = _Plan("gather", code, tensor.new_empty(0), slots, rank, ((), ()), shape, dim)
+            plan = _Plan(operation, code, tensor.new_empty(0), slots, rank, ((), ()), shape, dim)
             plan.count, plan.nbytes = tensor.numel(), nbytes
         else:
             reads = tuple(
                 [slots.shaped(s, r, tensor.dtype, shape) for r in range(world)] for s in (0, 1)
             )
-            plan = _Plan("gather", code, tensor, slots, rank, (reads[0], reads[1]), out_shape, dim)
+            plan = _Plan(operation, code, tensor, slots, rank, (reads[0], reads[1]), out_shape, dim)
         plan.root, plan.inner = dst, math.prod(others)
         return plan
 

@@ -246,7 +246,11 @@ def _mismatched_shapes(rank: int, world: int) -> str:
 
 def test_all_gatherv_with_incompatible_shapes_fails_alike_on_every_rank() -> None:
     messages = run_ranks(_mismatched_shapes, 2, timeout=60)
-    assert all("disagree" in m for m in messages)
+    # Both sides named, each rank's own shape said (the stamps' layouts differ).
+    for rank, message in enumerate(messages):
+        assert "all_gather(float32[3]) of parts" in message, message
+        assert "all_gather(float32[8]) of parts" in message, message
+        assert f"this rank's part: shape ({rank + 1}, {3 + rank})" in message, message
 
 
 class RecordingManager:
@@ -566,6 +570,26 @@ def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
         check(lambda r: (70_000 if r == 0 else 10,), 0)  # one part too large for a slot
         check(lambda r: (70_000 + r,), 0)  # every part too large
         check(lambda r: (0, 4), 1)  # no elements at all: lengths unknown from counts
+        # all_gatherv: lengths found, or given sizes checked, in the call's one barrier.
+        for given in (None, [2 + r for r in range(world)]):
+            parts = [data(r, (2 + r, 3)) for r in range(world)]
+            before = shm.generation
+            assert torch.equal(comm.all_gatherv(parts[rank], 0, given), torch.cat(parts))
+            barriers.append(shm.generation - before)
+        # Ranks but 0 say rank 0's part is one row shorter than it is: an entry no
+        # rank could check before, and the longest part unchanged, so the padded
+        # parts still matched and those ranks cut rank 0's part short, silently.
+        sizes = [2 + r for r in range(world)]
+        if rank:
+            sizes[0] -= 1
+        parts = [data(r, (2 + r, 3)) for r in range(world)]
+        try:
+            got = comm.all_gatherv(parts[rank], 0, sizes)
+        except GroupcoordValueError as exc:
+            assert rank and f"sizes={sizes} but the ranks' parts have" in str(exc), exc
+        else:
+            assert rank == 0, "a wrong size for another rank was accepted"
+            assert torch.equal(got, torch.cat(parts))
         # A non-contiguous part, and bool.
         parts = [data(r, (5, 2 + r)).t() for r in range(world)]
         got = comm.gather(parts[rank], dst=0, dim=0)
@@ -590,7 +614,7 @@ def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
 def test_gather_of_parts_of_different_lengths_takes_one_barrier_on_shared_memory(
     world: int,
 ) -> None:
-    """``gather`` learns the parts' lengths in its own barrier (each rank's stamp holds
+    """``gather`` and ``all_gatherv`` learn the parts' lengths in its own barrier (each rank's stamp holds
     its element count): parts that fit a slot move in that one barrier, larger ones
     afterwards with the lengths already known; incompatible parts raise on every rank."""
     results = run_ranks(_gathers_of_varying_lengths, world, timeout=120)
@@ -598,6 +622,7 @@ def test_gather_of_parts_of_different_lengths_takes_one_barrier_on_shared_memory
         *barriers, message = got
         assert barriers[:5] == ["1"] * 5, barriers
         assert int(barriers[5]) > 1 and int(barriers[6]) > 1, barriers  # then the big parts
+        assert barriers[8:] == ["1", "1"], barriers  # all_gatherv, sizes found and given
         assert "gather(float32[6], dst=0)" in message, message
         assert "gather(float32[8], dst=0)" in message, message
         assert "this rank's part: shape (2, " in message and "other dims may not" in message

@@ -88,9 +88,20 @@ CASES = {
 }
 
 
+# Caught on the Gloo path only by the debug check (on shared memory the rank whose
+# sizes disagree with the parts raises GroupcoordValueError, tests/test_cpu_communicator.py).
+GLOO_ONLY_CASES = {
+    "all_gatherv sizes": (
+        lambda g: g.all_gatherv(torch.ones(2, 3), 0, [2] * g.world_size),
+        lambda g: g.all_gatherv(torch.ones(2, 3), 0, [1] + [2] * (g.world_size - 1)),
+        ("all_gatherv(dim=0, sizes=[2, 2", "all_gatherv(dim=0, sizes=[1, 2"),
+    ),
+}
+
 # The same mismatches on the Gloo path (shared memory off) with the debug check on,
 # as GroupCoordinator names them ("reduce op" calls the communicator directly).
 GLOO_DEBUG_SIDES = {
+    "all_gatherv sizes": GLOO_ONLY_CASES["all_gatherv sizes"][2],
     "size": ("all_reduce(float32[4096])", "all_reduce(float32[8192])"),
     "operation": ("all_reduce(float32[64])", "all_gather(float32[64], dim=0)"),
     "dtype": ("broadcast(float32[32], src=0)", "broadcast(int32[32], src=0)"),
@@ -108,7 +119,7 @@ def _mismatch(rank: int, world: int, case: str, gloo_debug: bool = False) -> dic
     init_gloo(rank, world)
     group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="dsy")
     try:
-        mine, others, _ = CASES[case]
+        mine, others, _ = {**CASES, **GLOO_ONLY_CASES}[case]
         call = mine if rank == 0 else others
         start = time.monotonic()
         try:
