@@ -224,18 +224,21 @@ class DeviceCommunicatorBase:
         if done is None:
             if sizes is None:
                 (sizes,) = self._discover_sizes([tensor], [dim])
-        elif sizes is not None and list(sizes) != done.lengths:
+            return self.transports.select("all_gatherv", tensor).all_gatherv_exact(
+                tensor, dim, sizes
+            )
+        out = done.result
+        if not done.moved:  # every rank moves the parts, by their true lengths
+            transport = self.transports.select("all_gatherv", tensor)
+            out = transport.all_gatherv_exact(tensor, dim, done.lengths)
+        if sizes is not None and list(sizes) != done.lengths:
             # The other ranks' entries were not checkable before: a wrong one would
-            # cut their parts at the wrong length.
+            # cut their parts at the wrong length. Raised once the ranks are in step.
             raise GroupcoordValueError(
                 f"sizes={list(sizes)} but the ranks' parts have {done.lengths} along dim {dim}"
             )
-        elif done.moved:
-            assert done.result is not None  # every rank receives
-            return done.result
-        else:
-            sizes = done.lengths
-        return self.transports.select("all_gatherv", tensor).all_gatherv_exact(tensor, dim, sizes)
+        assert out is not None  # every rank receives
+        return out
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal 1/world slice along ``dim``."""

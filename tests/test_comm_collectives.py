@@ -448,3 +448,43 @@ def test_all_to_all_v_with_splits_that_disagree_raises_on_every_rank() -> None:
     for message, after in run_ranks(_splits_disagree, 2, timeout=60):
         assert "rank 1 sends 0 elements to rank 0, which expects 3 from it" in message, message
         assert after == [1.0] * 4
+
+
+def _gather_v_counts_disagree(rank: int, world: int) -> list[str]:
+    comm = new_comm("gloo", "cpu", "gatherv", timeout=30)
+    seen = []
+    # Parts of 2, 3, 4 ... elements; big ones (past a 256 KiB slot) too.
+    for base in (2, 70_000):
+        parts = [torch.full((base + r,), float(r)) for r in range(world)]
+        outs = [torch.empty(base + r) for r in range(world)]
+        comm.all_gather_v(outs, parts[rank])
+        assert all(torch.equal(o, p) for o, p in zip(outs, parts))
+        # Ranks but 0 think rank 0 brings one element less: the longest part is
+        # unchanged, so padded parts still matched and they dropped its last element.
+        outs = [torch.empty(base + r - (r == 0 and rank != 0)) for r in range(world)]
+        try:
+            comm.all_gather_v(outs, parts[rank])
+        except GroupcoordValueError as exc:
+            assert rank != 0, exc
+            seen.append(str(exc))
+        else:
+            assert rank == 0, "an output_list that disagrees with the inputs was accepted"
+            assert all(torch.equal(o, p) for o, p in zip(outs, parts))
+    t = torch.full((4,), 1.0)
+    comm.all_reduce(t, ReduceOp.SUM)  # still in step, still usable
+    assert t.tolist() == [float(world)] * 4
+    comm.finalize()
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_v_whose_output_list_disagrees_with_the_inputs_raises(world: int) -> None:
+    results = run_ranks(_gather_v_counts_disagree, world, timeout=90)
+    assert results[0] == []
+    for messages in results[1:]:
+        want = [
+            [1] + [2 + r for r in range(1, world)],
+            [69_999] + [70_000 + r for r in range(1, world)],
+        ]
+        for message, counts in zip(messages, want, strict=True):
+            assert f"output_list holds {counts} elements by rank" in message, message

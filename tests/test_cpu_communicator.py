@@ -579,17 +579,19 @@ def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
         # Ranks but 0 say rank 0's part is one row shorter than it is: an entry no
         # rank could check before, and the longest part unchanged, so the padded
         # parts still matched and those ranks cut rank 0's part short, silently.
-        sizes = [2 + r for r in range(world)]
-        if rank:
-            sizes[0] -= 1
-        parts = [data(r, (2 + r, 3)) for r in range(world)]
-        try:
-            got = comm.all_gatherv(parts[rank], 0, sizes)
-        except GroupcoordValueError as exc:
-            assert rank and f"sizes={sizes} but the ranks' parts have" in str(exc), exc
-        else:
-            assert rank == 0, "a wrong size for another rank was accepted"
-            assert torch.equal(got, torch.cat(parts))
+        # Past a slot too (the parts then move after the check, every rank in step).
+        for rows in (2, 30_000):
+            sizes = [rows + r for r in range(world)]
+            if rank:
+                sizes[0] -= 1
+            parts = [data(r, (rows + r, 3)) for r in range(world)]
+            try:
+                got = comm.all_gatherv(parts[rank], 0, sizes)
+            except GroupcoordValueError as exc:
+                assert rank and f"sizes={sizes} but the ranks' parts have" in str(exc), exc
+            else:
+                assert rank == 0, "a wrong size for another rank was accepted"
+                assert torch.equal(got, torch.cat(parts))
         # A non-contiguous part, and bool.
         parts = [data(r, (5, 2 + r)).t() for r in range(world)]
         got = comm.gather(parts[rank], dst=0, dim=0)

@@ -148,8 +148,9 @@ class CommOps(Reductions):
         )
         # Gloo's allgather needs equal sizes: pad every part to the longest
         # (all lengths are known from output_list), then copy the parts out. The
-        # shared-memory path gathers the same padded parts (ranks whose output_list
-        # sizes disagree pad differently, and its desync check names them).
+        # shared-memory path first learns every rank's true count in one barrier
+        # (SmallCalls.gather_v): an output_list entry that disagrees raises instead
+        # of cutting (or padding) that part, and parts that fit a slot move in it.
         longest = max(t.numel() for t in outputs)
         padded = torch.zeros(longest, dtype=input.dtype)
         padded[: input.numel()] = input.view(-1)
@@ -164,8 +165,27 @@ class CommOps(Reductions):
             return [c10d_calls.all_gather(self._pg, staged, padded, td)]
 
         def fast(shm: ShmAllReduce) -> None:
-            shm.all_gather(padded, out=stacked)
-            finish()
+            done = shm.small.gather_v(input.reshape(-1), 0)
+            if done is None:
+                shm.all_gather(padded, out=stacked)
+                finish()
+                return
+            if done.moved:
+                assert done.result is not None  # every rank receives
+                parts = list(done.result.split(done.lengths))
+            else:  # every rank gathers, padded to the longest true part
+                true_padded = input.new_zeros(max(done.lengths))
+                true_padded[: input.numel()] = input.view(-1)
+                every = shm.all_gather(true_padded)
+                parts = [p[:n] for p, n in zip(every, done.lengths)]
+            counts = [t.numel() for t in outputs]
+            if done.lengths != counts:  # raised once the ranks are in step
+                raise GroupcoordValueError(
+                    f"output_list holds {counts} elements by rank but the ranks' inputs "
+                    f"have {done.lengths}"
+                )
+            for out, part in zip(outputs, parts):
+                out.view(-1).copy_(part)
 
         return self._run(
             "all_gather_v",
