@@ -255,6 +255,12 @@ class SmallCalls:
             ) from exc
         counts = owner._lines.counts()
         inner = plan.inner  # the same on every rank (the stamps' layouts agree)
+        if any(n % inner for n in counts):  # layouts whose 16-bit checksums collided
+            raise DesyncError(
+                f"{owner.what}: the ranks' parts hold {counts} elements, which parts of "
+                f"this rank's layout (shape {tuple(tensor.shape)}, joined along dim "
+                f"{plan.dim}) cannot: the other dims differ by rank"
+            )
         lengths = [n // inner for n in counts]
         if any(n * size > limit for n in counts):
             return VaryingParts(False, None, lengths)

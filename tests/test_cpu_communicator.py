@@ -606,6 +606,14 @@ def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
             message = str(exc)
         else:
             raise AssertionError("parts whose other dims differ were joined")
+        # Layouts whose 16-bit checksums collide ("2|0|[291]", "2|0|[5000]"): the
+        # counts, which no part of the other layout could hold, still tell them apart.
+        try:
+            comm.gather(torch.ones(1, 291 if rank == 0 else 5000), dst=0, dim=0)
+        except DesyncError as exc:
+            assert "the other dims differ by rank" in str(exc), exc
+        else:
+            raise AssertionError("parts whose layouts' checksums collide were joined")
         assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
         return [str(b) for b in barriers] + [message]
     finally:
