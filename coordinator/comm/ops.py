@@ -151,41 +151,43 @@ class CommOps(Reductions):
         # shared-memory path first learns every rank's true count in one barrier
         # (SmallCalls.gather_v): an output_list entry that disagrees raises instead
         # of cutting (or padding) that part, and parts that fit a slot move in it.
-        longest = max(t.numel() for t in outputs)
-        padded = torch.zeros(longest, dtype=input.dtype)
-        padded[: input.numel()] = input.view(-1)
-        stacked = torch.empty(self._size, longest, dtype=input.dtype)
-        staged = list(stacked.unbind(0))
+        counts = [t.numel() for t in outputs]
+        rows: list[torch.Tensor] = []  # every rank's padded part, made when needed
+
+        def stage(longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """This rank's input padded to ``longest``, and the (world, longest) result
+            whose rows ``rows`` then holds."""
+            padded = input.new_zeros(longest)
+            padded[: input.numel()] = input.view(-1)
+            stacked = torch.empty(self._size, longest, dtype=input.dtype)
+            rows[:] = stacked.unbind(0)
+            return padded, stacked
 
         def finish() -> None:
-            for out, part in zip(outputs, staged):
-                out.view(-1).copy_(part[: out.numel()])
+            for out, part, n in zip(outputs, rows, counts):
+                out.view(-1).copy_(part[:n])
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            return [c10d_calls.all_gather(self._pg, staged, padded, td)]
+            padded, _ = stage(max(counts))
+            return [c10d_calls.all_gather(self._pg, rows, padded, td)]
 
         def fast(shm: ShmAllReduce) -> None:
             done = shm.small.gather_v(input.reshape(-1), 0)
-            if done is None:
+            lengths = counts if done is None else done.lengths
+            if done is None or not done.moved:  # every rank pads to the same longest part
+                padded, stacked = stage(max(lengths))
                 shm.all_gather(padded, out=stacked)
-                finish()
-                return
-            if done.moved:
-                assert done.result is not None  # every rank receives
-                parts = list(done.result.split(done.lengths))
-            else:  # every rank gathers, padded to the longest true part
-                true_padded = input.new_zeros(max(done.lengths))
-                true_padded[: input.numel()] = input.view(-1)
-                every = shm.all_gather(true_padded)
-                parts = [p[:n] for p, n in zip(every, done.lengths)]
-            counts = [t.numel() for t in outputs]
-            if done.lengths != counts:  # raised once the ranks are in step
+            if lengths != counts:  # raised once the ranks are in step
                 raise GroupcoordValueError(
                     f"output_list holds {counts} elements by rank but the ranks' inputs "
-                    f"have {done.lengths}"
+                    f"have {lengths}"
                 )
-            for out, part in zip(outputs, parts):
-                out.view(-1).copy_(part)
+            if done is not None and done.moved:
+                assert done.result is not None  # every rank receives
+                for out, part in zip(outputs, done.result.split(counts)):
+                    out.view(-1).copy_(part)
+            else:
+                finish()
 
         return self._run(
             "all_gather_v",
@@ -195,7 +197,7 @@ class CommOps(Reductions):
             hints,
             launch,
             finish,
-            fast=fast if self._shm_takes(padded, "all_gather") else None,
+            fast=fast if self._shm_takes(input, "all_gather") else None,
         )
 
     def _alltoall_base(
