@@ -58,8 +58,12 @@ class Transport:
         """Every rank's equally shaped ``tensor``, stacked: ``(world, *shape)``."""
         raise NotImplementedError
 
-    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows."""
+    def all_gatherv_exact(
+        self, tensor: torch.Tensor, dim: int, sizes: list[int], given: str | None = None
+    ) -> torch.Tensor:
+        """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows.
+        ``given``: the caller passed ``sizes`` (named so): a transport that can learn the
+        parts' true lengths on the way checks them and raises when they differ."""
         raise NotImplementedError
 
     def gather_stacked(self, tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
@@ -188,8 +192,10 @@ class TorchTransport(Transport):
             ).wait()
         return out
 
-    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        out = self.comm._gather_padded(tensor, dim, sizes, dst=None)
+    def all_gatherv_exact(
+        self, tensor: torch.Tensor, dim: int, sizes: list[int], given: str | None = None
+    ) -> torch.Tensor:
+        out = self.comm._gather_padded(tensor, dim, sizes, dst=None, given=given)
         assert out is not None  # every rank gets the result of an all-gather
         return out
 

@@ -450,18 +450,23 @@ def test_all_to_all_v_with_splits_that_disagree_raises_on_every_rank() -> None:
         assert after == [1.0] * 4
 
 
-def _gather_v_counts_disagree(rank: int, world: int) -> list[str]:
+def _gather_v_counts_disagree(rank: int, world: int, shm: bool) -> list[str]:
+    from shm_broadcast.config import set_config
+
+    set_config(disable_shm_all_reduce=not shm)
     comm = new_comm("gloo", "cpu", "gatherv", timeout=30)
     seen = []
-    # Parts of 2, 3, 4 ... elements; big ones (past a 256 KiB slot) too.
-    for base in (2, 70_000):
-        parts = [torch.full((base + r,), float(r)) for r in range(world)]
-        outs = [torch.empty(base + r) for r in range(world)]
+    # Parts of 2, 3, 4 ... elements; big ones (past a 256 KiB slot) too; and
+    # dtypes whose items are 1 or 16 bytes (the padded parts are gathered as bytes).
+    for base, dtype in ((2, torch.float32), (70_000, torch.float32), (3, torch.bool),
+                        (5, torch.complex128)):  # fmt: skip
+        parts = [torch.full((base + r,), float(r)).to(dtype) for r in range(world)]
+        outs = [torch.empty(base + r, dtype=dtype) for r in range(world)]
         comm.all_gather_v(outs, parts[rank])
         assert all(torch.equal(o, p) for o, p in zip(outs, parts))
         # Ranks but 0 think rank 0 brings one element less: the longest part is
         # unchanged, so padded parts still matched and they dropped its last element.
-        outs = [torch.empty(base + r - (r == 0 and rank != 0)) for r in range(world)]
+        outs = [torch.empty(base + r - (r == 0 and rank != 0), dtype=dtype) for r in range(world)]
         try:
             comm.all_gather_v(outs, parts[rank])
         except GroupcoordValueError as exc:
@@ -477,14 +482,16 @@ def _gather_v_counts_disagree(rank: int, world: int) -> list[str]:
     return seen
 
 
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_all_gather_v_whose_output_list_disagrees_with_the_inputs_raises(world: int) -> None:
-    results = run_ranks(_gather_v_counts_disagree, world, timeout=90)
+def test_all_gather_v_whose_output_list_disagrees_with_the_inputs_raises(
+    world: int, shm: bool
+) -> None:
+    """On shared memory the first barrier tells every rank the true counts; on Gloo
+    each padded part carries its count: either way a wrong entry raises."""
+    results = run_ranks(_gather_v_counts_disagree, world, shm, timeout=90)
     assert results[0] == []
     for messages in results[1:]:
-        want = [
-            [1] + [2 + r for r in range(1, world)],
-            [69_999] + [70_000 + r for r in range(1, world)],
-        ]
+        want = [[base - 1] + [base + r for r in range(1, world)] for base in (2, 70_000, 3, 5)]
         for message, counts in zip(messages, want, strict=True):
             assert f"output_list holds {counts} elements by rank" in message, message

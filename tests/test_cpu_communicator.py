@@ -636,3 +636,53 @@ def test_gather_of_parts_of_different_lengths_takes_one_barrier_on_shared_memory
         assert "gather(float32[6], dst=0)" in message, message
         assert "gather(float32[8], dst=0)" in message, message
         assert "this rank's part: shape (2, " in message and "other dims may not" in message
+
+
+def _all_gatherv_sizes_on_gloo(rank: int, world: int) -> list[str]:
+    comm = make_comm(rank, world, "gvg", shm=False)
+    seen = []
+    try:
+        # Ranks but 0 say rank 0's part is one row shorter: the longest part is
+        # unchanged, so the padded parts still matched and those ranks cut rank 0's
+        # part short with no error (RELIABILITY bug 14 on Gloo). Each padded part now
+        # carries its true length; every dtype's rows stay aligned (bool, complex128).
+        for rows, dtype, dim in ((2, torch.float32, 0), (30_000, torch.float32, 0),
+                                 (3, torch.bool, 1), (2, torch.complex128, -1)):  # fmt: skip
+            shape = [3, 3]
+            parts = []
+            for r in range(world):
+                shape[dim] = rows + r
+                parts.append(data(r, tuple(shape)).to(dtype))
+            sizes = [rows + r for r in range(world)]
+            assert torch.equal(comm.all_gatherv(parts[rank], dim, sizes), torch.cat(parts, dim))
+            assert torch.equal(comm.all_gatherv(parts[rank], dim), torch.cat(parts, dim))
+            if rank:
+                sizes[0] -= 1
+            try:
+                got = comm.all_gatherv(parts[rank], dim, sizes)
+            except GroupcoordValueError as exc:
+                assert rank, exc
+                seen.append(str(exc))
+            else:
+                assert rank == 0, "a wrong size for another rank was accepted"
+                assert torch.equal(got, torch.cat(parts, dim))
+        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        return seen
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gatherv_on_gloo_checks_given_sizes_against_the_parts(world: int) -> None:
+    """Without shared memory, a wrong ``sizes`` entry for another rank raises on the
+    ranks that passed it (each padded part carries its length); the others get the
+    right result and the group stays usable."""
+    results = run_ranks(_all_gatherv_sizes_on_gloo, world, timeout=120)
+    assert results[0] == []
+    for messages in results[1:]:
+        assert len(messages) == 4, messages
+        for message, rows, dim in zip(messages, (2, 30_000, 3, 2), (0, 0, 1, 1)):
+            sizes = [rows - 1] + [rows + r for r in range(1, world)]
+            true = [rows + r for r in range(world)]
+            want = f"sizes={sizes} but the ranks' parts have {true} along dim {dim}"
+            assert want in message, message

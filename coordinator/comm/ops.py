@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from device_communicators import c10d_calls, checks
+from device_communicators.padded_parts import check_lengths, pad_with_length, unpad_with_lengths
 from device_communicators.shm_all_reduce import ShmAllReduce
 
 from ..errors import (
@@ -146,48 +147,46 @@ class CommOps(Reductions):
         checks.numel(
             outputs[self._rank], input.numel(), f"output_list[{self._rank}]", "this rank's input"
         )
-        # Gloo's allgather needs equal sizes: pad every part to the longest
-        # (all lengths are known from output_list), then copy the parts out. The
-        # shared-memory path first learns every rank's true count in one barrier
-        # (SmallCalls.gather_v): an output_list entry that disagrees raises instead
-        # of cutting (or padding) that part, and parts that fit a slot move in it.
+        # Gloo's allgather needs equal sizes: every part travels padded to the
+        # longest with its true count in front (padded_parts), so a rank whose
+        # output_list disagrees with the inputs raises once the ranks are in step
+        # instead of cutting (or padding) that part. The shared-memory path learns
+        # every rank's true count in its first barrier (SmallCalls.gather_v), and
+        # parts that fit a slot move in it.
         counts = [t.numel() for t in outputs]
-        rows: list[torch.Tensor] = []  # every rank's padded part, made when needed
+        said = f"output_list holds {counts} elements by rank"
+        staged: list[Any] = []  # (every rank's padded part, longest), made when needed
 
         def stage(longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """This rank's input padded to ``longest``, and the (world, longest) result
-            whose rows ``rows`` then holds."""
-            padded = input.new_zeros(longest)
-            padded[: input.numel()] = input.view(-1)
-            stacked = torch.empty(self._size, longest, dtype=input.dtype)
-            rows[:] = stacked.unbind(0)
+            """This rank's input padded to ``longest``, and the result it is gathered into."""
+            padded = pad_with_length(input.reshape(-1), longest)
+            stacked = torch.empty(self._size, padded.numel(), dtype=torch.uint8)
+            staged[:] = [stacked, longest]
             return padded, stacked
 
         def finish() -> None:
-            for out, part, n in zip(outputs, rows, counts):
+            stacked, longest = staged
+            parts, lengths = unpad_with_lengths(stacked, longest, torch.Size(), input.dtype)
+            check_lengths(said, counts, lengths)
+            for out, part, n in zip(outputs, parts, counts):
                 out.view(-1).copy_(part[:n])
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            padded, _ = stage(max(counts))
-            return [c10d_calls.all_gather(self._pg, rows, padded, td)]
+            padded, stacked = stage(max(counts))
+            return [c10d_calls.all_gather(self._pg, list(stacked.unbind(0)), padded, td)]
 
         def fast(shm: ShmAllReduce) -> None:
             done = shm.small.gather_v(input.reshape(-1), 0)
-            lengths = counts if done is None else done.lengths
-            if done is None or not done.moved:  # every rank pads to the same longest part
-                padded, stacked = stage(max(lengths))
-                shm.all_gather(padded, out=stacked)
-            if lengths != counts:  # raised once the ranks are in step
-                raise GroupcoordValueError(
-                    f"output_list holds {counts} elements by rank but the ranks' inputs "
-                    f"have {lengths}"
-                )
             if done is not None and done.moved:
+                check_lengths(said, counts, done.lengths)  # raised once the ranks are in step
                 assert done.result is not None  # every rank receives
                 for out, part in zip(outputs, done.result.split(counts)):
                     out.view(-1).copy_(part)
-            else:
-                finish()
+                return
+            # Every rank pads to the same longest part: the true one where it is known.
+            padded, stacked = stage(max(counts if done is None else done.lengths))
+            shm.all_gather(padded, out=stacked)
+            finish()
 
         return self._run(
             "all_gather_v",
