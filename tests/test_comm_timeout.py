@@ -20,6 +20,10 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
     sync_comm = new_comm("gloo", "cpu", "to-sync", timeout=30)
     abort_comm = new_comm("gloo", "cpu", "to-abort", timeout=30)
     obj_comm = new_comm("gloo", "cpu", "to-obj", timeout=30)
+    # The ranks that take part leave together: rank 0 hosts the TCPStore, and when
+    # it left first a later rank's lazy channel set-up (recv_object_list) failed.
+    others = [r for r in range(world_size) if r != absent]
+    present = watched.split([] if rank == absent else others, "present")
     if rank == absent:
         time.sleep(6)  # alive but never joins: a timeout, not a dead peer
         return 0.0
@@ -66,6 +70,9 @@ def _last_rank_missing(rank: int, world_size: int) -> float:
         work.wait()
     assert work.status is WorkStatus.ABORTED
     assert time.monotonic() - abort_start < 1.0
+    assert present is not None
+    present.barrier()
+    present.finalize()
     return elapsed
 
 
