@@ -1,6 +1,7 @@
 """The one place groupcoord calls a c10d process group's collectives.
 
-Each function starts one operation on ``pg`` and returns c10d's work handle:
+Each function starts one operation on ``pg`` and returns c10d's work handle
+(a CPU ``send``/``recv``: one that waits for its header and data, below):
 ``DeviceCommunicatorBase`` waits on it at once (inside ``gloo_errors``),
 ``coordinator.comm`` hands it to a :class:`~coordinator.comm.work.Work`. The
 calls go to the process group object itself, not through
@@ -16,7 +17,10 @@ reducing the real and imaginary parts apart would be a wrong answer.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +37,9 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed import ReduceOp
 
-from .errors import GroupcoordValueError
+from shm_broadcast.array_frames import WIRE_DTYPES, dtype_code, torch_dtype
+
+from .errors import DesyncError, GroupcoordValueError
 
 __all__ = [
     "P2P_TAG",
@@ -170,11 +176,139 @@ def barrier(pg: Any, timeout: Timeout) -> Any:
     return pg.barrier(_with_timeout(BarrierOptions(), timeout))
 
 
+# Point to point. A receive into a larger tensor than was sent completes with the
+# tail untouched and no error (Gloo checks only that a message fits its buffer),
+# and one of another dtype of the same bytes reinterprets them: both silent. So a
+# CPU tensor travels with a 16-byte header of its dtype code and element count,
+# which the receiver checks; a mismatch raises DesyncError naming both sides,
+# with what was sent consumed (the pair stays in step). Up to INLINE_MAX_BYTES
+# the header and the data are one message (copied through a buffer: a second
+# message cost 15-80 us more at 4-64 KiB on Gloo here); larger, the header is a
+# message of its own and the data lands in place. A message larger than the
+# buffer it is received into is still Gloo's to refuse: it aborts the receiving
+# process ("Received data size doesn't match expected size"): more than an
+# inline receive holds in one message, or an inline message where a larger
+# receive waits for a header alone. A device tensor goes
+# alone (reading a header back would wait for the device). Both ends of a pair
+# must be groupcoord's: a plain torch.distributed.recv would take the header.
+INLINE_MAX_BYTES = 64 * 1024
+_HEADER = 16
+# Buffers of finished messages, by size, for the next ones: Gloo moved a fresh
+# buffer 30-100 us slower than one it had used before (4 KiB, world 2, here).
+_SPARE: dict[int, list[torch.Tensor]] = {}
+_SPARE_SIZES = 64  # sizes kept at most (a workload repeats a few); then start over
+_SPARE_EACH = 4  # buffers kept per size
+
+
+def _buffer(size: int) -> torch.Tensor:
+    spare = _SPARE.get(size)
+    if spare:
+        try:
+            return spare.pop()
+        except IndexError:  # another thread took the last one
+            pass
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def _give_back(buf: torch.Tensor) -> None:
+    size = buf.numel()
+    spare = _SPARE.get(size)
+    if spare is None:
+        if len(_SPARE) >= _SPARE_SIZES:
+            _SPARE.clear()
+        spare = _SPARE.setdefault(size, [])
+    if len(spare) < _SPARE_EACH:
+        spare.append(buf)
+
+
 def send(pg: Any, tensor: torch.Tensor, dst: int) -> Any:
-    """Send ``tensor`` (contiguous) to in-group rank ``dst``."""
-    return pg.send([_wire(tensor)], dst, P2P_TAG)
+    """Send ``tensor`` (contiguous) to in-group rank ``dst``, with its header on CPU."""
+    wire = _wire(tensor)
+    if not tensor.is_cpu:
+        return pg.send([wire], dst, P2P_TAG)
+    nbytes = tensor.nbytes
+    inline = nbytes <= INLINE_MAX_BYTES
+    buf = _buffer(_HEADER + (nbytes if inline else 0))
+    at = buf.data_ptr()
+    ctypes.c_int64.from_address(at).value = dtype_code(tensor.dtype)
+    ctypes.c_int64.from_address(at + 8).value = tensor.numel()
+    if inline:
+        ctypes.memmove(at + _HEADER, tensor.data_ptr(), nbytes)
+        return _Messages([pg.send([buf], dst, P2P_TAG)], buf)
+    return _Messages([pg.send([buf], dst, P2P_TAG), pg.send([wire], dst, P2P_TAG)], buf)
 
 
-def recv(pg: Any, tensor: torch.Tensor, src: int) -> Any:
-    """Receive into ``tensor`` (contiguous) from in-group rank ``src``."""
-    return pg.recv([_wire(tensor)], src, P2P_TAG)
+def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
+    """Receive into ``tensor`` (contiguous) from in-group rank ``src``; on CPU the
+    work's ``wait()`` raises ``DesyncError`` (``what``: the group, for its message)
+    when the sender's dtype or element count differ."""
+    wire = _wire(tensor)
+    if not tensor.is_cpu:
+        return pg.recv([wire], src, P2P_TAG)
+    nbytes = tensor.nbytes
+    inline = nbytes <= INLINE_MAX_BYTES
+    buf = _buffer(_HEADER + (nbytes if inline else 0))
+    works = [pg.recv([buf], src, P2P_TAG)]
+    if not inline:
+        works.append(pg.recv([wire], src, P2P_TAG))
+
+    def check(buf: torch.Tensor) -> None:
+        at = buf.data_ptr()
+        code = ctypes.c_int64.from_address(at).value
+        numel = ctypes.c_int64.from_address(at + 8).value
+        if code == dtype_code(tensor.dtype) and numel == tensor.numel():
+            if inline and nbytes:
+                ctypes.memmove(tensor.data_ptr(), at + _HEADER, nbytes)
+            return
+        known = 0 <= code < len(WIRE_DTYPES)
+        sent = WIRE_DTYPES[code] if known else f"dtype #{code}"
+        sent_bytes = numel * torch_dtype(sent).itemsize if known else 0
+        if inline and sent_bytes > INLINE_MAX_BYTES:  # its data follows on its own: consume it
+            pg.recv([torch.empty(sent_bytes, dtype=torch.uint8)], src, P2P_TAG).wait()
+        mine = str(tensor.dtype).removeprefix("torch.")
+        raise DesyncError(
+            f"{what + ': ' if what else ''}rank {pg.rank()} called recv({mine}[{tensor.numel()}]) "
+            f"from rank {src}, which sent a {sent}[{numel}] tensor: the ranks' point-to-point "
+            "calls are out of step"
+        )
+
+    return _Messages(works, buf, check)
+
+
+class _Messages:
+    """A c10d work of one or two messages (the header, with or before the data) that
+    completes when each has; a receive's ``check`` runs then."""
+
+    __slots__ = ("_works", "_keep", "_check", "_error")
+
+    def __init__(
+        self,
+        works: list[Any],
+        keep: torch.Tensor,
+        check: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        self._keep: torch.Tensor | None
+        self._works, self._keep, self._check = works, keep, check
+        self._error: DesyncError | None = None
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for work in self._works:
+            if end is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
+        keep, self._keep = self._keep, None
+        if keep is None:  # waited before: the same answer
+            if self._error is not None:
+                raise self._error
+            return True
+        try:
+            if self._check is not None:
+                self._check(keep)
+        except DesyncError as exc:
+            self._error = exc
+            raise
+        finally:
+            _give_back(keep)  # every message is done with it (a failed wait keeps it)
+        return True

@@ -56,12 +56,17 @@ def test_sends_arrive_in_issue_order_whatever_mix_of_sync_and_async(shm: bool) -
     assert got == [0.0, 1.0, 2.0, 3.0] * 2
 
 
-def _mismatch(rank: int, world_size: int) -> str:
+def _mismatch(rank: int, world_size: int, shm: bool) -> str:
+    set_config(disable_shm_p2p=not shm)
     comm = new_comm("gloo", "cpu", "mismatch", timeout=30)
+    assert (comm._p2p is not None) == shm
+    big = 100_000  # floats: past the size Gloo sends with its header in one message
     message = ""
     if rank == 0:
         comm.send(torch.ones(4096), 1)
         comm.send(torch.ones(4096), 1)
+        comm.send(torch.ones(big), 1)
+        comm.send(torch.ones(big), 1)
         comm.send(torch.full((8,), 7.0), 1)
     else:
         with pytest.raises(DesyncError) as caught:
@@ -70,7 +75,12 @@ def _mismatch(rank: int, world_size: int) -> str:
         # Same bytes, another dtype: still refused.
         with pytest.raises(DesyncError, match=r"int32\[4096\].*float32\[4096\]"):
             comm.recv(torch.empty(4096, dtype=torch.int32), 0)
-        # The channel stayed in step: the next message arrives whole.
+        # Larger and smaller than what came, where the data travels on its own.
+        with pytest.raises(DesyncError, match=rf"float32\[8\]\).*float32\[{big}\]"):
+            comm.recv(torch.empty(8), 0)
+        with pytest.raises(DesyncError, match=rf"float32\[{2 * big}\]\).*float32\[{big}\]"):
+            comm.recv(torch.empty(2 * big), 0)
+        # The pair stayed in step: the next message arrives whole.
         after = torch.empty(8)
         comm.recv(after, 0)
         assert after.tolist() == [7.0] * 8
@@ -79,8 +89,11 @@ def _mismatch(rank: int, world_size: int) -> str:
     return message
 
 
-def test_a_receive_of_another_size_names_both_sides_and_the_comm_stays_usable() -> None:
-    message = run_ranks(_mismatch, 2, timeout=60)[1]
+@pytest.mark.parametrize("shm", [True, False], ids=["channels", "gloo"])
+def test_a_receive_of_another_size_names_both_sides_and_the_comm_stays_usable(shm: bool) -> None:
+    """On the channels and on Gloo alike (where a smaller message used to fill the
+    head of the receive tensor and leave the rest as it was, with no error)."""
+    message = run_ranks(_mismatch, 2, shm, timeout=60)[1]
     assert "rank 1 called recv(float32[8192]) from rank 0" in message, message
     assert "float32[4096]" in message, message
 

@@ -386,12 +386,14 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
         if rank == 0:
             g.send(torch.arange(8.0), dst=1)
             g.send(torch.arange(6, dtype=torch.int32), dst=1)
-            g.send_object("not a tensor", dst=1)
+            if mode != "gloo":  # an object on Gloo is bytes after a length: no header
+                g.send_object("not a tensor", dst=1)
             g.send(torch.arange(4.0), dst=1)
             g.barrier()
             return ""
         raised = []
-        for size, dtype in (((16,), torch.float32), ((6,), torch.float32), ((2,), torch.int64)):
+        calls = [((16,), torch.float32), ((6,), torch.float32), ((2,), torch.int64)]
+        for size, dtype in calls[: 2 if mode == "gloo" else 3]:
             with pytest.raises(DesyncError) as info:
                 g.recv(size, dtype, src=0)
             raised.append(str(info.value))
@@ -403,10 +405,13 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
         g.destroy()
 
 
-@pytest.mark.parametrize("mode", ["shm", "shm-split"])
+@pytest.mark.parametrize("mode", ["shm", "shm-split", "gloo"])
 def test_a_recv_that_disagrees_with_the_send_names_both_and_the_channel_goes_on(mode):
+    """On Gloo too (each tensor travels with its dtype and element count; a smaller
+    message used to fill the head of the result and leave the rest uninitialised)."""
     raised = run_ranks(_recv_of_another_size, 2, mode, timeout=60)[1].splitlines()
     assert "called recv(float32[16]) from rank 0, which sent a float32[8] tensor" in raised[0]
     assert "called recv(float32[6]) from rank 0, which sent a int32[6] tensor" in raised[1]
-    assert "called recv(int64[2]) from rank 0, which sent a str, not a tensor" in raised[2]
+    if mode != "gloo":
+        assert "called recv(int64[2]) from rank 0, which sent a str, not a tensor" in raised[2]
     assert all(line.startswith("pp:0: rank 1") for line in raised), raised

@@ -100,6 +100,7 @@ class P2PBatch:
             comm._p2p.run_batch(work, [(op.kind, op.tensor, op.peer) for op in ops], async_op)
             return work
         pg = comm._pg
+        what = f"communicator {comm.get_name()!r}"
 
         def launch(td: datetime.timedelta) -> list[Any]:
             works = []
@@ -107,7 +108,7 @@ class P2PBatch:
                 if op.kind == "send":
                     works.append(c10d_calls.send(pg, op.tensor, op.peer))
                 else:
-                    works.append(c10d_calls.recv(pg, op.tensor, op.peer))
+                    works.append(c10d_calls.recv(pg, op.tensor, op.peer, what))
             return works
 
         self._issued = True  # even if the wait below times out: the ops were posted

@@ -10,6 +10,7 @@ depend on these parts, never on ``comm``, so nothing imports in a circle.
 from __future__ import annotations
 
 import datetime
+import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
@@ -260,15 +261,13 @@ class CommCore:
     ) -> Work:
         """A send or receive: on its peer's lane when the comm has them, else on Gloo."""
         if self._p2p is None:
-            post = c10d_calls.send if kind == "send" else c10d_calls.recv
+            if kind == "send":
+                post = functools.partial(c10d_calls.send, self._pg, tensor, peer)
+            else:
+                what = f"communicator {self._name!r}"
+                post = functools.partial(c10d_calls.recv, self._pg, tensor, peer, what)
             return self._run(
-                kind,
-                [peer],
-                timeout,
-                async_op,
-                hints,
-                lambda td: [post(self._pg, tensor, peer)],
-                completes_in_wait=True,
+                kind, [peer], timeout, async_op, hints, lambda td: [post()], completes_in_wait=True
             )
         work = self._new_work(kind, [peer], timeout, async_op, hints)
         self._p2p.run(work, kind, tensor, peer, async_op)

@@ -152,7 +152,8 @@ class P2PLanes:
             if got.data_ptr() != tensor.data_ptr():  # came encoded (a many-dim shape)
                 ctypes.memmove(tensor.data_ptr(), got.data_ptr(), got.nbytes)
         else:
-            self._gloo(work, lambda: c10d_calls.recv(self._pg, tensor, src), limit)
+            post = functools.partial(c10d_calls.recv, self._pg, tensor, src, work._what())
+            self._gloo(work, post, limit)
 
     @staticmethod
     def _gloo(work: Work, post: Callable[[], Any], limit: Limit) -> None:
