@@ -298,10 +298,17 @@ class P2PChannels:
         larger than a chunk streams through the ring."""
         self._put(self._writers[dst], msg, dst, operation, None)
 
-    def sends_without_waiting(self, dst: int, tensor_bytes: list[int], operation: str) -> bool:
+    def sends_without_waiting(
+        self, dst: int, tensor_bytes: list[int], operation: str, create: bool = True
+    ) -> bool:
         """Whether tensors of these byte counts sent to ``dst`` now, in order, all go
         into the pair's ring without waiting for the receiver (the channel opened,
-        if need be): a caller may then send them all before receiving anything."""
+        if need be, unless not ``create``: then False for a channel not yet open,
+        so a caller outside the thread that sends to ``dst`` never opens it beside
+        that thread): a caller may then send them all before receiving anything."""
+        if not create:
+            mq = self._writers.get(dst)
+            return mq is not None and not self._closed and mq.takes_without_waiting(tensor_bytes)
         return self.open_to(dst, operation) and self._writers[dst].takes_without_waiting(
             tensor_bytes
         )

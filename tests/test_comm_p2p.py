@@ -120,6 +120,38 @@ def test_an_async_receive_does_not_hold_up_a_collective() -> None:
     assert run_ranks(_recv_waits_beside_a_collective, 2, timeout=60) == [2.0, 2.0]
 
 
+def _async_sends_that_fit(rank: int, world_size: int) -> list[bool]:
+    comm = new_comm("gloo", "cpu", "eager", timeout=60)
+    huge = P2P_CHUNK_BYTES * P2P_MAX_CHUNKS // 4 + 4 * P2P_CHUNK_BYTES  # floats: > the ring
+    seen = []
+    if rank == 0:
+        comm.send(torch.full((SMALL,), 0.0), 1)  # opens the pair's ring
+        first = comm.send(torch.full((SMALL,), 1.0), 1, async_op=True)
+        # Into the ring at once, on this thread: done when the call returns.
+        seen.append(first.is_completed())
+        big = comm.send(torch.full((huge,), 2.0), 1, async_op=True)  # waits for the receiver
+        last = comm.send(torch.full((SMALL,), 3.0), 1, async_op=True)
+        # It would fit the ring too, but a send is queued before it: it keeps its turn.
+        seen.append(last.is_completed())
+        for work in (big, last):
+            work.wait()
+        seen.append(all(w.status is WorkStatus.COMPLETED for w in (first, big, last)))
+    else:
+        time.sleep(0.5)  # the big send cannot finish before this rank receives
+        for value, n in ((0.0, SMALL), (1.0, SMALL), (2.0, huge), (3.0, SMALL)):
+            got = torch.empty(n)
+            comm.recv(got, 0)
+            seen.append(bool((got == value).all()))
+    comm.finalize()
+    return seen
+
+
+def test_an_async_send_that_fits_the_ring_is_done_on_return_and_keeps_its_turn() -> None:
+    sender, receiver = run_ranks(_async_sends_that_fit, 2, timeout=90)
+    assert sender == [True, False, True]
+    assert receiver == [True, True, True, True]
+
+
 def _exchange_past_the_ring(rank: int, world_size: int, async_op: bool) -> bool:
     comm = new_comm("gloo", "cpu", "past-ring", timeout=60)
     n = P2P_CHUNK_BYTES * P2P_MAX_CHUNKS // 4 + 4 * P2P_CHUNK_BYTES  # floats: > the ring

@@ -75,26 +75,31 @@ class Lane:
 
     def run(self, work: Work, call: LaneCall, async_op: bool) -> None:
         """Run ``call`` for ``work`` (settling it), now or in turn."""
-        with self._lock:
-            inline = not (async_op or self._queued)
-            if inline:
-                admitted = self._admit()
-            else:
-                self._queued.append(work)
-                self._start_thread()  # under the lock: one worker, whoever comes first
-        if inline:
-            if admitted:
-                self._settle(work, call, inline=True)
-            else:
-                work.abort()  # closed meanwhile
-                work.wait()  # raises that
+        if not async_op and self.run_if_idle(work, call):
             return
+        with self._lock:
+            self._queued.append(work)
+            self._start_thread()  # under the lock: one worker, whoever comes first
         # The lane ends the call by the op's deadline with the precise error (the
         # ranks that did not arrive); wait() gives it that moment to arrive.
         work.settle_grace_s = _SETTLE_GRACE_S
         self._jobs.put((work, call))
         if not async_op:
             work.wait()
+
+    def run_if_idle(self, work: Work, call: LaneCall) -> bool:
+        """Run ``call`` for ``work`` on the caller's thread when nothing is queued
+        before it; False: something is, and nothing ran."""
+        with self._lock:
+            if self._queued:
+                return False
+            admitted = self._admit()
+        if admitted:
+            self._settle(work, call, inline=True)
+        else:
+            work.abort()  # closed meanwhile
+            work.wait()  # raises that
+        return True
 
     def _settle(self, work: Work, call: LaneCall, inline: bool) -> None:
         try:
