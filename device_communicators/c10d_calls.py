@@ -221,14 +221,20 @@ def _give_back(buf: torch.Tensor) -> None:
         spare.append(buf)
 
 
+def _framing(tensor: torch.Tensor) -> tuple[int, bool, torch.Tensor]:
+    """``tensor``'s byte count, whether its data travels with its header, and the
+    buffer of the header (and of the data, when it does)."""
+    nbytes = tensor.nbytes
+    inline = nbytes <= INLINE_MAX_BYTES
+    return nbytes, inline, _buffer(_HEADER + (nbytes if inline else 0))
+
+
 def send(pg: Any, tensor: torch.Tensor, dst: int) -> Any:
     """Send ``tensor`` (contiguous) to in-group rank ``dst``, with its header on CPU."""
     wire = _wire(tensor)
     if not tensor.is_cpu:
         return pg.send([wire], dst, P2P_TAG)
-    nbytes = tensor.nbytes
-    inline = nbytes <= INLINE_MAX_BYTES
-    buf = _buffer(_HEADER + (nbytes if inline else 0))
+    nbytes, inline, buf = _framing(tensor)
     at = buf.data_ptr()
     ctypes.c_int64.from_address(at).value = dtype_code(tensor.dtype)
     ctypes.c_int64.from_address(at + 8).value = tensor.numel()
@@ -245,9 +251,7 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
     wire = _wire(tensor)
     if not tensor.is_cpu:
         return pg.recv([wire], src, P2P_TAG)
-    nbytes = tensor.nbytes
-    inline = nbytes <= INLINE_MAX_BYTES
-    buf = _buffer(_HEADER + (nbytes if inline else 0))
+    nbytes, inline, buf = _framing(tensor)
     works = [pg.recv([buf], src, P2P_TAG)]
     if not inline:
         works.append(pg.recv([wire], src, P2P_TAG))
