@@ -186,9 +186,9 @@ def barrier(pg: Any, timeout: Timeout) -> Any:
 # message cost 15-80 us more at 4-64 KiB on Gloo here); larger, the header is a
 # message of its own and the data lands in place. A message larger than the
 # buffer it is received into is still Gloo's to refuse: it aborts the receiving
-# process ("Received data size doesn't match expected size"): more than an
-# inline receive holds in one message, or an inline message where a larger
-# receive waits for a header alone. A device tensor goes
+# process ("Received data size doesn't match expected size"), which only an
+# inline message (a tensor of up to 64 KiB) sent to a receive of more than
+# 64 KiB, which waits for a header alone, can meet. A device tensor goes
 # alone (reading a header back would wait for the device). Both ends of a pair
 # must be groupcoord's: a plain torch.distributed.recv would take the header.
 INLINE_MAX_BYTES = 64 * 1024
@@ -221,12 +221,15 @@ def _give_back(buf: torch.Tensor) -> None:
         spare.append(buf)
 
 
-def _framing(tensor: torch.Tensor) -> tuple[int, bool, torch.Tensor]:
+def _framing(tensor: torch.Tensor, receive: bool) -> tuple[int, bool, torch.Tensor]:
     """``tensor``'s byte count, whether its data travels with its header, and the
-    buffer of the header (and of the data, when it does)."""
+    buffer of the header (and of the data, when it does). An inline receive takes
+    any inline message (``INLINE_MAX_BYTES`` of room), so a sender's larger inline
+    tensor is a DesyncError too, not Gloo's abort."""
     nbytes = tensor.nbytes
     inline = nbytes <= INLINE_MAX_BYTES
-    return nbytes, inline, _buffer(_HEADER + (nbytes if inline else 0))
+    room = (INLINE_MAX_BYTES if receive else nbytes) if inline else 0
+    return nbytes, inline, _buffer(_HEADER + room)
 
 
 def send(pg: Any, tensor: torch.Tensor, dst: int) -> Any:
@@ -234,7 +237,7 @@ def send(pg: Any, tensor: torch.Tensor, dst: int) -> Any:
     wire = _wire(tensor)
     if not tensor.is_cpu:
         return pg.send([wire], dst, P2P_TAG)
-    nbytes, inline, buf = _framing(tensor)
+    nbytes, inline, buf = _framing(tensor, receive=False)
     at = buf.data_ptr()
     ctypes.c_int64.from_address(at).value = dtype_code(tensor.dtype)
     ctypes.c_int64.from_address(at + 8).value = tensor.numel()
@@ -251,7 +254,7 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
     wire = _wire(tensor)
     if not tensor.is_cpu:
         return pg.recv([wire], src, P2P_TAG)
-    nbytes, inline, buf = _framing(tensor)
+    nbytes, inline, buf = _framing(tensor, receive=True)
     works = [pg.recv([buf], src, P2P_TAG)]
     if not inline:
         works.append(pg.recv([wire], src, P2P_TAG))

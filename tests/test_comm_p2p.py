@@ -65,6 +65,7 @@ def _mismatch(rank: int, world_size: int, shm: bool) -> str:
     if rank == 0:
         comm.send(torch.ones(4096), 1)
         comm.send(torch.ones(4096), 1)
+        comm.send(torch.ones(4096), 1)
         comm.send(torch.ones(big), 1)
         comm.send(torch.ones(big), 1)
         comm.send(torch.full((8,), 7.0), 1)
@@ -75,6 +76,9 @@ def _mismatch(rank: int, world_size: int, shm: bool) -> str:
         # Same bytes, another dtype: still refused.
         with pytest.raises(DesyncError, match=r"int32\[4096\].*float32\[4096\]"):
             comm.recv(torch.empty(4096, dtype=torch.int32), 0)
+        # Smaller than what came (on Gloo: more bytes than the receive tensor holds).
+        with pytest.raises(DesyncError, match=r"float32\[1024\]\).*float32\[4096\]"):
+            comm.recv(torch.empty(1024), 0)
         # Larger and smaller than what came, where the data travels on its own.
         with pytest.raises(DesyncError, match=rf"float32\[8\]\).*float32\[{big}\]"):
             comm.recv(torch.empty(8), 0)
