@@ -255,6 +255,11 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
     if not tensor.is_cpu:
         return pg.recv([wire], src, P2P_TAG)
     nbytes, inline, buf = _framing(tensor, receive=True)
+    header = buf.data_ptr()
+    # No header yet (a reused buffer holds an old one): a message shorter than a
+    # header (not one of ours) leaves these, and says so.
+    ctypes.c_int64.from_address(header).value = -1
+    ctypes.c_int64.from_address(header + 8).value = -1
     works = [pg.recv([buf], src, P2P_TAG)]
     if not inline:
         works.append(pg.recv([wire], src, P2P_TAG))
@@ -267,16 +272,18 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
             if inline and nbytes:
                 ctypes.memmove(tensor.data_ptr(), at + _HEADER, nbytes)
             return
-        known = 0 <= code < len(WIRE_DTYPES)
-        sent = WIRE_DTYPES[code] if known else f"dtype #{code}"
-        sent_bytes = numel * torch_dtype(sent).itemsize if known else 0
-        if inline and sent_bytes > INLINE_MAX_BYTES:  # its data follows on its own: consume it
-            pg.recv([torch.empty(sent_bytes, dtype=torch.uint8)], src, P2P_TAG).wait()
+        known = 0 <= code < len(WIRE_DTYPES) and numel >= 0
+        if known:
+            sent = f"a {WIRE_DTYPES[code]}[{numel}] tensor"
+            sent_bytes = numel * torch_dtype(WIRE_DTYPES[code]).itemsize
+            if inline and sent_bytes > INLINE_MAX_BYTES:  # its data follows alone: consume it
+                pg.recv([torch.empty(sent_bytes, dtype=torch.uint8)], src, P2P_TAG).wait()
+        else:
+            sent = "a message without a tensor header (not a groupcoord send)"
         mine = str(tensor.dtype).removeprefix("torch.")
         raise DesyncError(
             f"{what + ': ' if what else ''}rank {pg.rank()} called recv({mine}[{tensor.numel()}]) "
-            f"from rank {src}, which sent a {sent}[{numel}] tensor: the ranks' point-to-point "
-            "calls are out of step"
+            f"from rank {src}, which sent {sent}: the ranks' point-to-point calls are out of step"
         )
 
     return _Messages(works, buf, check)

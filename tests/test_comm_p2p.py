@@ -68,6 +68,8 @@ def _mismatch(rank: int, world_size: int, shm: bool) -> str:
         comm.send(torch.ones(4096), 1)
         comm.send(torch.ones(big), 1)
         comm.send(torch.ones(big), 1)
+        if not shm:  # 8 bytes straight through Gloo: shorter than a tensor header
+            comm._pg.send([torch.ones(2, dtype=torch.int32)], 1, 0).wait()
         comm.send(torch.full((8,), 7.0), 1)
     else:
         with pytest.raises(DesyncError) as caught:
@@ -84,6 +86,9 @@ def _mismatch(rank: int, world_size: int, shm: bool) -> str:
             comm.recv(torch.empty(8), 0)
         with pytest.raises(DesyncError, match=rf"float32\[{2 * big}\]\).*float32\[{big}\]"):
             comm.recv(torch.empty(2 * big), 0)
+        if not shm:
+            with pytest.raises(DesyncError, match="without a tensor header"):
+                comm.recv(torch.empty(4), 0)
         # The pair stayed in step: the next message arrives whole.
         after = torch.empty(8)
         comm.recv(after, 0)
