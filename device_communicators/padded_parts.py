@@ -39,7 +39,7 @@ def part_bytes(longest: int, row: torch.Size, dtype: torch.dtype) -> int:
 def pad_with_length(part: torch.Tensor, longest: int) -> torch.Tensor:
     """``part`` (a CPU tensor, its rows along dim 0, at most ``longest``) as a uint8
     tensor in the layout above. Byte copies by address: a few torch ops on tensors
-    this small cost more than the copy (about 45 us against 4 here)."""
+    this small cost more than the copy (4 KiB: 46 us as torch ops, 13 us so)."""
     rows, row = part.shape[0], part.shape[1:]
     size = part_bytes(longest, row, part.dtype)
     buf = torch.empty(size, dtype=torch.uint8)
