@@ -15,11 +15,12 @@ reduced slices from their results. A read has a fixed cost (about 6 us more
 than a ``memmove`` here) and moves about 7 GB/s even from cache, where a
 ``memmove`` moves 25, so with more ranks than cores, where CPU time is what
 counts, the slots stay the path for all-reduces below
-``DIRECT_ALL_REDUCE_MIN_BYTES``. A broadcast over 256 KiB is read directly
-(the root copies nothing) only when every rank has a core: with more ranks
-than cores the slots, where the root copies the next piece in while the
-others copy the last one out, were faster at every size measured (see
-``docs/cpu_communicator.md``). Calls the lean path (``shm_small``) takes, up
+``DIRECT_ALL_REDUCE_MIN_BYTES``. A broadcast over 256 KiB may be read
+directly (the root copies nothing) only when every rank has a core: with
+more ranks than cores the slots, where the root copies the next piece in
+while the others copy the last one out, were faster at every size measured
+(see ``docs/cpu_communicator.md``). Where a large all-gather or broadcast
+may go either way, the faster when last timed is taken (``CopyPaths``). Calls the lean path (``shm_small``) takes, up
 to 256 KiB, are never read directly.
 
 The kernel allows the call only to a process that may ptrace the target:
@@ -38,6 +39,8 @@ import ctypes
 import errno
 import os
 import secrets
+import time
+from collections.abc import Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -48,8 +51,12 @@ from shm_broadcast.liveness import process_alive
 from .errors import GroupcoordError, PeerDiedError
 
 __all__ = [
+    "CopyPaths",
+    "CopyTurn",
     "DIRECT_ALL_REDUCE_MIN_BYTES",
     "READ_SCRATCH_BYTES",
+    "FIRST_CYCLE",
+    "RETIME_EVERY",
     "SCATTER_SHARE_MIN_BYTES",
     "PeerReadError",
     "PeerReads",
@@ -84,6 +91,140 @@ DIRECT_ALL_REDUCE_MIN_BYTES = 4 * 1024 * 1024
 # 256 KiB; 32 KiB chunks made a 1 MiB reduce-scatter 3x slower (each read has
 # a fixed cost, each chunk a few torch calls).
 READ_SCRATCH_BYTES = 512 * 1024
+# An all-gather or a broadcast past the lean path, where reads are allowed, goes
+# the way that was faster when last timed, not by a fixed rule: on the 2-core
+# EPYC VM the slot path is bimodal by run (world 2, 1 MiB broadcast 84-105 us in
+# some runs, 222-242 in others; read directly 157-190 in every run), so each
+# fixed rule was about 2x off in some runs. So the ways are timed in cycles of
+# calls of a kind and size class, the first FIRST_CYCLE calls long, each twice
+# the one before up to RETIME_EVERY (an early decision, made on a cold and noisy
+# start, is soon checked again). In each cycle calls 1-4 go through the slots
+# and 5-8 read directly, the last two of each timed (the first two warm the way
+# up: both sets of slots go cold while the other way runs); call 9 (read
+# directly) shares the times, and every rank keeps the way that was faster
+# until the next timing. A call's time is from when the last rank started it to
+# when the last rank finished it (one clock for the whole host), so neither a
+# late rank nor a rank that returns before its peers are done (a broadcast's
+# root, through the slots) counts; a way's time is the lower of its two calls'.
+# The slot path's mode changes within a run too (a world-2 1 MiB broadcast went
+# from 60-74 to 350 us a call between two buffers of one run), so only the last
+# timing counts. Call 0 of a size, which pays for fresh result pages, goes the
+# fixed rule's way. At most 5 calls a cycle take
+# the slower way (from the fifth cycle, 2% of the time when it is 2x slower).
+FIRST_CYCLE = 32
+RETIME_EVERY = 256
+# Calls 1, 2, ... of each cycle: (read directly?, which timing it is or -1).
+_TIMING_STEPS = (
+    (False, -1), (False, -1), (False, 0), (False, 1), (True, -1), (True, -1), (True, 2), (True, 3)
+)  # fmt: skip
+_SHARE_STEP = len(_TIMING_STEPS) + 1
+_TIMINGS = 4
+
+
+class CopyTurn:
+    """One call's way (``direct``: read the peers' memory; else the slots) and its
+    part in timing them: a timed one records when it started and finished here
+    (:meth:`finish`); one that ``shares`` (read directly) has its frame post
+    :meth:`shared` after its addresses and hand every rank's posts to
+    :meth:`agree` after its first barrier. Every call reports passing its first
+    barrier (:meth:`passed_first_barrier`): only then has it counted."""
+
+    __slots__ = ("direct", "shares", "_kind", "_which", "_started")
+
+    def __init__(self, kind: _CopyKind, direct: bool, which: int = -1, shares: bool = False):
+        self._kind = kind
+        self.direct, self.shares, self._which = direct, shares, which
+        self._started = time.monotonic_ns() if which >= 0 else 0
+
+    def passed_first_barrier(self) -> None:
+        """The ranks' calls agree (same kind and size): count it."""
+        self._kind.calls += 1
+
+    def finish(self) -> None:
+        """The call is done here: a timed one records its start and end."""
+        if self._which >= 0:
+            self._kind.times[2 * self._which] = self._started
+            self._kind.times[2 * self._which + 1] = time.monotonic_ns()
+
+    def shared(self) -> tuple[int, ...]:
+        """What this rank posts: start and end of its timed calls (slots twice, then
+        direct twice), in ns of the host's monotonic clock (0: not timed)."""
+        return tuple(self._kind.times)
+
+    def agree(self, posted: Sequence[Sequence[int]]) -> None:
+        """Every rank's :meth:`shared`, the same on every rank: the way from here on."""
+        kind = self._kind
+        if any(t <= 0 for times in posted for t in times):
+            return  # a rank lacks a time (cannot happen in step): keep the way
+        took = [
+            max(
+                max(times[2 * j + 1] for times in posted) - max(times[2 * j] for times in posted), 1
+            )
+            for j in range(_TIMINGS)
+        ]
+        kind.slots_ns, kind.direct_ns = min(took[0], took[1]), min(took[2], took[3])
+        kind.direct = kind.direct_ns <= kind.slots_ns
+        kind.agreements += 1
+
+
+class _CopyKind:
+    """The timings of one kind and size class of copy collective; all but ``times``
+    (this rank's own clock readings) the same on every rank."""
+
+    __slots__ = (
+        "calls", "cycle_start", "cycle_length", "direct", "times", "slots_ns", "direct_ns",
+        "agreements",
+    )  # fmt: skip
+
+    def __init__(self, direct: bool) -> None:
+        self.calls = 0  # calls that passed their first barrier: in step on every rank
+        self.cycle_start, self.cycle_length = 0, FIRST_CYCLE  # functions of ``calls``
+        self.direct = direct
+        self.times = [0] * (2 * _TIMINGS)
+        self.slots_ns = self.direct_ns = 0  # agreed at the last timing
+        self.agreements = 0
+
+
+class CopyPaths:
+    """Which way each all-gather or broadcast that may read directly goes (see
+    ``RETIME_EVERY``): one per shared-memory group. The ranks' calls run in step
+    (each call's first barrier checks they agree), so each rank's count of a kind's
+    calls, and with it which call is timed or shares, is the same everywhere, and
+    every rank derives the way from the same shared numbers. The way is part of
+    the call's fingerprint too, so ranks that ever chose apart would raise
+    ``DesyncError``, not copy from where nothing was written."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[tuple[str, int], _CopyKind] = {}
+
+    def turn(self, operation: str, nbytes: int, default_direct: bool) -> CopyTurn:
+        """The way of the next ``operation`` of ``nbytes`` a rank (size classes: powers
+        of two); ``default_direct``: the way before the first timing."""
+        key = (operation, nbytes.bit_length())
+        kind = self._kinds.get(key)
+        if kind is None:
+            kind = self._kinds[key] = _CopyKind(default_direct)
+        step = kind.calls - kind.cycle_start
+        if step >= kind.cycle_length:
+            kind.cycle_start += kind.cycle_length
+            kind.cycle_length = min(2 * kind.cycle_length, RETIME_EVERY)
+            step = kind.calls - kind.cycle_start
+        if 1 <= step <= len(_TIMING_STEPS):
+            direct, which = _TIMING_STEPS[step - 1]
+            return CopyTurn(kind, direct, which)
+        if step == _SHARE_STEP:
+            return CopyTurn(kind, direct=True, shares=True)
+        return CopyTurn(kind, kind.direct)
+
+    def state(self, operation: str, nbytes: int) -> dict[str, object] | None:
+        """Such calls' way and agreed timings (None: none made yet)."""
+        kind = self._kinds.get((operation, nbytes.bit_length()))
+        if kind is None:
+            return None
+        return {
+            name: getattr(kind, name)
+            for name in ("calls", "direct", "slots_ns", "direct_ns", "agreements")
+        }
 
 
 class PeerReadError(GroupcoordError):

@@ -48,6 +48,7 @@ from .peer_reads import (
     DIRECT_ALL_REDUCE_MIN_BYTES,
     READ_SCRATCH_BYTES,
     SCATTER_SHARE_MIN_BYTES,
+    CopyTurn,
     PeerReads,
 )
 from .shm_phases import LINE, PhaseLines
@@ -300,13 +301,16 @@ class ShmAllReduce(ShmBase):
         if out is not None:
             _check_out(out, tensor.dtype, self.world_size * tensor.numel())
         reason = self.copy_refusal(tensor)
-        if dst is None:
-            lines = self._start("all_gather", reason, tensor)
-        else:
-            lines = self._start("gather", reason, tensor, root=dst)
-        receives = dst is None or dst == self.rank_in_group
         nbytes = tensor.numel() * tensor.element_size()
-        direct = nbytes > LEAN_MAX_BYTES and self.peer_reads is not None
+        if dst is None:
+            direct, turn = self._copy_way("all_gather", nbytes, default_direct=True)
+        else:  # a gather: the fixed rule
+            direct, turn = nbytes > LEAN_MAX_BYTES and self.peer_reads is not None, None
+        if dst is None:
+            lines = self._start("all_gather", reason, tensor, direct=direct)
+        else:
+            lines = self._start("gather", reason, tensor, root=dst, direct=direct)
+        receives = dst is None or dst == self.rank_in_group
         one_piece = not direct and 0 < nbytes <= self.max_bytes
         # A small one-piece result is cloned out of the slots below (one op).
         clone = one_piece and nbytes * self.world_size < CLONE_MAX_BYTES
@@ -315,19 +319,24 @@ class ShmAllReduce(ShmBase):
         if direct:
             assert self.peer_reads is not None
             with self._desync_guard:
-                self._gather_direct(lines, self.peer_reads, tensor.contiguous(), out, nbytes)
+                self._gather_direct(lines, self.peer_reads, tensor.contiguous(), out, nbytes, turn)
+            if turn is not None:
+                turn.finish()
             return out
         if one_piece:
             # One piece: the whole set of slots is one (world, *shape) view.
             shape, dtype = tensor.shape, tensor.dtype
             with self._desync_guard, OneTorchThread(nbytes):
-                slots, s = self._one_piece(lines, tensor)
+                slots, s = self._one_piece(lines, tensor, turn)
                 if not receives:
                     return None
                 every = slots.stacked(s, dtype, shape)
                 if out is None:
-                    return every.clone(memory_format=torch.contiguous_format)
-                out.view(self.world_size, *shape).copy_(every)
+                    out = every.clone(memory_format=torch.contiguous_format)
+                else:
+                    out.view(self.world_size, *shape).copy_(every)
+            if turn is not None:
+                turn.finish()
             return out
         if nbytes == 0:
             self._empty_barrier(lines)
@@ -340,11 +349,13 @@ class ShmAllReduce(ShmBase):
                 gen = self._next_generation()
                 s = gen & 1
                 self._view(s, self.rank_in_group, torch.uint8, stop - start).copy_(src[start:stop])
-                lines.arrive(2 * gen - 1)
+                self._first_arrive(lines, 2 * gen - 1, turn if start == 0 else None)
                 if dst_bytes is None:
                     continue
                 for r in range(self.world_size):
                     dst_bytes[r, start:stop].copy_(self._view(s, r, torch.uint8, stop - start))
+        if turn is not None:
+            turn.finish()
         return out
 
     @one_at_a_time
@@ -552,23 +563,52 @@ class ShmAllReduce(ShmBase):
 
     # ---- reading the peers' memory directly (peer_reads) ----------------------------
 
+    def _copy_way(
+        self, operation: str, nbytes: int, default_direct: bool
+    ) -> tuple[bool, CopyTurn | None]:
+        """Whether an all-gather or broadcast of ``nbytes`` a rank reads directly, and its
+        turn in timing the ways (None: the fixed rule, ``default_direct``, decides)."""
+        if nbytes <= LEAN_MAX_BYTES or self.peer_reads is None:
+            return False, None
+        if self.copy_paths is None:
+            return default_direct, None
+        turn = self.copy_paths.turn(operation, nbytes, default_direct)
+        return turn.direct, turn
+
     def _read_posted(
-        self, lines: PhaseLines, address: int, read: Callable[[int], None], *more: int
+        self,
+        lines: PhaseLines,
+        address: int,
+        read: Callable[[int], None],
+        *more: int,
+        turn: CopyTurn | None = None,
     ) -> None:
         """The frame of a direct read: post ``address`` (what this rank offers its
         peers; ``more`` addresses after it, as posts 1, 2, ...), wait for every rank,
         ``read(s)`` from the peers' posts in set ``s``, and wait again, so no rank
         returns (and lets its caller change or free what it posted) while a peer
         still reads it. The second wait runs after a failed read too: the peers are
-        waiting for this rank's phase."""
+        waiting for this rank's phase. A copy collective's ``turn`` that shares its
+        timings posts them after the addresses and agrees on the way here."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
         gen = self._next_generation()
         s = gen & 1
-        for i, at in enumerate((address, *more)):
+        posts = (address, *more)
+        if turn is not None and turn.shares:
+            posts += turn.shared()
+        for i, at in enumerate(posts):
             slots.post(s, self.rank_in_group, i, at)
-        lines.arrive(2 * gen - 1)
+        self._first_arrive(lines, 2 * gen - 1, turn)
         try:
+            if turn is not None and turn.shares:
+                k, n = 1 + len(more), len(posts) - 1 - len(more)
+                turn.agree(
+                    [
+                        [slots.posted(s, r, i) for i in range(k, k + n)]
+                        for r in range(self.world_size)
+                    ]
+                )
             read(s)
         finally:
             lines.arrive(2 * gen)
@@ -580,6 +620,7 @@ class ShmAllReduce(ShmBase):
         src: torch.Tensor,
         out: torch.Tensor | None,
         nbytes: int,
+        turn: CopyTurn | None,
     ) -> None:
         """All-gather by reading each peer's ``src`` straight into ``out`` (one copy);
         this rank's part is copied while the peers arrive. Without ``out`` (a gather's
@@ -598,10 +639,15 @@ class ShmAllReduce(ShmBase):
                 if r != me:
                     reads.read(r, at + r * nbytes, slots.posted(s, r, 0), nbytes, "all_gather")
 
-        self._read_posted(lines, src.data_ptr(), read)
+        self._read_posted(lines, src.data_ptr(), read, turn=turn)
 
     def _broadcast_direct(
-        self, lines: PhaseLines, reads: PeerReads, work: torch.Tensor, src: int
+        self,
+        lines: PhaseLines,
+        reads: PeerReads,
+        work: torch.Tensor,
+        src: int,
+        turn: CopyTurn | None,
     ) -> None:
         """Every rank but ``src`` reads ``src``'s ``work`` into its own; ``src`` copies
         nothing."""
@@ -613,7 +659,7 @@ class ShmAllReduce(ShmBase):
             if self.rank_in_group != src:
                 reads.read(src, work.data_ptr(), slots.posted(s, src, 0), nbytes, "broadcast")
 
-        self._read_posted(lines, work.data_ptr(), read)
+        self._read_posted(lines, work.data_ptr(), read, turn=turn)
 
     def _all_reduce_direct(
         self,
@@ -700,16 +746,23 @@ class ShmAllReduce(ShmBase):
     @one_at_a_time
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite ``tensor`` with in-group rank ``src``'s; returns ``tensor``."""
-        lines = self._start("broadcast", self.copy_refusal(tensor), tensor, root=src)
+        nbytes = tensor.numel() * tensor.element_size()
+        reads = self.peer_reads
+        # With more ranks than cores the slots were faster in every run measured
+        # (a read costs more CPU time than a memmove): only timed with a core each.
+        if reads is not None and self.world_size <= reads.cores:
+            direct, turn = self._copy_way("broadcast", nbytes, default_direct=True)
+        else:
+            direct, turn = False, None
+        lines = self._start("broadcast", self.copy_refusal(tensor), tensor, root=src, direct=direct)
         if tensor.numel() == 0:
             self._empty_barrier(lines)
             return tensor
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        nbytes = work.numel() * work.element_size()
-        reads = self.peer_reads
-        if nbytes > LEAN_MAX_BYTES and reads is not None and self.world_size <= reads.cores:
+        if direct:
+            assert reads is not None
             with self._desync_guard:
-                self._broadcast_direct(lines, reads, work, src)
+                self._broadcast_direct(lines, reads, work, src, turn)
         else:
             # Byte copies by address: no torch op (a tensor slice alone costs 3-5 us).
             # Over the two sets the root copies piece k+1 in while the others copy
@@ -726,11 +779,13 @@ class ShmAllReduce(ShmBase):
                         ctypes.memmove(slot, at + start, size)
                     # Everyone publishes and waits for everyone (not just src): the
                     # double-buffering argument needs every call to be a full barrier.
-                    lines.arrive(2 * gen - 1)
+                    self._first_arrive(lines, 2 * gen - 1, turn if start == 0 else None)
                     if not sender:
                         ctypes.memmove(at + start, slot, size)
         if work is not tensor:
             tensor.copy_(work)
+        if turn is not None:
+            turn.finish()
         return tensor
 
     # ---- one piece --------------------------------------------------------------

@@ -57,6 +57,9 @@ _COUNT_MASK = (1 << _COUNT_BITS) - 1
 # (a gather of parts of different lengths): the counts are not compared, the
 # rest of the code, which then holds a checksum of the parts' layout, is.
 VARYING_COUNTS = 1 << 48
+# A copy collective whose ranks read each other's memory (``peer_reads.CopyPaths``
+# picks the way per call): ranks whose ways ever differed raise, never copy garbage.
+READ_DIRECTLY = 1 << 49
 
 OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
@@ -133,7 +136,8 @@ def _describe_stamp(stamp: tuple[int, int], near: int) -> str:
 
 
 def describe_call(code: int, count: int) -> str:
-    """E.g. ``all_reduce(float32[4096], SUM)`` or ``broadcast(uint8[100], src=1)``."""
+    """E.g. ``all_reduce(float32[4096], SUM)``, ``broadcast(uint8[100], src=1)`` or
+    ``all_gather(float32[300000]) read directly``."""
     operation = OPERATIONS[(code >> 40) & 0xFF]
     dtype_code = (code >> 32) & 0xFF
     dtype = str(_DTYPES[dtype_code - 1]).removeprefix("torch.") if dtype_code else "other"
@@ -151,9 +155,10 @@ def describe_call(code: int, count: int) -> str:
         extra = f", src={root}"
     elif operation == "gather":
         extra = f", dst={root}"
+    way = " read directly" if code & READ_DIRECTLY else ""
     if code & VARYING_COUNTS:  # a gather's parts' layout (dim, other dims) as a checksum
-        return f"{operation}({dtype}[{count}]{extra}) of parts laid out #{op_code:04x}"
-    return f"{operation}({dtype}[{count}]{extra})"
+        return f"{operation}({dtype}[{count}]{extra}){way} of parts laid out #{op_code:04x}"
+    return f"{operation}({dtype}[{count}]{extra}){way}"
 
 
 # A waiter yields the core in a loop this long, then sleeps on its doorbell.

@@ -31,8 +31,8 @@ from .errors import (
     GroupcoordValueError,
     PeerDiedError,
 )
-from .peer_reads import PeerReadError, PeerReads, agree_on_peer_reads
-from .shm_phases import LINE, PhaseLines, call_code
+from .peer_reads import CopyPaths, CopyTurn, PeerReadError, PeerReads, agree_on_peer_reads
+from .shm_phases import LINE, READ_DIRECTLY, PhaseLines, call_code
 from .shm_slots import SlotSegment, align_up, open_slot_segment
 from .shm_small import SmallCalls
 
@@ -138,6 +138,9 @@ class ShmBase(AllReduceBackend):
         # Direct reads of the peers' memory (large calls, ``peer_reads``), where allowed.
         self.peer_reads: PeerReads | None = None
         self.peer_reads_reason: str | None = "not set up"
+        # Which way a large all-gather or broadcast goes where reads are allowed
+        # (timed now and then); None: the fixed rule (direct), for benchmarks.
+        self.copy_paths: CopyPaths | None = CopyPaths()
         # The lean path of small calls (shm_small), on the slots while they are up.
         self.small = SmallCalls(self)
         self._set_up(cpu_group, self._local_refusal(config.disable_shm_all_reduce))
@@ -219,9 +222,11 @@ class ShmBase(AllReduceBackend):
         tensor: torch.Tensor | None,
         op: ReduceOp.RedOpType | None = None,
         root: int = 0,
+        direct: bool = False,
     ) -> PhaseLines:
         """Refuse, or stamp the call's fingerprint (checked against every rank's at the
-        call's first barrier: desync detection, always on). A barrier has no tensor."""
+        call's first barrier: desync detection, always on). A barrier has no tensor;
+        ``direct``: a copy collective that reads the peers' memory (chosen per call)."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._failure is not None:
@@ -232,10 +237,13 @@ class ShmBase(AllReduceBackend):
         if tensor is None:
             lines.stamp(call_code(operation, None, None, 0), 0)
         else:
-            lines.stamp(call_code(operation, tensor.dtype, op, root), tensor.numel())
+            code = call_code(operation, tensor.dtype, op, root)
+            lines.stamp(code | READ_DIRECTLY if direct else code, tensor.numel())
         return lines
 
-    def _one_piece(self, lines: PhaseLines, tensor: torch.Tensor) -> tuple[SlotSegment, int]:
+    def _one_piece(
+        self, lines: PhaseLines, tensor: torch.Tensor, turn: CopyTurn | None = None
+    ) -> tuple[SlotSegment, int]:
         """Copy ``tensor`` (one piece, any strides) into this rank's slot of the next
         set, publish, wait for every rank: returns the slots and the set now readable."""
         slots = self._slots
@@ -243,8 +251,15 @@ class ShmBase(AllReduceBackend):
         gen = self._next_generation()
         s = gen & 1
         slots.shaped(s, self.rank_in_group, tensor.dtype, tensor.shape).copy_(tensor)
-        lines.arrive(2 * gen - 1)
+        self._first_arrive(lines, 2 * gen - 1, turn)
         return slots, s
+
+    @staticmethod
+    def _first_arrive(lines: PhaseLines, phase: int, turn: CopyTurn | None) -> None:
+        """A call's first barrier; a copy collective's ``turn`` hears that it passed."""
+        lines.arrive(phase)
+        if turn is not None:
+            turn.passed_first_barrier()
 
     def _empty_barrier(self, lines: PhaseLines) -> None:
         """An empty collective is still a collective: one barrier keeps every rank's

@@ -29,9 +29,13 @@ def _part(rank: int, shape: tuple[int, ...], dtype: torch.dtype, transposed: boo
     return part.t() if transposed else part
 
 
-def _shm_counting_reads(rank: int, world: int, disable: bool) -> tuple[Any, list[int]]:
+def _shm_counting_reads(
+    rank: int, world: int, disable: bool, timed: bool = False
+) -> tuple[Any, list[int]]:
     """A ShmAllReduce over the world (peer reads off when ``disable``) and the list
-    every direct read appends its peer's in-group rank to."""
+    every direct read appends its peer's in-group rank to. Large all-gathers and
+    broadcasts take the fixed rule's way (read directly where allowed) unless
+    ``timed``: then the timed choice decides, as shipped."""
     import torch.distributed as dist
 
     from device_communicators.shm_all_reduce import ShmAllReduce
@@ -41,6 +45,8 @@ def _shm_counting_reads(rank: int, world: int, disable: bool) -> tuple[Any, list
     init_gloo(rank, world)
     shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
     assert shm.disabled_reason is None
+    if not timed:
+        shm.copy_paths = None
     if disable:
         assert shm.peer_reads is None
         assert "GROUPCOORD_DISABLE_PEER_READS" in (shm.peer_reads_reason or "")
@@ -359,6 +365,108 @@ def test_large_broadcasts_read_the_root_directly_when_every_rank_has_a_core(
     world: int, disable: bool
 ) -> None:
     _ranks_or_skip(_broadcasts, world, disable, 120)
+
+
+CALLS = 107  # three timing cycles (at calls 0, 32 and 96) and a call after them
+
+
+def _timed_ways(rank: int, world: int, slow: str) -> tuple[str | None, list[bool], list[Any]]:
+    """All-gathers and broadcasts of one size with one way (``slow``) made 50 ms
+    slower on every rank: whether each all-gather read directly here, and the ways
+    and agreed timings every rank ended with."""
+    import time
+
+    shm, reads = _shm_counting_reads(rank, world, False, timed=True)
+    try:
+        if shm.peer_reads is None:
+            return shm.peer_reads_reason, [], []
+        plain = shm._first_arrive
+
+        def first_arrive(lines: Any, phase: int, turn: Any) -> None:
+            plain(lines, phase, turn)
+            if turn is not None and turn.direct == (slow == "direct"):
+                time.sleep(0.05)
+
+        shm._first_arrive = first_arrive
+        numel = 300000  # 1.2 MiB a rank: past the lean path, more than one slot piece
+        ways = []
+        for i in range(CALLS):
+            before = len(reads)
+            got = shm.all_gather(torch.full((numel,), float(rank + i)))
+            assert all(
+                torch.equal(got[r], torch.full((numel,), float(r + i))) for r in range(world)
+            )
+            ways.append(len(reads) > before)
+            x = torch.full((numel,), float(i if rank == 0 else -1))
+            assert torch.equal(shm.broadcast_(x, 0), torch.full((numel,), float(i)))
+        assert shm.copy_paths is not None
+        states = [shm.copy_paths.state(op, numel * 4) for op in ("all_gather", "broadcast")]
+        if world > shm.peer_reads.cores:  # a broadcast with ranks sharing cores: the slots
+            assert states.pop() is None
+        return None, ways, states
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("slow", ["direct", "slots"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_gathers_and_broadcasts_take_the_way_timed_faster_on_every_rank(
+    world: int, slow: str
+) -> None:
+    from device_communicators.peer_reads import FIRST_CYCLE
+
+    results = run_ranks(_timed_ways, world, slow, timeout=120)
+    if any(reason for reason, _, _ in results):
+        pytest.skip(f"process_vm_readv not allowed here: {results}")
+    # In each cycle (32 calls, then 64, 128, ...), calls 1-4 go through the slots
+    # and 5-9 read directly (the last two of each way timed, 9 sharing the times);
+    # the rest take the faster way, but for the very first, the fixed rule's.
+    fast = slow == "slots"
+    timing = [False] * 4 + [True] * 5
+    cycles = [FIRST_CYCLE, 2 * FIRST_CYCLE, CALLS - 3 * FIRST_CYCLE]
+    expected = [item for n in cycles for item in [fast, *timing] + [fast] * (n - 10)]
+    expected[0] = True
+    for _, ways, states in results:
+        assert ways == expected
+        assert states == results[0][2]  # every rank decided alike, from the same numbers
+        for state in states:
+            assert state["direct"] is fast and state["agreements"] == 3, state
+            assert state["calls"] == CALLS
+            slower, faster = (
+                (state["direct_ns"], state["slots_ns"])
+                if slow == "direct"
+                else (state["slots_ns"], state["direct_ns"])
+            )
+            assert slower > faster + 40_000_000, state  # the 50 ms
+
+
+def _ways_apart(rank: int, world: int) -> str:
+    from device_communicators.errors import DesyncError
+
+    shm, _ = _shm_counting_reads(rank, world, False, timed=rank == 0)
+    try:
+        if shm.peer_reads is None:
+            return f"skip: {shm.peer_reads_reason}"
+        # Rank 0 times its second call of a size through the slots; rank 1 reads
+        # directly (the fixed rule).
+        shm.all_gather(torch.ones(300000))
+        with pytest.raises(DesyncError) as apart:
+            shm.all_gather(torch.ones(300000))
+        shm.copy_paths = None  # now alike: the group goes on, in step
+        got = shm.all_gather(torch.full((300000,), float(rank)))
+        assert all(torch.equal(got[r], torch.full((300000,), float(r))) for r in range(world))
+        return str(apart.value)
+    finally:
+        shm.close()
+
+
+def test_ranks_whose_ways_differ_raise_instead_of_copying_what_was_never_written() -> None:
+    results = run_ranks(_ways_apart, 2, timeout=60)
+    if any(r.startswith("skip: ") for r in results):
+        pytest.skip(f"process_vm_readv not allowed here: {results}")
+    for text in results:
+        assert "rank 0 called all_gather(float32[300000]) as call #2" in text, text
+        assert "rank 1 called all_gather(float32[300000]) read directly as call #2" in text, text
 
 
 def test_groupcoord_info_probe_reports_why_ranks_could_not_read_each_other(
