@@ -1,26 +1,28 @@
 """Direct reads of the peers' memory against the shared-memory slots, in one run.
 
 Whether a large CPU collective reads the peers' memory (``process_vm_readv``)
-or copies through the shared slots is decided by size rules
-(``device_communicators/peer_reads.py``; docs/cpu_communicator.md, "Reading the
-peers' memory directly"); a large all-gather or broadcast goes the way that
-was faster when last timed (``peer_reads.RETIME_EVERY``). Two separate runs of ``bench_collectives.py``, one
-with ``GROUPCOORD_DISABLE_PEER_READS=1``, do not settle such a rule on a
-shared host: whole runs move (on the 2-core EPYC VM a 512 KiB world-2
-broadcast through the slots took 44-62 µs in some runs and 119-137 µs in
-others). Here both ways are timed in the same ranks on the same buffers:
-every round times a batch as shipped ("rule": peer reads on, the rule
-decides), a batch with peer reads off ("slots") and, for the all-gather and
-the broadcast, one read directly by the fixed rule without the timed choice
-("fixed"), all ranks switching together, the order rotating every round (``_timing.batch_seconds_each``, as
-``bench_collectives.py`` alternates ours and Gloo's). Reported: the median of the rounds
-for each, ``slots_vs_rule`` = slots time / rule time (above 1: the rule's
-choice is faster), ``fixed_vs_rule`` likewise, how many rounds the rule beat
-the slots, and whether the rule read directly at that size (``path``: in
-any batch; for the timed ones the way they settled on, ``timed``). Where it does not, the two are the same
-path and the ratio shows the noise floor (mostly 0.97-1.04 on the 2-core
-EPYC VM, but 0.82 with one side winning 8 of 8 rounds once, on identical
-code): trust a ratio well clear of it.
+or copies through the shared slots: where the size rules
+(``device_communicators/peer_reads.py``; docs/cpu_communicator.md, "Reading
+the peers' memory directly") would read directly, the group times both ways
+now and then and takes the faster (``peer_reads.TimedWays``). Two separate
+runs of ``bench_collectives.py``, one with ``GROUPCOORD_DISABLE_PEER_READS=1``,
+do not settle such a choice on a shared host: whole runs move (on the 2-core
+EPYC VM a 512 KiB world-2 broadcast through the slots took 44-62 µs in some
+runs and 119-137 µs in others). Here the ways are timed in the same ranks on
+the same buffers: every round times a batch as shipped ("rule"), a batch
+with peer reads off ("slots") and a batch by the size rules alone, untimed
+("fixed": read directly wherever they allow), all ranks switching together,
+the order rotating every round (``_timing.batch_seconds_each``, as
+``bench_collectives.py`` alternates ours and Gloo's). Reported: the median of
+the rounds for each, ``slots_vs_rule`` = slots time / rule time (above 1: the
+rule's choice is faster), ``fixed_vs_rule`` likewise, how many rounds the
+rule beat the slots, whether any call read directly (``path``) and the way
+the timing settled on (``timed``; empty where the size rules take the
+slots). Where two columns run the same way, their ratio shows the noise
+floor (mostly 0.97-1.04 on the 2-core EPYC VM, but 0.82 with one side
+winning 8 of 8 rounds once, on identical code): trust a ratio well clear of
+it. The timing itself costs a short run such as this one up to 11 of a
+size's first 96 calls on the losing way.
 
     python benchmarks/bench_peer_reads.py --quick
     python benchmarks/bench_peer_reads.py --worlds 2,4 --sizes 393216,1048576,4194304 --ops broadcast --rounds 12
@@ -57,7 +59,6 @@ COLUMNS = [
     "world", "op", "size", "path", "timed", "rule_us", "slots_us", "fixed_us", "slots_vs_rule",
     "fixed_vs_rule", "rule_won",
 ]  # fmt: skip
-TIMED = ("all_gather", "broadcast")  # the calls whose way is timed
 
 
 def _call(group: Any, op: str, x: Any) -> Callable[[], Any]:
@@ -85,7 +86,7 @@ def _rank_main(
         [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=False
     )
     shm = group.device_communicator.shm_all_reduce  # type: ignore[union-attr]
-    reads, copy_paths = shm.peer_reads, shm.copy_paths
+    reads, timed_ways = shm.peer_reads, shm.timed_ways
     if reads is None:
         group.destroy()
         return f"no direct reads here: {shm.peer_reads_reason or shm.disabled_reason}"
@@ -101,7 +102,7 @@ def _rank_main(
             call = _call(group, op, torch.randn(nbytes // 4))
 
             def as_shipped(call: Callable[[], Any] = call) -> None:
-                shm.peer_reads, shm.copy_paths = reads, copy_paths
+                shm.peer_reads, shm.timed_ways = reads, timed_ways
                 call()
 
             def slots_only(call: Callable[[], Any] = call) -> None:
@@ -109,16 +110,16 @@ def _rank_main(
                 call()
 
             def fixed_rule(call: Callable[[], Any] = call) -> None:
-                shm.peer_reads, shm.copy_paths = reads, None
+                shm.peer_reads, shm.timed_ways = reads, None
                 call()
 
             before = reads.reads_made
             max_iters = max(2, (64 << 20) // (nbytes * world))
-            ways = [as_shipped, slots_only] + ([fixed_rule] if op in TIMED else [])
-            times = batch_seconds_each(ways, agree, max_iters, rounds)
-            rule_times, slot_times = times[0], times[1]
-            fixed = statistics.median(times[2]) if op in TIMED else None
-            shm.peer_reads, shm.copy_paths = reads, copy_paths
+            rule_times, slot_times, fixed_times = batch_seconds_each(
+                [as_shipped, slots_only, fixed_rule], agree, max_iters, rounds
+            )
+            fixed = statistics.median(fixed_times)
+            shm.peer_reads, shm.timed_ways = reads, timed_ways
             direct = reads.reads_made > before
             # Did any rank read directly (a broadcast's root never does)?
             flag = torch.tensor([int(direct)])
@@ -126,7 +127,7 @@ def _rank_main(
             direct = bool(flag)
             rule, slots = statistics.median(rule_times), statistics.median(slot_times)
             won = sum(a < b for a, b in zip(rule_times, slot_times))
-            state = copy_paths.state(op, nbytes) if op in TIMED and copy_paths else None
+            state = timed_ways.state(op, nbytes) if timed_ways else None
             rows.append(
                 {
                     "world": world,
@@ -137,9 +138,9 @@ def _rank_main(
                     "timed": "" if state is None else "direct" if state["direct"] else "slots",
                     "rule_us": rule * 1e6,
                     "slots_us": slots * 1e6,
-                    "fixed_us": None if fixed is None else fixed * 1e6,
+                    "fixed_us": fixed * 1e6,
                     "slots_vs_rule": slots / rule,
-                    "fixed_vs_rule": None if fixed is None else fixed / rule,
+                    "fixed_vs_rule": fixed / rule,
                     "rule_won": f"{won}/{rounds}",
                 }
             )

@@ -19,9 +19,10 @@ counts, the slots stay the path for all-reduces below
 directly (the root copies nothing) only when every rank has a core: with
 more ranks than cores the slots, where the root copies the next piece in
 while the others copy the last one out, were faster at every size measured
-(see ``docs/cpu_communicator.md``). Where a large all-gather or broadcast
-may go either way, the faster when last timed is taken (``CopyPaths``). Calls the lean path (``shm_small``) takes, up
-to 256 KiB, are never read directly.
+(see ``docs/cpu_communicator.md``). Where these rules would read directly,
+the group times the slots against the reads now and then and takes the
+faster (``TimedWays``). Calls the lean path (``shm_small``) takes, up to
+256 KiB, are never read directly.
 
 The kernel allows the call only to a process that may ptrace the target:
 the same user, and, where Yama's ``ptrace_scope`` is 1 or more, not between
@@ -51,8 +52,8 @@ from shm_broadcast.liveness import process_alive
 from .errors import GroupcoordError, PeerDiedError
 
 __all__ = [
-    "CopyPaths",
-    "CopyTurn",
+    "TimedWays",
+    "WayTurn",
     "DIRECT_ALL_REDUCE_MIN_BYTES",
     "READ_SCRATCH_BYTES",
     "FIRST_CYCLE",
@@ -91,11 +92,13 @@ DIRECT_ALL_REDUCE_MIN_BYTES = 4 * 1024 * 1024
 # 256 KiB; 32 KiB chunks made a 1 MiB reduce-scatter 3x slower (each read has
 # a fixed cost, each chunk a few torch calls).
 READ_SCRATCH_BYTES = 512 * 1024
-# An all-gather or a broadcast past the lean path, where reads are allowed, goes
-# the way that was faster when last timed, not by a fixed rule: on the 2-core
-# EPYC VM the slot path is bimodal by run (world 2, 1 MiB broadcast 84-105 us in
-# some runs, 222-242 in others; read directly 157-190 in every run), so each
-# fixed rule was about 2x off in some runs. So the ways are timed in cycles of
+# A call the rules above would read directly (an all-gather, broadcast,
+# all-reduce, reduce or reduce-scatter) goes the way, reads or slots, that was
+# faster when last timed: on the 2-core EPYC VM the slot path is bimodal by run
+# (world 2, 1 MiB broadcast 84-105 us in some runs, 222-242 in others; read
+# directly 157-190 in every run; all-reduces and reduce-scatters through the
+# slots 0.57-0.86 of the direct time in one session, 1.1-1.4 in another), so
+# each fixed rule was up to 2x off in some runs. So the ways are timed in cycles of
 # calls of a kind and size class, the first FIRST_CYCLE calls long, each twice
 # the one before up to RETIME_EVERY (an early decision, made on a cold and noisy
 # start, is soon checked again). In each cycle calls 1-4 go through the slots
@@ -121,7 +124,7 @@ _SHARE_STEP = len(_TIMING_STEPS) + 1
 _TIMINGS = 4
 
 
-class CopyTurn:
+class WayTurn:
     """One call's way (``direct``: read the peers' memory; else the slots) and its
     part in timing them: a timed one records when it started and finished here
     (:meth:`finish`); one that ``shares`` (read directly) has its frame post
@@ -131,7 +134,7 @@ class CopyTurn:
 
     __slots__ = ("direct", "shares", "_kind", "_which", "_started")
 
-    def __init__(self, kind: _CopyKind, direct: bool, which: int = -1, shares: bool = False):
+    def __init__(self, kind: _WayKind, direct: bool, which: int = -1, shares: bool = False):
         self._kind = kind
         self.direct, self.shares, self._which = direct, shares, which
         self._started = time.monotonic_ns() if which >= 0 else 0
@@ -167,7 +170,7 @@ class CopyTurn:
         kind.agreements += 1
 
 
-class _CopyKind:
+class _WayKind:
     """The timings of one kind and size class of copy collective; all but ``times``
     (this rank's own clock readings) the same on every rank."""
 
@@ -185,25 +188,25 @@ class _CopyKind:
         self.agreements = 0
 
 
-class CopyPaths:
-    """Which way each all-gather or broadcast that may read directly goes (see
-    ``RETIME_EVERY``): one per shared-memory group. The ranks' calls run in step
+class TimedWays:
+    """Which way each call that the rules would read directly goes (see
+    ``RETIME_EVERY``): one per shared-memory group, the kinds of call apart. The ranks' calls run in step
     (each call's first barrier checks they agree), so each rank's count of a kind's
     calls, and with it which call is timed or shares, is the same everywhere, and
     every rank derives the way from the same shared numbers. The way is part of
     the call's fingerprint too, so ranks that ever chose apart would raise
-    ``DesyncError``, not copy from where nothing was written."""
+    ``DesyncError``, not read where nothing was written."""
 
     def __init__(self) -> None:
-        self._kinds: dict[tuple[str, int], _CopyKind] = {}
+        self._kinds: dict[tuple[str, int], _WayKind] = {}
 
-    def turn(self, operation: str, nbytes: int, default_direct: bool) -> CopyTurn:
+    def turn(self, operation: str, nbytes: int) -> WayTurn:
         """The way of the next ``operation`` of ``nbytes`` a rank (size classes: powers
-        of two); ``default_direct``: the way before the first timing."""
+        of two); read directly before the first timing."""
         key = (operation, nbytes.bit_length())
         kind = self._kinds.get(key)
         if kind is None:
-            kind = self._kinds[key] = _CopyKind(default_direct)
+            kind = self._kinds[key] = _WayKind(direct=True)
         step = kind.calls - kind.cycle_start
         if step >= kind.cycle_length:
             kind.cycle_start += kind.cycle_length
@@ -211,10 +214,10 @@ class CopyPaths:
             step = kind.calls - kind.cycle_start
         if 1 <= step <= len(_TIMING_STEPS):
             direct, which = _TIMING_STEPS[step - 1]
-            return CopyTurn(kind, direct, which)
+            return WayTurn(kind, direct, which)
         if step == _SHARE_STEP:
-            return CopyTurn(kind, direct=True, shares=True)
-        return CopyTurn(kind, kind.direct)
+            return WayTurn(kind, direct=True, shares=True)
+        return WayTurn(kind, kind.direct)
 
     def state(self, operation: str, nbytes: int) -> dict[str, object] | None:
         """Such calls' way and agreed timings (None: none made yet)."""

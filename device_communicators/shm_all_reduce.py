@@ -48,8 +48,8 @@ from .peer_reads import (
     DIRECT_ALL_REDUCE_MIN_BYTES,
     READ_SCRATCH_BYTES,
     SCATTER_SHARE_MIN_BYTES,
-    CopyTurn,
     PeerReads,
+    WayTurn,
 )
 from .shm_phases import LINE, PhaseLines
 from .shm_reduce import (
@@ -162,9 +162,16 @@ class ShmAllReduce(ShmBase):
     ) -> torch.Tensor:
         if out is not None:
             _check_out(out, tensor.dtype, tensor.numel())
-        lines = self._start(operation, reason, tensor, op, root)
         numel = tensor.numel()
         nbytes = numel * tensor.element_size()
+        reads = self.peer_reads
+        readable = (
+            reads is not None
+            and nbytes > LEAN_MAX_BYTES
+            and (self.world_size <= reads.cores or nbytes >= DIRECT_ALL_REDUCE_MIN_BYTES)
+        )
+        direct, turn = self._timed_way(operation, nbytes, readable)
+        lines = self._start(operation, reason, tensor, op, root, direct=direct)
         if 0 < nbytes <= ONE_SHOT_MAX_BYTES and nbytes <= self.max_bytes:
             # The common small call: one piece on views shaped like the tensor
             # (no flattening, no slicing; copy_ takes any strides).
@@ -180,23 +187,20 @@ class ShmAllReduce(ShmBase):
             return out
         src = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         flat_out = out.view(-1)
-        reads = self.peer_reads
-        if (
-            reads is not None
-            and nbytes > LEAN_MAX_BYTES
-            and (self.world_size <= reads.cores or nbytes >= DIRECT_ALL_REDUCE_MIN_BYTES)
-        ):
-            with self._desync_guard, OneTorchThread(nbytes):
-                self._all_reduce_direct(lines, reads, src, flat_out, op)
-            return out
         piece = self.max_bytes // tensor.element_size()
-        with self._desync_guard, OneTorchThread(numel * tensor.element_size()):
-            if numel <= piece:  # the common case: no slicing at all
-                self._reduce_piece(lines, src, flat_out, op)
-                return out
-            for start in range(0, numel, piece):
-                stop = min(start + piece, numel)
-                self._reduce_piece(lines, src[start:stop], flat_out[start:stop], op)
+        with self._desync_guard, OneTorchThread(nbytes):
+            if direct:
+                assert reads is not None
+                self._all_reduce_direct(lines, reads, src, flat_out, op, turn)
+            elif numel <= piece:  # the common case: no slicing at all
+                self._reduce_piece(lines, src, flat_out, op, turn)
+            else:
+                for start in range(0, numel, piece):
+                    stop = min(start + piece, numel)
+                    first = turn if start == 0 else None
+                    self._reduce_piece(lines, src[start:stop], flat_out[start:stop], op, first)
+        if turn is not None:
+            turn.finish()
         return out
 
     @one_at_a_time
@@ -228,25 +232,51 @@ class ShmAllReduce(ShmBase):
             )
         if out is not None:
             _check_out(out, flat.dtype, hi - lo)
-        lines = self._start("reduce_scatter", self.refusal(flat, op), flat, op, root=split)
         n = flat.numel()
         size = flat.element_size()
-        if n * size >= self.world_size * SCATTER_SHARE_MIN_BYTES and self.peer_reads is not None:
+        readable = n * size >= self.world_size * SCATTER_SHARE_MIN_BYTES
+        direct, turn = self._timed_way(
+            "reduce_scatter", n * size, readable and self.peer_reads is not None
+        )
+        lines = self._start(
+            "reduce_scatter", self.refusal(flat, op), flat, op, root=split, direct=direct
+        )
+        got = self._reduce_range(lines, flat, lo, hi, op, out, direct, turn)
+        if turn is not None:
+            turn.finish()
+        return got
+
+    def _reduce_range(
+        self,
+        lines: PhaseLines,
+        flat: torch.Tensor,
+        lo: int,
+        hi: int,
+        op: ReduceOp.RedOpType,
+        out: torch.Tensor | None,
+        direct: bool,
+        turn: WayTurn | None,
+    ) -> torch.Tensor:
+        n = flat.numel()
+        size = flat.element_size()
+        if direct:
             if out is None:
                 out = empty_output((hi - lo,), flat.dtype)
             reads, src, dst = self.peer_reads, flat.contiguous(), out
+            assert reads is not None
             with self._desync_guard, OneTorchThread(n * size):
                 # Each rank reads only its own rows of every peer's input.
                 self._read_posted(
                     lines,
                     src.data_ptr(),
                     lambda s: self._sum_peers(reads, s, src, lo, hi, dst, op, "reduce_scatter"),
+                    turn=turn,
                 )
             return out
         piece = self.max_bytes // size
         if 0 < n <= piece and hi > lo:  # one piece: cached views, no slicing
             with self._desync_guard, OneTorchThread(n * size):
-                _, s = self._one_piece(lines, flat)
+                _, s = self._one_piece(lines, flat, turn)
                 return self._combine_slots(s, flat.dtype, lo, hi, out, op)
         if out is None:
             out = empty_output((hi - lo,), flat.dtype)
@@ -262,7 +292,7 @@ class ShmAllReduce(ShmBase):
                 self._view(s, me, flat.dtype, b - a).copy_(flat[a:b])
                 # One barrier per piece is enough: the next piece uses the other
                 # set, and this set is rewritten only after the barrier after next.
-                lines.arrive(2 * gen - 1)
+                self._first_arrive(lines, 2 * gen - 1, turn if a == 0 else None)
                 x, y = max(a, lo), min(b, hi)
                 if y > x:
                     self._combine_slots(s, flat.dtype, x - a, y - a, out[x - lo : y - lo], op)
@@ -302,10 +332,11 @@ class ShmAllReduce(ShmBase):
             _check_out(out, tensor.dtype, self.world_size * tensor.numel())
         reason = self.copy_refusal(tensor)
         nbytes = tensor.numel() * tensor.element_size()
+        readable = nbytes > LEAN_MAX_BYTES and self.peer_reads is not None
         if dst is None:
-            direct, turn = self._copy_way("all_gather", nbytes, default_direct=True)
+            direct, turn = self._timed_way("all_gather", nbytes, readable)
         else:  # a gather: the fixed rule
-            direct, turn = nbytes > LEAN_MAX_BYTES and self.peer_reads is not None, None
+            direct, turn = readable, None
         if dst is None:
             lines = self._start("all_gather", reason, tensor, direct=direct)
         else:
@@ -563,17 +594,41 @@ class ShmAllReduce(ShmBase):
 
     # ---- reading the peers' memory directly (peer_reads) ----------------------------
 
-    def _copy_way(
-        self, operation: str, nbytes: int, default_direct: bool
-    ) -> tuple[bool, CopyTurn | None]:
-        """Whether an all-gather or broadcast of ``nbytes`` a rank reads directly, and its
-        turn in timing the ways (None: the fixed rule, ``default_direct``, decides)."""
-        if nbytes <= LEAN_MAX_BYTES or self.peer_reads is None:
+    def _timed_way(
+        self, operation: str, nbytes: int, readable: bool
+    ) -> tuple[bool, WayTurn | None]:
+        """Whether a call of ``nbytes`` a rank reads directly, and its turn in timing
+        the ways (None: not timed). ``readable``: the fixed rule would read it
+        directly (peer reads are up, and the call is large enough); only then are
+        the slots timed against the reads (``peer_reads.TimedWays``)."""
+        if not readable:
             return False, None
-        if self.copy_paths is None:
-            return default_direct, None
-        turn = self.copy_paths.turn(operation, nbytes, default_direct)
+        if self.timed_ways is None:
+            return True, None
+        turn = self.timed_ways.turn(operation, nbytes)
         return turn.direct, turn
+
+    def _meet_posted(
+        self, lines: PhaseLines, gen: int, posts: tuple[int, ...], turn: WayTurn | None
+    ) -> None:
+        """Post ``posts`` (as numbers 0, 1, ...) in this rank's slot of generation
+        ``gen``'s set, then the call's first barrier. A ``turn`` that shares its
+        timings posts them after ``posts`` and agrees on the way with every rank's."""
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        s, me = gen & 1, self.rank_in_group
+        shared = turn.shared() if turn is not None and turn.shares else ()
+        for i, value in enumerate(posts + shared):
+            slots.post(s, me, i, value)
+        self._first_arrive(lines, 2 * gen - 1, turn)
+        if shared and turn is not None:
+            k = len(posts)
+            turn.agree(
+                [
+                    [slots.posted(s, r, i) for i in range(k, k + len(shared))]
+                    for r in range(self.world_size)
+                ]
+            )
 
     def _read_posted(
         self,
@@ -581,7 +636,7 @@ class ShmAllReduce(ShmBase):
         address: int,
         read: Callable[[int], None],
         *more: int,
-        turn: CopyTurn | None = None,
+        turn: WayTurn | None = None,
     ) -> None:
         """The frame of a direct read: post ``address`` (what this rank offers its
         peers; ``more`` addresses after it, as posts 1, 2, ...), wait for every rank,
@@ -590,26 +645,10 @@ class ShmAllReduce(ShmBase):
         still reads it. The second wait runs after a failed read too: the peers are
         waiting for this rank's phase. A copy collective's ``turn`` that shares its
         timings posts them after the addresses and agrees on the way here."""
-        slots = self._slots
-        assert slots is not None  # enabled means mapped
         gen = self._next_generation()
-        s = gen & 1
-        posts = (address, *more)
-        if turn is not None and turn.shares:
-            posts += turn.shared()
-        for i, at in enumerate(posts):
-            slots.post(s, self.rank_in_group, i, at)
-        self._first_arrive(lines, 2 * gen - 1, turn)
+        self._meet_posted(lines, gen, (address, *more), turn)
         try:
-            if turn is not None and turn.shares:
-                k, n = 1 + len(more), len(posts) - 1 - len(more)
-                turn.agree(
-                    [
-                        [slots.posted(s, r, i) for i in range(k, k + n)]
-                        for r in range(self.world_size)
-                    ]
-                )
-            read(s)
+            read(gen & 1)
         finally:
             lines.arrive(2 * gen)
 
@@ -620,7 +659,7 @@ class ShmAllReduce(ShmBase):
         src: torch.Tensor,
         out: torch.Tensor | None,
         nbytes: int,
-        turn: CopyTurn | None,
+        turn: WayTurn | None,
     ) -> None:
         """All-gather by reading each peer's ``src`` straight into ``out`` (one copy);
         this rank's part is copied while the peers arrive. Without ``out`` (a gather's
@@ -647,7 +686,7 @@ class ShmAllReduce(ShmBase):
         reads: PeerReads,
         work: torch.Tensor,
         src: int,
-        turn: CopyTurn | None,
+        turn: WayTurn | None,
     ) -> None:
         """Every rank but ``src`` reads ``src``'s ``work`` into its own; ``src`` copies
         nothing."""
@@ -668,6 +707,7 @@ class ShmAllReduce(ShmBase):
         src: torch.Tensor,
         out: torch.Tensor,
         op: ReduceOp.RedOpType,
+        turn: WayTurn | None,
     ) -> None:
         """Two-shot by reads: rank k reduces slice k of every rank's ``src`` into its own
         ``out``, then reads the other slices from the peers' ``out``. Three barriers
@@ -680,9 +720,7 @@ class ShmAllReduce(ShmBase):
         s = first & 1
         me = self.rank_in_group
         size = src.element_size()
-        slots.post(s, me, 0, src.data_ptr())
-        slots.post(s, me, 1, out.data_ptr())
-        lines.arrive(2 * first - 1)
+        self._meet_posted(lines, first, (src.data_ptr(), out.data_ptr()), turn)
         # The second generation only now the call is checked: ranks whose calls differ
         # raised above, each one generation on, and stay in step.
         last = self._next_generation()
@@ -748,12 +786,10 @@ class ShmAllReduce(ShmBase):
         """Overwrite ``tensor`` with in-group rank ``src``'s; returns ``tensor``."""
         nbytes = tensor.numel() * tensor.element_size()
         reads = self.peer_reads
-        # With more ranks than cores the slots were faster in every run measured
-        # (a read costs more CPU time than a memmove): only timed with a core each.
-        if reads is not None and self.world_size <= reads.cores:
-            direct, turn = self._copy_way("broadcast", nbytes, default_direct=True)
-        else:
-            direct, turn = False, None
+        # With more ranks than cores the slots were faster in every run measured (a
+        # read costs more CPU time than a memmove): only read with a core each.
+        readable = reads is not None and nbytes > LEAN_MAX_BYTES and self.world_size <= reads.cores
+        direct, turn = self._timed_way("broadcast", nbytes, readable)
         lines = self._start("broadcast", self.copy_refusal(tensor), tensor, root=src, direct=direct)
         if tensor.numel() == 0:
             self._empty_barrier(lines)
@@ -791,7 +827,12 @@ class ShmAllReduce(ShmBase):
     # ---- one piece --------------------------------------------------------------
 
     def _reduce_piece(
-        self, lines: PhaseLines, src: torch.Tensor, dst: torch.Tensor, op: ReduceOp.RedOpType
+        self,
+        lines: PhaseLines,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        op: ReduceOp.RedOpType,
+        turn: WayTurn | None = None,
     ) -> None:
         gen = self._next_generation()
         s = gen & 1
@@ -800,7 +841,7 @@ class ShmAllReduce(ShmBase):
         mine = self._view(s, me, src.dtype, n)
         if n * src.element_size() <= ONE_SHOT_MAX_BYTES:
             mine.copy_(src)
-            lines.arrive(2 * gen - 1)
+            self._first_arrive(lines, 2 * gen - 1, turn)
             self._combine_slots(s, src.dtype, 0, n, dst, op)
             return
         chunk = align_up(-(-n // self.world_size), 16)
@@ -812,7 +853,7 @@ class ShmAllReduce(ShmBase):
             mine[:lo].copy_(src[:lo])
         if hi < n:
             mine[hi:].copy_(src[hi:])
-        lines.arrive(2 * gen - 1)
+        self._first_arrive(lines, 2 * gen - 1, turn)
         if hi > lo:
             reduced = self._view(s, 0, src.dtype, n)[lo:hi]
             self._combine_slots(s, src.dtype, lo, hi, reduced, op, own=src[lo:hi])

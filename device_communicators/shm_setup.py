@@ -31,7 +31,7 @@ from .errors import (
     GroupcoordValueError,
     PeerDiedError,
 )
-from .peer_reads import CopyPaths, CopyTurn, PeerReadError, PeerReads, agree_on_peer_reads
+from .peer_reads import PeerReadError, PeerReads, TimedWays, WayTurn, agree_on_peer_reads
 from .shm_phases import LINE, READ_DIRECTLY, PhaseLines, call_code
 from .shm_slots import SlotSegment, align_up, open_slot_segment
 from .shm_small import SmallCalls
@@ -138,9 +138,9 @@ class ShmBase(AllReduceBackend):
         # Direct reads of the peers' memory (large calls, ``peer_reads``), where allowed.
         self.peer_reads: PeerReads | None = None
         self.peer_reads_reason: str | None = "not set up"
-        # Which way a large all-gather or broadcast goes where reads are allowed
-        # (timed now and then); None: the fixed rule (direct), for benchmarks.
-        self.copy_paths: CopyPaths | None = CopyPaths()
+        # Which way a call goes where the rules would read directly (timed now and
+        # then); None: the rules alone (read directly), for benchmarks.
+        self.timed_ways: TimedWays | None = TimedWays()
         # The lean path of small calls (shm_small), on the slots while they are up.
         self.small = SmallCalls(self)
         self._set_up(cpu_group, self._local_refusal(config.disable_shm_all_reduce))
@@ -242,7 +242,7 @@ class ShmBase(AllReduceBackend):
         return lines
 
     def _one_piece(
-        self, lines: PhaseLines, tensor: torch.Tensor, turn: CopyTurn | None = None
+        self, lines: PhaseLines, tensor: torch.Tensor, turn: WayTurn | None = None
     ) -> tuple[SlotSegment, int]:
         """Copy ``tensor`` (one piece, any strides) into this rank's slot of the next
         set, publish, wait for every rank: returns the slots and the set now readable."""
@@ -255,7 +255,7 @@ class ShmBase(AllReduceBackend):
         return slots, s
 
     @staticmethod
-    def _first_arrive(lines: PhaseLines, phase: int, turn: CopyTurn | None) -> None:
+    def _first_arrive(lines: PhaseLines, phase: int, turn: WayTurn | None) -> None:
         """A call's first barrier; a copy collective's ``turn`` hears that it passed."""
         lines.arrive(phase)
         if turn is not None:

@@ -46,7 +46,7 @@ def _shm_counting_reads(
     shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
     assert shm.disabled_reason is None
     if not timed:
-        shm.copy_paths = None
+        shm.timed_ways = None
     if disable:
         assert shm.peer_reads is None
         assert "GROUPCOORD_DISABLE_PEER_READS" in (shm.peer_reads_reason or "")
@@ -368,18 +368,21 @@ def test_large_broadcasts_read_the_root_directly_when_every_rank_has_a_core(
 
 
 CALLS = 107  # three timing cycles (at calls 0, 32 and 96) and a call after them
+TIMED_OPS = ("all_gather", "broadcast", "all_reduce", "reduce_scatter")
 
 
-def _timed_ways(rank: int, world: int, slow: str) -> tuple[str | None, list[bool], list[Any]]:
-    """All-gathers and broadcasts of one size with one way (``slow``) made 50 ms
-    slower on every rank: whether each all-gather read directly here, and the ways
-    and agreed timings every rank ended with."""
+def _timed_ways(
+    rank: int, world: int, slow: str
+) -> tuple[str | None, dict[str, list[bool]], dict[str, Any]]:
+    """Each call the fixed rule reads directly, of one size, with one way (``slow``)
+    made 50 ms slower on every rank: by operation, whether each call read directly
+    here, and the way and agreed timings every rank ended with (None: not timed)."""
     import time
 
     shm, reads = _shm_counting_reads(rank, world, False, timed=True)
     try:
         if shm.peer_reads is None:
-            return shm.peer_reads_reason, [], []
+            return shm.peer_reads_reason, {}, {}
         plain = shm._first_arrive
 
         def first_arrive(lines: Any, phase: int, turn: Any) -> None:
@@ -388,21 +391,35 @@ def _timed_ways(rank: int, world: int, slow: str) -> tuple[str | None, list[bool
                 time.sleep(0.05)
 
         shm._first_arrive = first_arrive
-        numel = 300000  # 1.2 MiB a rank: past the lean path, more than one slot piece
-        ways = []
+        # 1.6 MiB a rank: past the lean path and one slot piece, and a reduce-scatter
+        # share of over 512 KiB at worlds 2 and 3 (an all-reduce is read directly at
+        # world 3 on 2 cores only from 4 MiB: not timed there).
+        numel = 400000
+        lo, hi = rank * numel // world, (rank + 1) * numel // world
+        ways: dict[str, list[bool]] = {op: [] for op in TIMED_OPS}
         for i in range(CALLS):
-            before = len(reads)
-            got = shm.all_gather(torch.full((numel,), float(rank + i)))
-            assert all(
-                torch.equal(got[r], torch.full((numel,), float(r + i))) for r in range(world)
-            )
-            ways.append(len(reads) > before)
-            x = torch.full((numel,), float(i if rank == 0 else -1))
-            assert torch.equal(shm.broadcast_(x, 0), torch.full((numel,), float(i)))
-        assert shm.copy_paths is not None
-        states = [shm.copy_paths.state(op, numel * 4) for op in ("all_gather", "broadcast")]
-        if world > shm.peer_reads.cores:  # a broadcast with ranks sharing cores: the slots
-            assert states.pop() is None
+            x = torch.full((numel,), float(rank + i))
+            for op in TIMED_OPS:
+                before = len(reads)
+                if op == "all_gather":
+                    got = shm.all_gather(x)
+                elif op == "broadcast":
+                    got = shm.broadcast_(x.clone(), 0)
+                elif op == "all_reduce":
+                    got = shm.all_reduce(x)
+                else:
+                    got = shm.reduce_range(x, lo, hi)
+                ways[op].append(len(reads) > before)
+                if op == "all_gather":
+                    want = torch.stack([torch.full((numel,), float(r + i)) for r in range(world)])
+                elif op == "broadcast":
+                    want = torch.full((numel,), float(i))
+                else:
+                    want = torch.full((numel,), float(sum(r + i for r in range(world))))
+                    want = want if op == "all_reduce" else want[lo:hi]
+                assert torch.equal(got, want), (op, i)
+        assert shm.timed_ways is not None
+        states = {op: shm.timed_ways.state(op, numel * 4) for op in TIMED_OPS}
         return None, ways, states
     finally:
         shm.close()
@@ -410,12 +427,10 @@ def _timed_ways(rank: int, world: int, slow: str) -> tuple[str | None, list[bool
 
 @pytest.mark.parametrize("slow", ["direct", "slots"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_large_gathers_and_broadcasts_take_the_way_timed_faster_on_every_rank(
-    world: int, slow: str
-) -> None:
+def test_large_calls_take_the_way_timed_faster_on_every_rank(world: int, slow: str) -> None:
     from device_communicators.peer_reads import FIRST_CYCLE
 
-    results = run_ranks(_timed_ways, world, slow, timeout=120)
+    results = run_ranks(_timed_ways, world, slow, timeout=180)
     if any(reason for reason, _, _ in results):
         pytest.skip(f"process_vm_readv not allowed here: {results}")
     # In each cycle (32 calls, then 64, 128, ...), calls 1-4 go through the slots
@@ -426,18 +441,27 @@ def test_large_gathers_and_broadcasts_take_the_way_timed_faster_on_every_rank(
     cycles = [FIRST_CYCLE, 2 * FIRST_CYCLE, CALLS - 3 * FIRST_CYCLE]
     expected = [item for n in cycles for item in [fast, *timing] + [fast] * (n - 10)]
     expected[0] = True
-    for _, ways, states in results:
-        assert ways == expected
+    # With more ranks than cores (world 3 here) a broadcast, and an all-reduce
+    # under 4 MiB, take the slots untimed.
+    cores = os.cpu_count() or 1
+    untimed = {"broadcast", "all_reduce"} if world > cores else set()
+    for rank, (_, ways, states) in enumerate(results):
         assert states == results[0][2]  # every rank decided alike, from the same numbers
-        for state in states:
-            assert state["direct"] is fast and state["agreements"] == 3, state
+        for op in TIMED_OPS:
+            if op in untimed:
+                assert states[op] is None and not any(ways[op]), op
+                continue
+            if op != "broadcast" or rank != 0:  # the root of a broadcast reads nothing
+                assert ways[op] == expected, op
+            state = states[op]
+            assert state["direct"] is fast and state["agreements"] == 3, (op, state)
             assert state["calls"] == CALLS
             slower, faster = (
                 (state["direct_ns"], state["slots_ns"])
                 if slow == "direct"
                 else (state["slots_ns"], state["direct_ns"])
             )
-            assert slower > faster + 40_000_000, state  # the 50 ms
+            assert slower > faster + 40_000_000, (op, state)  # the 50 ms
 
 
 def _ways_apart(rank: int, world: int) -> str:
@@ -452,7 +476,7 @@ def _ways_apart(rank: int, world: int) -> str:
         shm.all_gather(torch.ones(300000))
         with pytest.raises(DesyncError) as apart:
             shm.all_gather(torch.ones(300000))
-        shm.copy_paths = None  # now alike: the group goes on, in step
+        shm.timed_ways = None  # now alike: the group goes on, in step
         got = shm.all_gather(torch.full((300000,), float(rank)))
         assert all(torch.equal(got[r], torch.full((300000,), float(r))) for r in range(world))
         return str(apart.value)
