@@ -57,8 +57,8 @@ _COUNT_MASK = (1 << _COUNT_BITS) - 1
 # (a gather of parts of different lengths): the counts are not compared, the
 # rest of the code, which then holds a checksum of the parts' layout, is.
 VARYING_COUNTS = 1 << 48
-# A copy collective whose ranks read each other's memory (``peer_reads.TimedWays``
-# picks the way per call): ranks whose ways ever differed raise, never copy garbage.
+# A call whose ranks read each other's memory (``peer_reads.TimedWays`` picks the
+# way per call): ranks whose ways ever differed raise, never read garbage.
 READ_DIRECTLY = 1 << 49
 
 OPERATIONS = (

@@ -226,7 +226,7 @@ class ShmBase(AllReduceBackend):
     ) -> PhaseLines:
         """Refuse, or stamp the call's fingerprint (checked against every rank's at the
         call's first barrier: desync detection, always on). A barrier has no tensor;
-        ``direct``: a copy collective that reads the peers' memory (chosen per call)."""
+        ``direct``: a call that reads the peers' memory (the way is chosen per call)."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._failure is not None:
@@ -256,7 +256,7 @@ class ShmBase(AllReduceBackend):
 
     @staticmethod
     def _first_arrive(lines: PhaseLines, phase: int, turn: WayTurn | None) -> None:
-        """A call's first barrier; a copy collective's ``turn`` hears that it passed."""
+        """A call's first barrier; a timed call's ``turn`` hears that it passed."""
         lines.arrive(phase)
         if turn is not None:
             turn.passed_first_barrier()
