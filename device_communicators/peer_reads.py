@@ -52,15 +52,15 @@ from shm_broadcast.liveness import process_alive
 from .errors import GroupcoordError, PeerDiedError
 
 __all__ = [
-    "TimedWays",
-    "WayTurn",
     "DIRECT_ALL_REDUCE_MIN_BYTES",
-    "READ_SCRATCH_BYTES",
     "FIRST_CYCLE",
+    "READ_SCRATCH_BYTES",
     "RETIME_EVERY",
     "SCATTER_SHARE_MIN_BYTES",
     "PeerReadError",
     "PeerReads",
+    "TimedWays",
+    "WayTurn",
     "agree_on_peer_reads",
     "probe_this_machine",
 ]
@@ -98,22 +98,22 @@ READ_SCRATCH_BYTES = 512 * 1024
 # (world 2, 1 MiB broadcast 84-105 us in some runs, 222-242 in others; read
 # directly 157-190 in every run; all-reduces and reduce-scatters through the
 # slots 0.57-0.86 of the direct time in one session, 1.1-1.4 in another), so
-# each fixed rule was up to 2x off in some runs. So the ways are timed in cycles of
-# calls of a kind and size class, the first FIRST_CYCLE calls long, each twice
-# the one before up to RETIME_EVERY (an early decision, made on a cold and noisy
-# start, is soon checked again). In each cycle calls 1-4 go through the slots
-# and 5-8 read directly, the last two of each timed (the first two warm the way
-# up: both sets of slots go cold while the other way runs); call 9 (read
-# directly) shares the times, and every rank keeps the way that was faster
-# until the next timing. A call's time is from when the last rank started it to
-# when the last rank finished it (one clock for the whole host), so neither a
-# late rank nor a rank that returns before its peers are done (a broadcast's
-# root, through the slots) counts; a way's time is the lower of its two calls'.
-# The slot path's mode changes within a run too (a world-2 1 MiB broadcast went
-# from 60-74 to 350 us a call between two buffers of one run), so only the last
-# timing counts. Call 0 of a size, which pays for fresh result pages, goes the
-# fixed rule's way. At most 5 calls a cycle take
-# the slower way (from the fifth cycle, 2% of the time when it is 2x slower).
+# each fixed rule was up to 2x off in some runs. So the ways are timed in
+# cycles of calls of a kind and size class, the first FIRST_CYCLE calls long,
+# each twice the one before up to RETIME_EVERY (an early decision, made on a
+# cold and noisy start, is soon checked again). In each cycle calls 1-4 go
+# through the slots and 5-8 read directly, the last two of each timed (the
+# first two warm the way up: both sets of slots go cold while the other way
+# runs); call 9 (read directly) shares the times, and every rank keeps the way
+# that was faster until the next timing. A call's time is from when the last
+# rank started it to when the last rank finished it (one clock for the whole
+# host), so neither a late rank nor a rank that returns before its peers are
+# done (a broadcast's root, through the slots) counts; a way's time is the
+# lower of its two calls'. The slot path's mode changes within a run too (a
+# world-2 1 MiB broadcast went from 60-74 to 350 us a call between two buffers
+# of one run), so only the last timing counts. Call 0 of a size, which pays for
+# fresh result pages, reads directly. At most 5 calls a cycle take the slower
+# way (from the fifth cycle, 2% of the time when it is 2x slower).
 FIRST_CYCLE = 32
 RETIME_EVERY = 256
 # Calls 1, 2, ... of each cycle: (read directly?, which timing it is or -1).

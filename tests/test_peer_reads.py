@@ -564,3 +564,48 @@ def test_a_peer_killed_during_direct_reads_is_reported_within_seconds(op: str) -
         pytest.skip("process_vm_readv not allowed here")
     assert dead == [1] and calls > 0
     assert elapsed < 5.0  # from the last call that returned
+
+
+def test_a_way_is_timed_from_the_last_start_to_the_last_end_and_kept_till_the_next_timing() -> None:
+    from device_communicators.peer_reads import FIRST_CYCLE, TimedWays
+
+    ways = TimedWays()
+
+    def run(calls: int) -> list[tuple[bool, bool]]:
+        """``calls`` calls of one kind that all pass their first barrier: (way, shares)."""
+        seen = []
+        for _ in range(calls):
+            turn = ways.turn("broadcast", 1 << 20)
+            seen.append((turn.direct, turn.shares))
+            turn.passed_first_barrier()
+            turn.finish()
+        return seen
+
+    seen = run(9)
+    assert seen == [(True, False)] + [(False, False)] * 4 + [(True, False)] * 4
+    turn = ways.turn("broadcast", 1 << 20)
+    assert turn.direct and turn.shares
+    # Two ranks' (start, end) of their timed calls: slots twice, then direct twice.
+    # Rank 1 started every call 5 us late; each call ended on both ranks alike.
+    us = 1000
+    rank0 = tuple(
+        10**9 + t * us for t in (0, 90, 100, 180, 200, 400, 500, 650)
+    )  # the host's monotonic clock, in ns
+    rank1 = tuple(t + 5 * us if i % 2 == 0 else t for i, t in enumerate(rank0))
+    turn.agree([rank0, rank1])
+    state = ways.state("broadcast", 1 << 20)
+    assert state is not None
+    # slots: min(90 - 5, 180 - 105) = 75 us; direct: min(400 - 205, 650 - 505) = 145 us
+    assert (state["slots_ns"], state["direct_ns"]) == (75 * us, 145 * us)
+    assert state["direct"] is False and state["agreements"] == 1
+    turn.passed_first_barrier()
+    assert [way for way, _ in run(FIRST_CYCLE - 10)] == [False] * (FIRST_CYCLE - 10)
+    # The next cycle (twice as long) times again; a rank without a time keeps the way.
+    seen = run(9)
+    assert seen == [(False, False)] * 5 + [(True, False)] * 4
+    turn = ways.turn("broadcast", 1 << 20)
+    assert turn.shares
+    turn.agree([rank0, (0,) * 8])
+    assert ways.state("broadcast", 1 << 20)["direct"] is False  # type: ignore[index]
+    # Another size class is a kind of its own, read directly until timed.
+    assert ways.turn("broadcast", 1 << 22).direct and ways.state("broadcast", 1 << 22)
