@@ -124,6 +124,18 @@ _SHARE_STEP = len(_TIMING_STEPS) + 1
 _TIMINGS = 4
 
 
+def _cycle_step(calls: int) -> int:
+    """Where a kind's call number ``calls`` falls in its timing cycle (cycles of
+    FIRST_CYCLE calls, doubling up to RETIME_EVERY, then RETIME_EVERY each)."""
+    start, length = 0, FIRST_CYCLE
+    while length < RETIME_EVERY:
+        if calls - start < length:
+            return calls - start
+        start += length
+        length *= 2
+    return (calls - start) % RETIME_EVERY
+
+
 class WayTurn:
     """One call's way (``direct``: read the peers' memory; else the slots) and its
     part in timing them: a timed one records when it started and finished here
@@ -174,14 +186,10 @@ class _WayKind:
     """The timings of one kind and size class of copy collective; all but ``times``
     (this rank's own clock readings) the same on every rank."""
 
-    __slots__ = (
-        "calls", "cycle_start", "cycle_length", "direct", "times", "slots_ns", "direct_ns",
-        "agreements",
-    )  # fmt: skip
+    __slots__ = ("calls", "direct", "times", "slots_ns", "direct_ns", "agreements")
 
     def __init__(self, direct: bool) -> None:
         self.calls = 0  # calls that passed their first barrier: in step on every rank
-        self.cycle_start, self.cycle_length = 0, FIRST_CYCLE  # functions of ``calls``
         self.direct = direct
         self.times = [0] * (2 * _TIMINGS)
         self.slots_ns = self.direct_ns = 0  # agreed at the last timing
@@ -207,11 +215,7 @@ class TimedWays:
         kind = self._kinds.get(key)
         if kind is None:
             kind = self._kinds[key] = _WayKind(direct=True)
-        step = kind.calls - kind.cycle_start
-        if step >= kind.cycle_length:
-            kind.cycle_start += kind.cycle_length
-            kind.cycle_length = min(2 * kind.cycle_length, RETIME_EVERY)
-            step = kind.calls - kind.cycle_start
+        step = _cycle_step(kind.calls)
         if 1 <= step <= len(_TIMING_STEPS):
             direct, which = _TIMING_STEPS[step - 1]
             return WayTurn(kind, direct, which)

@@ -335,11 +335,9 @@ class ShmAllReduce(ShmBase):
         readable = nbytes > LEAN_MAX_BYTES and self.peer_reads is not None
         if dst is None:
             direct, turn = self._timed_way("all_gather", nbytes, readable)
-        else:  # a gather: the fixed rule
-            direct, turn = readable, None
-        if dst is None:
             lines = self._start("all_gather", reason, tensor, direct=direct)
-        else:
+        else:  # a gather: the rules alone
+            direct, turn = readable, None
             lines = self._start("gather", reason, tensor, root=dst, direct=direct)
         receives = dst is None or dst == self.rank_in_group
         one_piece = not direct and 0 < nbytes <= self.max_bytes
