@@ -347,6 +347,15 @@ def _check_group_ranks(group_ranks: Any, rank: int, world_size: int) -> list[int
             if r in seen:
                 raise GroupcoordValueError(f"group_ranks: rank {r} appears in more than one place")
             seen.add(r)
+        if list(ranks) != sorted(ranks):
+            # torch.distributed numbers a group's members in increasing global rank
+            # order: rank_in_group (the place in this list) would then name another
+            # process than the group's own numbering, in every send, recv and gather.
+            raise GroupcoordValueError(
+                f"group_ranks: {list(ranks)!r} is not in increasing order, and "
+                "torch.distributed numbers a group's members by global rank: list it as "
+                f"{sorted(ranks)!r}"
+            )
         if rank in ranks:
             mine = list(ranks)
     if mine is None:

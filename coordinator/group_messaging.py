@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from device_communicators import c10d_calls
 from shm_broadcast.codec import dumps, encode_message, loads, message_bytes
 from shm_broadcast.group_io import broadcast_bytes
 
@@ -101,24 +101,18 @@ class GroupMessaging(GroupBase):
         return loads(self._recv_bytes(src, "recv_object"))
 
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:
-        # Length first (the receiver must size its buffer), then the payload.
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None
-        peer = self.ranks[dst]
-        self._p2p(operation, dst, dist.send, length, peer, self.cpu_group)
-        if data is not None:
-            self._p2p(operation, dst, dist.send, data, peer, self.cpu_group)
+        # One message unit with a header that says "an object's bytes": a tensor
+        # receive that meets it (or an object receive that meets a tensor) raises
+        # DesyncError naming both sides, and the pair stays in step.
+        self._p2p(
+            operation, dst, lambda: c10d_calls.send_bytes(self.cpu_group, payload, dst).wait()
+        )
 
     def _recv_bytes(self, src: int, operation: str) -> bytes:
-        length = torch.empty(1, dtype=torch.int64)
-        peer = self.ranks[src]
-        self._p2p(operation, src, dist.recv, length, peer, self.cpu_group)
-        n = int(length.item())
-        if n == 0:
-            return b""
-        data = torch.empty(n, dtype=torch.uint8)
-        self._p2p(operation, src, dist.recv, data, peer, self.cpu_group)
-        return data.numpy().tobytes()
+        received: bytes = self._p2p(
+            operation, src, c10d_calls.recv_bytes, self.cpu_group, src, operation, self.unique_name
+        )
+        return received
 
     # ---- asynchronous sends ----------------------------------------------------------
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from device_communicators import c10d_calls
 from shm_broadcast.codec import message_bytes
 from shm_broadcast.group_io import broadcast_bytes
 from shm_broadcast.p2p_channels import P2PChannels
@@ -37,6 +38,7 @@ class Group(Protocol):
     ranks: list[int]
     rank_in_group: int
     world_size: int
+    unique_name: str
     device: torch.device
     cpu_group: ProcessGroup
     device_group: ProcessGroup
@@ -154,7 +156,7 @@ def send(
             shm.send_tensor(peer, tensor, "send_tensor_dict")
             continue
         pg = group.cpu_group if tensor.is_cpu else group.device_group
-        group._p2p("send_tensor_dict", dst, dist.send, tensor.contiguous(), peer, pg)
+        group._p2p("send_tensor_dict", dst, _send_waiting, pg, tensor.contiguous(), dst)
 
 
 def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, Any]:
@@ -179,7 +181,7 @@ def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, An
             return shm.recv_tensor(peer, item.dtype, shape, "recv_tensor_dict")
         out = _empty(group, item, shape)
         pg = group.cpu_group if out.is_cpu else group.device_group
-        group._p2p("recv_tensor_dict", src, dist.recv, out, peer, pg)
+        group._p2p("recv_tensor_dict", src, _recv_waiting, pg, out, src, group.unique_name)
         return out
 
     def receive(item: SeparateTensor) -> torch.Tensor:
@@ -194,6 +196,14 @@ def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, An
         return all_gather_group.all_gather(part, dim=0).reshape(item.shape)
 
     return rebuild(described, receive)
+
+
+def _send_waiting(pg: ProcessGroup, tensor: torch.Tensor, dst: int) -> None:
+    c10d_calls.send(pg, tensor, dst).wait()
+
+
+def _recv_waiting(pg: ProcessGroup, out: torch.Tensor, src: int, what: str) -> None:
+    c10d_calls.recv(pg, out, src, what).wait()
 
 
 def _empty(

@@ -50,10 +50,12 @@ __all__ = [
     "broadcast",
     "gather",
     "recv",
+    "recv_bytes",
     "reduce",
     "reduce_scatter",
     "scatter",
     "send",
+    "send_bytes",
 ]
 
 P2P_TAG = 0  # one tag for every send/recv, so Gloo keeps them in FIFO order per pair
@@ -184,15 +186,24 @@ def barrier(pg: Any, timeout: Timeout) -> Any:
 # with what was sent consumed (the pair stays in step). Up to INLINE_MAX_BYTES
 # the header and the data are one message (copied through a buffer: a second
 # message cost 15-80 us more at 4-64 KiB on Gloo here); larger, the header is a
-# message of its own and the data lands in place. A message larger than the
-# buffer it is received into is still Gloo's to refuse: it aborts the receiving
-# process ("Received data size doesn't match expected size"), which only an
-# inline message (a tensor of up to 64 KiB) sent to a receive of more than
-# 64 KiB, which waits for a header alone, can meet. A device tensor goes
-# alone (reading a header back would wait for the device). Both ends of a pair
-# must be groupcoord's: a plain torch.distributed.recv would take the header.
+# message of its own and the data lands in place. The bytes of an object
+# (``send_bytes``: ``send_object``, a tensor dict's description) travel the same
+# way with BYTES_CODE for a dtype and their length for a count, so a tensor
+# receive meeting them, or an object receive meeting a tensor, raises too, and
+# consumes it. A message larger than the buffer it is received into is still
+# Gloo's to refuse: it aborts the receiving process ("Received data size doesn't
+# match expected size"). An object receive and a receive of up to 64 KiB take
+# any header, with its inline data, so only a receive of more than 64 KiB,
+# whose data buffer (the tensor itself) is posted with its header's, can meet
+# it: an inline message sent to it, or a larger tensor. (Posting the data
+# buffer only once the header is read would need a thread to do it: Gloo's
+# sends wait until their receive is posted, so a sender could wait forever on
+# a receiver busy elsewhere.) A device tensor goes alone (reading a header back
+# would wait for the device). Both ends of a pair must be groupcoord's: a plain
+# torch.distributed.recv would take the header.
 INLINE_MAX_BYTES = 64 * 1024
 _HEADER = 16
+BYTES_CODE = 1 << 16  # a header's "dtype" for an object's bytes (no dtype has it)
 # Buffers of finished messages, by size, for the next ones: Gloo moved a fresh
 # buffer 30-100 us slower than one it had used before (4 KiB, world 2, here).
 _SPARE: dict[int, list[torch.Tensor]] = {}
@@ -221,15 +232,28 @@ def _give_back(buf: torch.Tensor) -> None:
         spare.append(buf)
 
 
-def _framing(tensor: torch.Tensor, receive: bool) -> tuple[int, bool, torch.Tensor]:
-    """``tensor``'s byte count, whether its data travels with its header, and the
-    buffer of the header (and of the data, when it does). An inline receive takes
-    any inline message (``INLINE_MAX_BYTES`` of room), so a sender's larger inline
-    tensor is a DesyncError too, not Gloo's abort."""
-    nbytes = tensor.nbytes
+def _send_framed(
+    pg: Any,
+    dst: int,
+    code: int,
+    count: int,
+    nbytes: int,
+    source: int | bytes,
+    data: Callable[[], torch.Tensor],
+) -> Any:
+    """One message unit: the header (``code``, ``count``), with the ``nbytes`` at
+    ``source`` (an address or bytes) when they fit inline, else before ``data``
+    (a tensor of them) as a message of its own."""
     inline = nbytes <= INLINE_MAX_BYTES
-    room = (INLINE_MAX_BYTES if receive else nbytes) if inline else 0
-    return nbytes, inline, _buffer(_HEADER + room)
+    buf = _buffer(_HEADER + (nbytes if inline else 0))
+    at = buf.data_ptr()
+    ctypes.c_int64.from_address(at).value = code
+    ctypes.c_int64.from_address(at + 8).value = count
+    if not inline:
+        return _Messages([pg.send([buf], dst, P2P_TAG), pg.send([data()], dst, P2P_TAG)], buf)
+    if nbytes:
+        ctypes.memmove(at + _HEADER, source, nbytes)
+    return _Messages([pg.send([buf], dst, P2P_TAG)], buf)
 
 
 def send(pg: Any, tensor: torch.Tensor, dst: int) -> Any:
@@ -237,14 +261,53 @@ def send(pg: Any, tensor: torch.Tensor, dst: int) -> Any:
     wire = _wire(tensor)
     if not tensor.is_cpu:
         return pg.send([wire], dst, P2P_TAG)
-    nbytes, inline, buf = _framing(tensor, receive=False)
+    code, nbytes = dtype_code(tensor.dtype), tensor.nbytes
+    return _send_framed(pg, dst, code, tensor.numel(), nbytes, tensor.data_ptr(), lambda: wire)
+
+
+def send_bytes(pg: Any, payload: bytes, dst: int) -> Any:
+    """Send ``payload`` to in-group rank ``dst``, for :func:`recv_bytes`."""
+    n = len(payload)
+    return _send_framed(
+        pg, dst, BYTES_CODE, n, n, payload,
+        lambda: torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+    )  # fmt: skip
+
+
+def _clear_header(buf: torch.Tensor) -> None:
+    # No header yet (a reused buffer holds an old one): a message shorter than a
+    # header (not one of ours) leaves these, and says so.
     at = buf.data_ptr()
-    ctypes.c_int64.from_address(at).value = dtype_code(tensor.dtype)
-    ctypes.c_int64.from_address(at + 8).value = tensor.numel()
-    if inline:
-        ctypes.memmove(at + _HEADER, tensor.data_ptr(), nbytes)
-        return _Messages([pg.send([buf], dst, P2P_TAG)], buf)
-    return _Messages([pg.send([buf], dst, P2P_TAG), pg.send([wire], dst, P2P_TAG)], buf)
+    ctypes.c_int64.from_address(at).value = -1
+    ctypes.c_int64.from_address(at + 8).value = -1
+
+
+def _header(buf: torch.Tensor) -> tuple[int, int]:
+    at = buf.data_ptr()
+    return ctypes.c_int64.from_address(at).value, ctypes.c_int64.from_address(at + 8).value
+
+
+def _sent(pg: Any, src: int, code: int, count: int, inline: bool) -> str:
+    """What a header that is not the one expected says was sent; when its data
+    follows as a message of its own (the receive took the header inline), that
+    message is received and dropped, so the pair stays in step."""
+    if code == BYTES_CODE and count >= 0:
+        sent, nbytes = f"an object's {count} bytes (send_object or send_tensor_dict)", count
+    elif 0 <= code < len(WIRE_DTYPES) and count >= 0:
+        sent = f"a {WIRE_DTYPES[code]}[{count}] tensor"
+        nbytes = count * torch_dtype(WIRE_DTYPES[code]).itemsize
+    else:
+        return "a message without a tensor header (not a groupcoord send)"
+    if inline and nbytes > INLINE_MAX_BYTES:  # its data follows alone: consume it
+        pg.recv([torch.empty(nbytes, dtype=torch.uint8)], src, P2P_TAG).wait()
+    return sent
+
+
+def _out_of_step(what: str, pg: Any, called: str, src: int, sent: str) -> DesyncError:
+    return DesyncError(
+        f"{what + ': ' if what else ''}rank {pg.rank()} called {called} from rank {src}, "
+        f"which sent {sent}: the ranks' point-to-point calls are out of step"
+    )
 
 
 def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
@@ -254,39 +317,47 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
     wire = _wire(tensor)
     if not tensor.is_cpu:
         return pg.recv([wire], src, P2P_TAG)
-    nbytes, inline, buf = _framing(tensor, receive=True)
-    header = buf.data_ptr()
-    # No header yet (a reused buffer holds an old one): a message shorter than a
-    # header (not one of ours) leaves these, and says so.
-    ctypes.c_int64.from_address(header).value = -1
-    ctypes.c_int64.from_address(header + 8).value = -1
+    nbytes = tensor.nbytes
+    # An inline receive takes any inline message (INLINE_MAX_BYTES of room), so a
+    # sender's larger inline tensor or object is a DesyncError too, not Gloo's abort.
+    inline = nbytes <= INLINE_MAX_BYTES
+    buf = _buffer(_HEADER + (INLINE_MAX_BYTES if inline else 0))
+    _clear_header(buf)
     works = [pg.recv([buf], src, P2P_TAG)]
     if not inline:
         works.append(pg.recv([wire], src, P2P_TAG))
 
     def check(buf: torch.Tensor) -> None:
-        at = buf.data_ptr()
-        code = ctypes.c_int64.from_address(at).value
-        numel = ctypes.c_int64.from_address(at + 8).value
-        if code == dtype_code(tensor.dtype) and numel == tensor.numel():
+        code, count = _header(buf)
+        if code == dtype_code(tensor.dtype) and count == tensor.numel():
             if inline and nbytes:
-                ctypes.memmove(tensor.data_ptr(), at + _HEADER, nbytes)
+                ctypes.memmove(tensor.data_ptr(), buf.data_ptr() + _HEADER, nbytes)
             return
-        known = 0 <= code < len(WIRE_DTYPES) and numel >= 0
-        if known:
-            sent = f"a {WIRE_DTYPES[code]}[{numel}] tensor"
-            sent_bytes = numel * torch_dtype(WIRE_DTYPES[code]).itemsize
-            if inline and sent_bytes > INLINE_MAX_BYTES:  # its data follows alone: consume it
-                pg.recv([torch.empty(sent_bytes, dtype=torch.uint8)], src, P2P_TAG).wait()
-        else:
-            sent = "a message without a tensor header (not a groupcoord send)"
         mine = str(tensor.dtype).removeprefix("torch.")
-        raise DesyncError(
-            f"{what + ': ' if what else ''}rank {pg.rank()} called recv({mine}[{tensor.numel()}]) "
-            f"from rank {src}, which sent {sent}: the ranks' point-to-point calls are out of step"
-        )
+        called = f"recv({mine}[{tensor.numel()}])"
+        raise _out_of_step(what, pg, called, src, _sent(pg, src, code, count, inline))
 
     return _Messages(works, buf, check)
+
+
+def recv_bytes(pg: Any, src: int, operation: str, what: str = "") -> bytes:
+    """What in-group rank ``src`` sent with :func:`send_bytes` (waits for it). A
+    tensor sent instead raises ``DesyncError`` naming both sides (``operation``:
+    this rank's call, ``what``: the group), and is consumed."""
+    buf = _buffer(_HEADER + INLINE_MAX_BYTES)
+    _clear_header(buf)
+    pg.recv([buf], src, P2P_TAG).wait()
+    try:
+        code, count = _header(buf)
+        if code != BYTES_CODE:
+            raise _out_of_step(what, pg, operation, src, _sent(pg, src, code, count, True))
+        if count <= INLINE_MAX_BYTES:
+            return ctypes.string_at(buf.data_ptr() + _HEADER, count)
+        data = torch.empty(count, dtype=torch.uint8)
+        pg.recv([data], src, P2P_TAG).wait()
+        return data.numpy().tobytes()
+    finally:
+        _give_back(buf)  # the header's message is done with it (a failed wait keeps it)
 
 
 class _Messages:

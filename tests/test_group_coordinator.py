@@ -380,7 +380,7 @@ def test_a_killed_peer_is_named_well_before_the_deadline(tmp_path) -> None:
 def _bad_group_ranks(rank: int, world_size: int) -> list[str]:
     init_gloo(rank, world_size)
     messages = []
-    for group_ranks in ([[5]], [[0, 1], [1]], [], [[0, 1.5]]):
+    for group_ranks in ([[5]], [[0, 1], [1]], [], [[0, 1.5]], [[1, 0]]):
         with pytest.raises(GroupcoordValueError) as info:
             GroupCoordinator(group_ranks, rank, "gloo", True)  # type: ignore[arg-type]
         messages.append(str(info.value))
@@ -397,6 +397,10 @@ def test_bad_group_ranks_raise_before_any_group_is_made() -> None:
     assert "rank 1 appears in more than one place" in messages[1]
     assert "non-empty list" in messages[2]
     assert "1.5 is not a rank" in messages[3]
+    # Listed out of order, rank_in_group would name other processes than the
+    # process group's numbering: sends went to the wrong rank (or to itself).
+    assert "[1, 0] is not in increasing order" in messages[4]
+    assert "list it as [0, 1]" in messages[4]
 
 
 def _failed_constructor(rank: int, world_size: int) -> None:

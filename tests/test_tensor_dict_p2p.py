@@ -382,20 +382,39 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
     from shm_broadcast.errors import DesyncError
 
     g = _group(rank, world, mode)
+    gloo = mode == "gloo"
+    big = list(range(30000))  # encodes to more than 64 KiB: its bytes follow their header
     try:
         if rank == 0:
             g.send(torch.arange(8.0), dst=1)
             g.send(torch.arange(6, dtype=torch.int32), dst=1)
-            if mode != "gloo":  # an object on Gloo is bytes after a length: no header
-                g.send_object("not a tensor", dst=1)
+            g.send_object("not a tensor", dst=1)
+            g.send_object(big, dst=1)
+            g.send_tensor_dict({"step": 3}, dst=1)
+            if gloo:  # on the channels an object may be a tensor: recv_object takes it
+                g.send(torch.arange(3.0), dst=1)
+                g.send(torch.arange(70000.0), dst=1)  # past 64 KiB: its data follows alone
+                g.send(torch.arange(5.0), dst=1)
             g.send(torch.arange(4.0), dst=1)
             g.barrier()
             return ""
         raised = []
-        calls = [((16,), torch.float32), ((6,), torch.float32), ((2,), torch.int64)]
-        for size, dtype in calls[: 2 if mode == "gloo" else 3]:
+        calls: list[Any] = [
+            lambda: g.recv((16,), torch.float32, src=0),
+            lambda: g.recv((6,), torch.float32, src=0),
+            lambda: g.recv((2,), torch.int64, src=0),
+            lambda: g.recv((4,), torch.float32, src=0),
+            lambda: g.recv((4,), torch.float32, src=0),
+        ]
+        if gloo:
+            calls += [
+                lambda: g.recv_object(src=0),
+                lambda: g.recv_object(src=0),
+                lambda: g.recv_tensor_dict(src=0),
+            ]
+        for call in calls:
             with pytest.raises(DesyncError) as info:
-                g.recv(size, dtype, src=0)
+                call()
             raised.append(str(info.value))
         # Each mismatched message was consumed: the channel is still in step.
         assert g.recv((2, 2), torch.float32, src=0).tolist() == [[0.0, 1.0], [2.0, 3.0]]
@@ -407,11 +426,23 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
 
 @pytest.mark.parametrize("mode", ["shm", "shm-split", "gloo"])
 def test_a_recv_that_disagrees_with_the_send_names_both_and_the_channel_goes_on(mode):
-    """On Gloo too (each tensor travels with its dtype and element count; a smaller
-    message used to fill the head of the result and leave the rest uninitialised)."""
+    """On Gloo too (each tensor travels with its dtype and element count, an
+    object's bytes with their own mark; a smaller message used to fill the head of
+    the result and leave the rest uninitialised, and an object met by a tensor
+    receive, or a tensor by an object receive, left the pair out of step or made
+    Gloo abort the receiving process)."""
     raised = run_ranks(_recv_of_another_size, 2, mode, timeout=60)[1].splitlines()
     assert "called recv(float32[16]) from rank 0, which sent a float32[8] tensor" in raised[0]
     assert "called recv(float32[6]) from rank 0, which sent a int32[6] tensor" in raised[1]
-    if mode != "gloo":
+    if mode == "gloo":
+        # What came is named by its size: the bytes are not decoded.
+        assert "called recv(int64[2]) from rank 0, which sent an object's 21 bytes" in raised[2]
+        assert "called recv(float32[4]) from rank 0, which sent an object's" in raised[3]
+        assert "(send_object or send_tensor_dict)" in raised[4]
+        assert "called recv_object from rank 0, which sent a float32[3] tensor" in raised[5]
+        assert "called recv_object from rank 0, which sent a float32[70000] tensor" in raised[6]
+        assert "called recv_tensor_dict from rank 0, which sent a float32[5] tensor" in raised[7]
+    else:
         assert "called recv(int64[2]) from rank 0, which sent a str, not a tensor" in raised[2]
+        assert "called recv(float32[4]) from rank 0, which sent a list, not a tensor" in raised[3]
     assert all(line.startswith("pp:0: rank 1") for line in raised), raised
