@@ -181,7 +181,7 @@ def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, An
             return shm.recv_tensor(peer, item.dtype, shape, "recv_tensor_dict")
         out = _empty(group, item, shape)
         pg = group.cpu_group if out.is_cpu else group.device_group
-        group._p2p("recv_tensor_dict", src, _recv_waiting, pg, out, src, group.unique_name)
+        group._p2p("recv_tensor_dict", src, c10d_calls.recv_now, pg, out, src, group.unique_name)
         return out
 
     def receive(item: SeparateTensor) -> torch.Tensor:
@@ -200,10 +200,6 @@ def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, An
 
 def _send_waiting(pg: ProcessGroup, tensor: torch.Tensor, dst: int) -> None:
     c10d_calls.send(pg, tensor, dst).wait()
-
-
-def _recv_waiting(pg: ProcessGroup, out: torch.Tensor, src: int, what: str) -> None:
-    c10d_calls.recv(pg, out, src, what).wait()
 
 
 def _empty(

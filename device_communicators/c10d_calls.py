@@ -51,6 +51,7 @@ __all__ = [
     "gather",
     "recv",
     "recv_bytes",
+    "recv_now",
     "reduce",
     "reduce_scatter",
     "scatter",
@@ -192,14 +193,16 @@ def barrier(pg: Any, timeout: Timeout) -> Any:
 # receive meeting them, or an object receive meeting a tensor, raises too, and
 # consumes it. A message larger than the buffer it is received into is still
 # Gloo's to refuse: it aborts the receiving process ("Received data size doesn't
-# match expected size"). An object receive and a receive of up to 64 KiB take
-# any header, with its inline data, so only a receive of more than 64 KiB,
-# whose data buffer (the tensor itself) is posted with its header's, can meet
-# it: an inline message sent to it, or a larger tensor. (Posting the data
-# buffer only once the header is read would need a thread to do it: Gloo's
-# sends wait until their receive is posted, so a sender could wait forever on
-# a receiver busy elsewhere.) A device tensor goes alone (reading a header back
-# would wait for the device). Both ends of a pair must be groupcoord's: a plain
+# match expected size"). So a receive waited for at once (``recv_now``,
+# ``recv_bytes``: every receive of ``GroupCoordinator``) takes the header with
+# room for any inline data, and receives larger data only once the header has
+# said what comes: Gloo aborts on none of its mismatches. An asynchronous
+# receive (``recv``: ``Comm``'s, batches) must post its data buffer with its
+# header's, since Gloo's sends wait until their receive is posted and a sender
+# could otherwise wait on a receiver busy elsewhere; one of more than 64 KiB is
+# still aborted by Gloo when a message of up to 64 KiB or a larger tensor
+# reaches it. A device tensor goes alone (reading a header back would wait for
+# the device). Both ends of a pair must be groupcoord's: a plain
 # torch.distributed.recv would take the header.
 INLINE_MAX_BYTES = 64 * 1024
 _HEADER = 16
@@ -340,20 +343,58 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
     return _Messages(works, buf, check)
 
 
+def recv_now(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> None:
+    """:func:`recv`, waited for here, for a caller that waits at once anyway: the
+    tensor's data is received only once the header says what came, so no message
+    can be too large for its buffer, and any mismatch raises ``DesyncError`` and
+    is consumed (Gloo aborts on none)."""
+    if not tensor.is_cpu:
+        pg.recv([_wire(tensor)], src, P2P_TAG).wait()
+        return
+    called = f"recv({str(tensor.dtype).removeprefix('torch.')}[{tensor.numel()}])"
+    _receive(pg, src, dtype_code(tensor.dtype), tensor.numel(), tensor, called, what)
+
+
 def recv_bytes(pg: Any, src: int, operation: str, what: str = "") -> bytes:
     """What in-group rank ``src`` sent with :func:`send_bytes` (waits for it). A
     tensor sent instead raises ``DesyncError`` naming both sides (``operation``:
     this rank's call, ``what``: the group), and is consumed."""
+    got = _receive(pg, src, BYTES_CODE, -1, None, operation, what)
+    assert got is not None
+    return got
+
+
+def _receive(
+    pg: Any,
+    src: int,
+    code: int,
+    count: int,
+    into: torch.Tensor | None,
+    called: str,
+    what: str,
+) -> bytes | None:
+    """Wait for the next message unit from ``src``. When its header is ``code``
+    (and ``count``, unless -1), its data lands in ``into`` (a dense CPU tensor) or,
+    without one, is returned as bytes; anything else is consumed and raises
+    ``DesyncError`` naming ``called`` and what came."""
     buf = _buffer(_HEADER + INLINE_MAX_BYTES)
     _clear_header(buf)
     pg.recv([buf], src, P2P_TAG).wait()
     try:
-        code, count = _header(buf)
-        if code != BYTES_CODE:
-            raise _out_of_step(what, pg, operation, src, _sent(pg, src, code, count, True))
-        if count <= INLINE_MAX_BYTES:
-            return ctypes.string_at(buf.data_ptr() + _HEADER, count)
-        data = torch.empty(count, dtype=torch.uint8)
+        got_code, got_count = _header(buf)
+        if got_code != code or (count >= 0 and got_count != count) or got_count < 0:
+            raise _out_of_step(what, pg, called, src, _sent(pg, src, got_code, got_count, True))
+        nbytes = got_count if into is None else into.nbytes
+        if nbytes <= INLINE_MAX_BYTES:  # it came with the header
+            if into is None:
+                return ctypes.string_at(buf.data_ptr() + _HEADER, nbytes)
+            if nbytes:
+                ctypes.memmove(into.data_ptr(), buf.data_ptr() + _HEADER, nbytes)
+            return None
+        if into is not None:
+            pg.recv([_wire(into)], src, P2P_TAG).wait()
+            return None
+        data = torch.empty(nbytes, dtype=torch.uint8)
         pg.recv([data], src, P2P_TAG).wait()
         return data.numpy().tobytes()
     finally:

@@ -391,6 +391,9 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
             g.send_object("not a tensor", dst=1)
             g.send_object(big, dst=1)
             g.send_tensor_dict({"step": 3}, dst=1)
+            # To receives of more than 64 KiB (Gloo aborted on both until 2026-11-27):
+            g.send(torch.arange(1000.0), dst=1)  # a message of up to 64 KiB
+            g.send(torch.arange(200000.0), dst=1)  # a larger tensor
             if gloo:  # on the channels an object may be a tensor: recv_object takes it
                 g.send(torch.arange(3.0), dst=1)
                 g.send(torch.arange(70000.0), dst=1)  # past 64 KiB: its data follows alone
@@ -405,6 +408,8 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
             lambda: g.recv((2,), torch.int64, src=0),
             lambda: g.recv((4,), torch.float32, src=0),
             lambda: g.recv((4,), torch.float32, src=0),
+            lambda: g.recv((100000,), torch.float32, src=0),
+            lambda: g.recv((100000,), torch.float32, src=0),
         ]
         if gloo:
             calls += [
@@ -428,9 +433,10 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
 def test_a_recv_that_disagrees_with_the_send_names_both_and_the_channel_goes_on(mode):
     """On Gloo too (each tensor travels with its dtype and element count, an
     object's bytes with their own mark; a smaller message used to fill the head of
-    the result and leave the rest uninitialised, and an object met by a tensor
+    the result and leave the rest uninitialised; an object met by a tensor
     receive, or a tensor by an object receive, left the pair out of step or made
-    Gloo abort the receiving process)."""
+    Gloo abort the receiving process, and so did a receive of more than 64 KiB
+    met by a smaller message or a larger tensor)."""
     raised = run_ranks(_recv_of_another_size, 2, mode, timeout=60)[1].splitlines()
     assert "called recv(float32[16]) from rank 0, which sent a float32[8] tensor" in raised[0]
     assert "called recv(float32[6]) from rank 0, which sent a int32[6] tensor" in raised[1]
@@ -439,10 +445,13 @@ def test_a_recv_that_disagrees_with_the_send_names_both_and_the_channel_goes_on(
         assert "called recv(int64[2]) from rank 0, which sent an object's 21 bytes" in raised[2]
         assert "called recv(float32[4]) from rank 0, which sent an object's" in raised[3]
         assert "(send_object or send_tensor_dict)" in raised[4]
-        assert "called recv_object from rank 0, which sent a float32[3] tensor" in raised[5]
-        assert "called recv_object from rank 0, which sent a float32[70000] tensor" in raised[6]
-        assert "called recv_tensor_dict from rank 0, which sent a float32[5] tensor" in raised[7]
+        assert "called recv_object from rank 0, which sent a float32[3] tensor" in raised[7]
+        assert "called recv_object from rank 0, which sent a float32[70000] tensor" in raised[8]
+        assert "called recv_tensor_dict from rank 0, which sent a float32[5] tensor" in raised[9]
     else:
         assert "called recv(int64[2]) from rank 0, which sent a str, not a tensor" in raised[2]
         assert "called recv(float32[4]) from rank 0, which sent a list, not a tensor" in raised[3]
+    big_recv = "called recv(float32[100000]) from rank 0, which sent a float32"
+    assert f"{big_recv}[1000] tensor" in raised[5], raised[5]
+    assert f"{big_recv}[200000] tensor" in raised[6], raised[6]
     assert all(line.startswith("pp:0: rank 1") for line in raised), raised
