@@ -181,7 +181,11 @@ def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, An
             return shm.recv_tensor(peer, item.dtype, shape, "recv_tensor_dict")
         out = _empty(group, item, shape)
         pg = group.cpu_group if out.is_cpu else group.device_group
-        group._p2p("recv_tensor_dict", src, c10d_calls.recv_now, pg, out, src, group.unique_name)
+        group._p2p(
+            "recv_tensor_dict",
+            src,
+            lambda: c10d_calls.recv_blocking(pg, out, src, group.unique_name).wait(),
+        )
         return out
 
     def receive(item: SeparateTensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ __all__ = [
     "gather",
     "recv",
     "recv_bytes",
-    "recv_now",
+    "recv_blocking",
     "reduce",
     "reduce_scatter",
     "scatter",
@@ -193,14 +193,15 @@ def barrier(pg: Any, timeout: Timeout) -> Any:
 # receive meeting them, or an object receive meeting a tensor, raises too, and
 # consumes it. A message larger than the buffer it is received into is still
 # Gloo's to refuse: it aborts the receiving process ("Received data size doesn't
-# match expected size"). So a receive waited for at once (``recv_now``,
-# ``recv_bytes``: every receive of ``GroupCoordinator``) takes the header with
-# room for any inline data, and receives larger data only once the header has
-# said what comes: Gloo aborts on none of its mismatches. An asynchronous
-# receive (``recv``: ``Comm``'s, batches) must post its data buffer with its
-# header's, since Gloo's sends wait until their receive is posted and a sender
-# could otherwise wait on a receiver busy elsewhere; one of more than 64 KiB is
-# still aborted by Gloo when a message of up to 64 KiB or a larger tensor
+# match expected size"). So a receive waited for at once (``recv_blocking``,
+# ``recv_bytes``: every receive of ``GroupCoordinator``, ``Comm``'s blocking
+# ones) takes the header with room for any inline data, and receives larger
+# data only once the header has said what comes: Gloo aborts on none of its
+# mismatches. An asynchronous receive (``recv``: ``Comm``'s ``async_op=True``
+# and batches on Gloo) must post its data buffer with its header's: Gloo's
+# sends wait until their receive is posted, and nothing of ours would post it
+# while the caller is busy elsewhere; one of more than 64 KiB is still aborted
+# by Gloo when a message of up to 64 KiB or a larger tensor
 # reaches it. A device tensor goes alone (reading a header back would wait for
 # the device). Both ends of a pair must be groupcoord's: a plain
 # torch.distributed.recv would take the header.
@@ -290,7 +291,7 @@ def _header(buf: torch.Tensor) -> tuple[int, int]:
     return ctypes.c_int64.from_address(at).value, ctypes.c_int64.from_address(at + 8).value
 
 
-def _sent(pg: Any, src: int, code: int, count: int, inline: bool) -> str:
+def _sent(pg: Any, src: int, code: int, count: int, inline: bool, end: float | None) -> str:
     """What a header that is not the one expected says was sent; when its data
     follows as a message of its own (the receive took the header inline), that
     message is received and dropped, so the pair stays in step."""
@@ -302,8 +303,12 @@ def _sent(pg: Any, src: int, code: int, count: int, inline: bool) -> str:
     else:
         return "a message without a tensor header (not a groupcoord send)"
     if inline and nbytes > INLINE_MAX_BYTES:  # its data follows alone: consume it
-        pg.recv([torch.empty(nbytes, dtype=torch.uint8)], src, P2P_TAG).wait()
+        _wait(pg.recv([torch.empty(nbytes, dtype=torch.uint8)], src, P2P_TAG), end)
     return sent
+
+
+def _called(tensor: torch.Tensor) -> str:
+    return f"recv({str(tensor.dtype).removeprefix('torch.')}[{tensor.numel()}])"
 
 
 def _out_of_step(what: str, pg: Any, called: str, src: int, sent: str) -> DesyncError:
@@ -330,75 +335,102 @@ def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
     if not inline:
         works.append(pg.recv([wire], src, P2P_TAG))
 
-    def check(buf: torch.Tensor) -> None:
+    def check(buf: torch.Tensor, end: float | None) -> None:
         code, count = _header(buf)
         if code == dtype_code(tensor.dtype) and count == tensor.numel():
             if inline and nbytes:
                 ctypes.memmove(tensor.data_ptr(), buf.data_ptr() + _HEADER, nbytes)
             return
-        mine = str(tensor.dtype).removeprefix("torch.")
-        called = f"recv({mine}[{tensor.numel()}])"
-        raise _out_of_step(what, pg, called, src, _sent(pg, src, code, count, inline))
+        sent = _sent(pg, src, code, count, inline, end)
+        raise _out_of_step(what, pg, _called(tensor), src, sent)
 
     return _Messages(works, buf, check)
 
 
-def recv_now(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> None:
-    """:func:`recv`, waited for here, for a caller that waits at once anyway: the
-    tensor's data is received only once the header says what came, so no message
-    can be too large for its buffer, and any mismatch raises ``DesyncError`` and
-    is consumed (Gloo aborts on none)."""
+def recv_blocking(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
+    """:func:`recv` for a caller that waits on the work at once (a blocking receive):
+    the work's ``wait()`` receives the header, and the data only once the header
+    says what came, so no message can be too large for its buffer, and any
+    mismatch raises ``DesyncError`` and is consumed (Gloo aborts on none)."""
     if not tensor.is_cpu:
-        pg.recv([_wire(tensor)], src, P2P_TAG).wait()
-        return
-    called = f"recv({str(tensor.dtype).removeprefix('torch.')}[{tensor.numel()}])"
-    _receive(pg, src, dtype_code(tensor.dtype), tensor.numel(), tensor, called, what)
+        return pg.recv([_wire(tensor)], src, P2P_TAG)
+    code, count = dtype_code(tensor.dtype), tensor.numel()
+    return _HeaderFirst(pg, src, code, count, tensor, _called(tensor), what)
 
 
 def recv_bytes(pg: Any, src: int, operation: str, what: str = "") -> bytes:
     """What in-group rank ``src`` sent with :func:`send_bytes` (waits for it). A
     tensor sent instead raises ``DesyncError`` naming both sides (``operation``:
     this rank's call, ``what``: the group), and is consumed."""
-    got = _receive(pg, src, BYTES_CODE, -1, None, operation, what)
-    assert got is not None
-    return got
+    work = _HeaderFirst(pg, src, BYTES_CODE, -1, None, operation, what)
+    work.wait()
+    assert work.payload is not None
+    return work.payload
 
 
-def _receive(
-    pg: Any,
-    src: int,
-    code: int,
-    count: int,
-    into: torch.Tensor | None,
-    called: str,
-    what: str,
-) -> bytes | None:
-    """Wait for the next message unit from ``src``. When its header is ``code``
-    (and ``count``, unless -1), its data lands in ``into`` (a dense CPU tensor) or,
-    without one, is returned as bytes; anything else is consumed and raises
-    ``DesyncError`` naming ``called`` and what came."""
-    buf = _buffer(_HEADER + INLINE_MAX_BYTES)
-    _clear_header(buf)
-    pg.recv([buf], src, P2P_TAG).wait()
-    try:
-        got_code, got_count = _header(buf)
-        if got_code != code or (count >= 0 and got_count != count) or got_count < 0:
-            raise _out_of_step(what, pg, called, src, _sent(pg, src, got_code, got_count, True))
-        nbytes = got_count if into is None else into.nbytes
-        if nbytes <= INLINE_MAX_BYTES:  # it came with the header
+def _wait(work: Any, end: float | None) -> None:
+    """``work.wait()`` until the monotonic ``end`` (None: the group's own timeout)."""
+    if end is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
+
+
+class _HeaderFirst:
+    """The next message unit from ``src``, whose ``wait()`` takes the header (with
+    room for any inline data), then the data once the header says what comes. When
+    the header is ``code`` (and ``count``, unless -1) the data lands in ``into`` (a
+    dense CPU tensor) or, without one, in ``payload`` as bytes; anything else is
+    consumed and raises ``DesyncError`` naming ``called`` and what came."""
+
+    def __init__(
+        self,
+        pg: Any,
+        src: int,
+        code: int,
+        count: int,
+        into: torch.Tensor | None,
+        called: str,
+        what: str,
+    ) -> None:
+        self._pg, self._src, self._code, self._count = pg, src, code, count
+        self._into, self._called, self._what = into, called, what
+        self._buf: torch.Tensor | None = _buffer(_HEADER + INLINE_MAX_BYTES)
+        _clear_header(self._buf)
+        self._header = pg.recv([self._buf], src, P2P_TAG)
+        self.payload: bytes | None = None
+        self._error: DesyncError | None = None
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        buf = self._buf
+        if buf is None:  # waited before: the same answer
+            if self._error is not None:
+                raise self._error
+            return True
+        pg, src, into = self._pg, self._src, self._into
+        _wait(self._header, end)
+        self._buf = None
+        try:
+            code, count = _header(buf)
+            if code != self._code or (self._count >= 0 and count != self._count) or count < 0:
+                sent = _sent(pg, src, code, count, True, end)
+                self._error = _out_of_step(self._what, pg, self._called, src, sent)
+                raise self._error
+            nbytes = count if into is None else into.nbytes
+            if nbytes <= INLINE_MAX_BYTES:  # it came with the header
+                if into is None:
+                    self.payload = ctypes.string_at(buf.data_ptr() + _HEADER, nbytes)
+                elif nbytes:
+                    ctypes.memmove(into.data_ptr(), buf.data_ptr() + _HEADER, nbytes)
+                return True
+            data = torch.empty(nbytes, dtype=torch.uint8) if into is None else _wire(into)
+            _wait(pg.recv([data], src, P2P_TAG), end)
             if into is None:
-                return ctypes.string_at(buf.data_ptr() + _HEADER, nbytes)
-            if nbytes:
-                ctypes.memmove(into.data_ptr(), buf.data_ptr() + _HEADER, nbytes)
-            return None
-        if into is not None:
-            pg.recv([_wire(into)], src, P2P_TAG).wait()
-            return None
-        data = torch.empty(nbytes, dtype=torch.uint8)
-        pg.recv([data], src, P2P_TAG).wait()
-        return data.numpy().tobytes()
-    finally:
-        _give_back(buf)  # the header's message is done with it (a failed wait keeps it)
+                self.payload = data.numpy().tobytes()
+            return True
+        finally:
+            _give_back(buf)  # the header's message is done with it (a failed wait keeps it)
 
 
 class _Messages:
@@ -411,7 +443,7 @@ class _Messages:
         self,
         works: list[Any],
         keep: torch.Tensor,
-        check: Callable[[torch.Tensor], None] | None = None,
+        check: Callable[[torch.Tensor, float | None], None] | None = None,
     ) -> None:
         self._keep: torch.Tensor | None
         self._works, self._keep, self._check = works, keep, check
@@ -420,10 +452,7 @@ class _Messages:
     def wait(self, timeout: Timeout = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for work in self._works:
-            if end is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
+            _wait(work, end)
         keep, self._keep = self._keep, None
         if keep is None:  # waited before: the same answer
             if self._error is not None:
@@ -431,7 +460,7 @@ class _Messages:
             return True
         try:
             if self._check is not None:
-                self._check(keep)
+                self._check(keep, end)
         except DesyncError as exc:
             self._error = exc
             raise

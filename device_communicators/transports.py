@@ -233,5 +233,5 @@ class TorchTransport(Transport):
     def recv(self, shape: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=self.comm.device)
         with self.comm._gloo("recv", peer=src, group=self.group):
-            c10d_calls.recv_now(self.group, out, src, self.comm.what)
+            c10d_calls.recv_blocking(self.group, out, src, self.comm.what).wait()
         return out

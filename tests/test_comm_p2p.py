@@ -68,6 +68,10 @@ def _mismatch(rank: int, world_size: int, shm: bool) -> str:
         comm.send(torch.ones(4096), 1)
         comm.send(torch.ones(big), 1)
         comm.send(torch.ones(big), 1)
+        # To receives past 64 KiB (Gloo aborted on both until 2026-11-27; a blocking
+        # receive now reads the header before it posts the data's buffer):
+        comm.send(torch.ones(1000), 1)  # a message of up to 64 KiB
+        comm.send(torch.ones(2 * big), 1)  # a larger tensor
         if not shm:  # 8 bytes straight through Gloo: shorter than a tensor header
             comm._pg.send([torch.ones(2, dtype=torch.int32)], 1, 0).wait()
         comm.send(torch.full((8,), 7.0), 1)
@@ -86,6 +90,10 @@ def _mismatch(rank: int, world_size: int, shm: bool) -> str:
             comm.recv(torch.empty(8), 0)
         with pytest.raises(DesyncError, match=rf"float32\[{2 * big}\]\).*float32\[{big}\]"):
             comm.recv(torch.empty(2 * big), 0)
+        with pytest.raises(DesyncError, match=rf"float32\[{big}\]\).*float32\[1000\]"):
+            comm.recv(torch.empty(big), 0)
+        with pytest.raises(DesyncError, match=rf"float32\[{big}\]\).*float32\[{2 * big}\]"):
+            comm.recv(torch.empty(big), 0)
         if not shm:
             with pytest.raises(DesyncError, match="without a tensor header"):
                 comm.recv(torch.empty(4), 0)

@@ -265,7 +265,10 @@ class CommCore:
                 post = functools.partial(c10d_calls.send, self._pg, tensor, peer)
             else:
                 what = f"communicator {self._name!r}"
-                post = functools.partial(c10d_calls.recv, self._pg, tensor, peer, what)
+                # A blocking receive reads the header before posting the data's
+                # buffer; an asynchronous one must post both now (c10d_calls).
+                receive = c10d_calls.recv if async_op else c10d_calls.recv_blocking
+                post = functools.partial(receive, self._pg, tensor, peer, what)
             return self._run(
                 kind, [peer], timeout, async_op, hints, lambda td: [post()], completes_in_wait=True
             )

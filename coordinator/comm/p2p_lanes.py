@@ -169,7 +169,8 @@ class P2PLanes:
             if got.data_ptr() != tensor.data_ptr():  # came encoded (a many-dim shape)
                 ctypes.memmove(tensor.data_ptr(), got.data_ptr(), got.nbytes)
         else:
-            post = functools.partial(c10d_calls.recv, self._pg, tensor, src, work._what())
+            # Waited for at once, on this lane: the header is read before the data.
+            post = functools.partial(c10d_calls.recv_blocking, self._pg, tensor, src, work._what())
             self._gloo(work, post, limit)
 
     @staticmethod
