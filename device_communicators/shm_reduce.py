@@ -23,7 +23,12 @@ __all__ = [
     "settle_torch_pool",
 ]
 
-SHM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64)
+# Integers wrap and bools add as "or" (multiply as "and") as on Gloo; Gloo takes no
+# int16, and complex or unsigned wider than a byte have no torch min/max here.
+SHM_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64,
+    torch.int8, torch.uint8, torch.int16, torch.bool,
+)  # fmt: skip
 _HALF = (torch.float16, torch.bfloat16)
 
 _OPS: dict[object, Callable[..., torch.Tensor]] = {

@@ -212,10 +212,10 @@ def _bad_input_leaves_comm_usable(comm: Comm) -> None:
 
 
 def _reduce_scatter_both_paths(comm: Comm) -> None:
-    # float32 takes the shared-memory path, int8 (not a shm dtype) Gloo's; both
+    # float32 takes the shared-memory path, complex64 (not a shm dtype) Gloo's; both
     # with multi-dimensional outputs, which each path flattens its own way.
     r, w = comm.get_rank(), comm.get_size()
-    for dtype in (torch.float32, torch.int8):
+    for dtype in (torch.float32, torch.complex64):
         ins = [torch.full((2, 3), r + 10 * i, dtype=dtype) for i in range(w)]
         res = torch.empty((2, 3), dtype=dtype)
         comm.reduce_scatter(res, ins, ReduceOp.SUM)

@@ -12,7 +12,10 @@ import torch
 
 from coordinator.launch import init_gloo, run_ranks, start_ranks
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64]
+DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64,
+    torch.int8, torch.uint8, torch.int16, torch.bool,
+]  # fmt: skip
 OPS = ["SUM", "PRODUCT", "MIN", "MAX"]
 
 
@@ -22,6 +25,12 @@ def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torc
     if dtype.is_floating_point:
         # Near 1 so that products over four ranks stay finite in fp16.
         return (torch.rand(numel, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=gen).bool()
+    if dtype == torch.uint8:  # products and sums wrap, as on Gloo
+        return torch.randint(0, 256, (numel,), generator=gen, dtype=dtype)
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, (numel,), generator=gen, dtype=dtype)
     return torch.randint(-3, 4, (numel,), generator=gen, dtype=dtype)
 
 
@@ -79,6 +88,35 @@ def _every_dtype_and_op(rank: int, world: int) -> list[str]:
 def test_every_dtype_and_op_matches_fixed_order_reference(world: int) -> None:
     digests = run_ranks(_every_dtype_and_op, world, timeout=90)
     assert all(d == digests[0] for d in digests), "ranks got different bits"
+
+
+def _same_bits_as_gloo(rank: int, world: int) -> int:
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    init_gloo(rank, world)
+    shm = make_shm(unique_name="bits")
+    checked = 0
+    try:
+        # One-shot, and past 256 KiB (read directly or two-shot through the slots).
+        for numel in (1000, 300_000):
+            for dtype in (torch.int8, torch.uint8, torch.bool):
+                for op in OPS:
+                    x = rank_input(rank, numel, dtype, seed=numel)
+                    ours = shm.all_reduce(x, getattr(ReduceOp, op))
+                    gloo = x.clone()
+                    dist.all_reduce(gloo, getattr(ReduceOp, op))
+                    assert torch.equal(ours, gloo), f"{numel} {dtype} {op}"
+                    checked += 1
+    finally:
+        shm.close()
+    return checked
+
+
+def test_byte_and_bool_reductions_give_gloos_bits() -> None:
+    """int8, uint8 and bool take the shared-memory path (fingerprinted: ranks that
+    disagree raise) with Gloo's answers: integers wrap, bools add as "or"."""
+    assert run_ranks(_same_bits_as_gloo, 3, timeout=120) == [24, 24, 24]
 
 
 def _pieces(rank: int, world: int, one_shot_max: int) -> list[str]:
@@ -176,12 +214,12 @@ def _refusals(rank: int, world: int) -> list[str]:
     shm = comm.shm_all_reduce
     try:
         reasons = []
-        int8 = torch.full((5,), rank + 1, dtype=torch.int8)
-        assert not shm.can_handle(int8)
-        reasons.append(str(shm.refusal(int8)))
+        other = torch.full((5,), rank + 1, dtype=torch.complex64)
+        assert not shm.can_handle(other)
+        reasons.append(str(shm.refusal(other)))
         # The chain hands what shm refuses to Gloo, which gets it right.
-        assert comm.all_reduce_chain.select(int8).name == "torch.distributed(gloo)"
-        assert torch.equal(comm.all_reduce(int8), torch.full((5,), 3, dtype=torch.int8))
+        assert comm.all_reduce_chain.select(other).name == "torch.distributed(gloo)"
+        assert torch.equal(comm.all_reduce(other), torch.full((5,), 3, dtype=torch.complex64))
         x = torch.tensor([6, 3], dtype=torch.int32) * (rank + 1)
         assert not shm.can_handle(x, ReduceOp.BAND)
         reasons.append(str(shm.refusal(x, ReduceOp.BAND)))
@@ -197,7 +235,7 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 def test_shm_refuses_what_it_cannot_take_and_gloo_takes_it() -> None:
     reasons = run_ranks(_refusals, 2, timeout=60)
-    assert "torch.int8" in reasons[0][0]
+    assert "torch.complex64" in reasons[0][0]
     assert "BAND" in reasons[0][1]
 
 

@@ -53,8 +53,8 @@ def _lean_small_sums(rank: int, world: int) -> bool:
         big = group.all_reduce(torch.ones(65537))  # over 256 KiB
         assert torch.equal(big, torch.full((65537,), float(world)))
         assert torch.equal(
-            group.all_reduce(torch.ones(4, dtype=torch.int8)),
-            torch.full((4,), world, dtype=torch.int8),
+            group.all_reduce(torch.ones(4, dtype=torch.complex64)),
+            torch.full((4,), world, dtype=torch.complex64),
         )
         with pytest.raises(TypeError, match="input_ must be a torch.Tensor"):
             group.all_reduce([1.0, 2.0])
