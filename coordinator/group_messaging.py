@@ -14,8 +14,9 @@ from device_communicators import c10d_calls
 from shm_broadcast.codec import dumps, encode_message, loads, message_bytes
 from shm_broadcast.group_io import broadcast_bytes
 
-from .errors import GroupcoordTypeError
+from .errors import DesyncError, GroupcoordTypeError
 from .group_base import GroupBase
+from .metadata import OBJECT_LIST, expect
 
 
 class Handle(Protocol):
@@ -49,11 +50,22 @@ class GroupMessaging(GroupBase):
         self._check_index(src, "src")
         if self.world_size == 1:
             return obj
+        mine = self.rank_in_group == src
         if self.mq_broadcaster is not None and src == 0:
-            return self._mq_broadcast(obj)
-        payload = dumps(obj) if self.rank_in_group == src else None
-        data = self._collective("broadcast_object", broadcast_bytes, self.cpu_group, payload, src)
-        return loads(data)
+            got = self._mq_broadcast(obj)
+        else:
+            payload = dumps(obj) if mine else None
+            data = self._collective(
+                "broadcast_object", broadcast_bytes, self.cpu_group, payload, src
+            )
+            got = loads(data)
+        return got if mine else expect(got, None, self._called("broadcast_object", src), src)
+
+    def _called(self, operation: str, src: int) -> str:
+        """How a ``DesyncError`` names this rank's receive of ``operation`` from ``src``."""
+        if operation.startswith("broadcast"):
+            return f"{self.unique_name}: rank {self.rank_in_group} called {operation}(src={src})"
+        return f"{self.unique_name}: rank {self.rank_in_group} called {operation} from rank {src}"
 
     def _mq_broadcast(self, obj: Any) -> Any:
         """In-group rank 0 writes ``obj`` to the queue, the others read it.
@@ -76,9 +88,19 @@ class GroupMessaging(GroupBase):
         if self.world_size == 1:
             return obj_list
         pg = group if group is not None else self.cpu_group
-        payload = dumps(obj_list) if self.rank_in_group == src else None
+        mine = self.rank_in_group == src
+        payload = dumps([OBJECT_LIST, *obj_list]) if mine else None
         data = self._collective("broadcast_object_list", broadcast_bytes, pg, payload, src)
-        obj_list[:] = loads(data)
+        if mine:
+            return obj_list
+        called = self._called("broadcast_object_list", src)
+        items = expect(loads(data), OBJECT_LIST, called, src)[1:]
+        if len(items) != len(obj_list):
+            raise DesyncError(
+                f"{called} with a list of {len(obj_list)}, and rank {src} broadcast "
+                f"{len(items)} objects: the ranks' calls are out of step"
+            )
+        obj_list[:] = items
         return obj_list
 
     def send_object(self, obj: Any, dst: int) -> None:
@@ -97,8 +119,10 @@ class GroupMessaging(GroupBase):
         self._check_peer(src, "src")
         peer = self.ranks[src]
         if self._p2p_channels.open_from(peer, "recv_object"):
-            return self._p2p_channels.recv_message(peer, "recv_object")
-        return loads(self._recv_bytes(src, "recv_object"))
+            got = self._p2p_channels.recv_message(peer, "recv_object")
+        else:
+            got = loads(self._recv_bytes(src, "recv_object"))
+        return expect(got, None, self._called("recv_object", src), src)
 
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:
         # One message unit with a header that says "an object's bytes": a tensor

@@ -3,7 +3,7 @@ tensors that travel on their own.
 
 A tensor dict (str keys; tensors of any dtype, empty ones included, mixed
 with plain values) goes through ``shm_broadcast.codec`` as one message,
-``[values, separate]``. ``values`` is the dict itself: CPU tensors small
+``[TENSOR_DICT, values, separate]``. ``values`` is the dict itself: CPU tensors small
 enough to ride inside (all of them on the message-queue path, where the codec
 writes them straight into shared memory) become frames of the message. Every
 other tensor holds its key's place as ``None`` and is described in
@@ -22,9 +22,48 @@ import torch
 
 from shm_broadcast.codec import EncodedMessage, dtype_name, encode_message, loads, torch_dtype
 
-from .errors import GroupcoordTypeError, ProtocolError
+from .errors import DesyncError, GroupcoordTypeError, ProtocolError
 
-__all__ = ["Described", "SeparateTensor", "checked", "decode", "describe", "encode", "rebuild"]
+__all__ = [
+    "OBJECT_LIST",
+    "TENSOR_DICT",
+    "Described",
+    "SeparateTensor",
+    "checked",
+    "decode",
+    "describe",
+    "encode",
+    "expect",
+    "rebuild",
+]
+
+# The first item of a tensor dict's message and of broadcast_object_list's, so a
+# receive that meets the message of another kind of call (a plain object, a
+# tensor dict, an object list) raises instead of returning the other call's.
+TENSOR_DICT = "groupcoord:tensor_dict"
+OBJECT_LIST = "groupcoord:object_list"
+_SENT = {
+    TENSOR_DICT: "a tensor dict (send_tensor_dict or broadcast_tensor_dict)",
+    OBJECT_LIST: "an object list (broadcast_object_list)",
+}
+
+
+def expect(message: Any, kind: str | None, called: str, src: int) -> Any:
+    """``message`` when it is of ``kind`` (None: a plain object, ``send_object``'s
+    or ``broadcast_object``'s), else ``DesyncError``: ``called`` (who called what),
+    then what in-group rank ``src`` sent."""
+    got = None
+    if type(message) is list and message and type(message[0]) is str and message[0] in _SENT:
+        got = message[0]
+    if got == kind:
+        return message
+    if got is not None:
+        sent = _SENT[got]
+    elif isinstance(message, torch.Tensor):  # over the channels, send's and send_object's
+        sent = "a tensor (send, or an object that is one)"
+    else:
+        sent = "an object (send_object or broadcast_object)"
+    raise DesyncError(f"{called}, and rank {src} sent {sent}: the ranks' calls are out of step")
 
 
 class SeparateTensor(NamedTuple):
@@ -88,7 +127,7 @@ def encode(described: Described) -> EncodedMessage:
     for key, t in described.separate.items():
         wire += (key, dtype_name(t.dtype), t.device, t.slices, len(t.shape), *t.shape)
     try:
-        return encode_message([described.values, wire])
+        return encode_message([TENSOR_DICT, described.values, wire])
     except GroupcoordTypeError as exc:
         for key, value in described.values.items():
             try:
@@ -98,21 +137,19 @@ def encode(described: Described) -> EncodedMessage:
         raise
 
 
-def decode(data: bytes | memoryview) -> Described:
-    """A described dict from the bytes of :func:`encode` (``ProtocolError`` if malformed)."""
-    return checked(loads(data))
+def decode(data: bytes | memoryview, called: str, src: int) -> Described:
+    """A described dict from the bytes of :func:`encode` (``ProtocolError`` if malformed,
+    ``DesyncError`` naming ``called`` if another kind of call sent them)."""
+    return checked(loads(data), called, src)
 
 
-def checked(message: Any) -> Described:
-    """The described dict a decoded message holds; ``ProtocolError`` if it holds none."""
-    if not (
-        isinstance(message, list)
-        and len(message) == 2
-        and isinstance(message[0], dict)
-        and isinstance(message[1], list)
-    ):
-        raise ProtocolError(f"expected a tensor dict message, got {type(message).__qualname__}")
-    values, wire = message
+def checked(message: Any, called: str, src: int) -> Described:
+    """The described dict a decoded message holds: ``DesyncError`` (see
+    :func:`expect`) for another kind of message, ``ProtocolError`` if malformed."""
+    expect(message, TENSOR_DICT, called, src)
+    if not (len(message) == 3 and isinstance(message[1], dict) and isinstance(message[2], list)):
+        raise ProtocolError("malformed tensor dict message")
+    _, values, wire = message
     if not all(isinstance(k, str) for k in values):
         raise ProtocolError("tensor dict message has a key that is not a str")
     separate: dict[str, SeparateTensor] = {}

@@ -52,6 +52,7 @@ class Group(Protocol):
     def _wait_all(self, operation: str, works: list[Any]) -> None: ...
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None: ...
     def _recv_bytes(self, src: int, operation: str) -> bytes: ...
+    def _called(self, operation: str, src: int) -> str: ...
 
 
 # CPU tensors up to this size ride inside the dict's message: one message instead
@@ -94,11 +95,12 @@ def broadcast(
         ]
         group._wait_all("broadcast_tensor_dict", works)
         return dict(tensor_dict)
+    called = group._called("broadcast_tensor_dict", src)
     if via_mq:
-        described = checked(group._mq_broadcast(None))
+        described = checked(group._mq_broadcast(None), called, src)
     else:
         data = group._collective("broadcast_tensor_dict", broadcast_bytes, meta_pg, None, src)
-        described = decode(data)
+        described = decode(data, called, src)
     works = []
 
     def receive(item: SeparateTensor) -> torch.Tensor:
@@ -164,10 +166,11 @@ def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, An
     peer = group.ranks[src]
     channels = group._p2p_channels
     shm = channels if channels.open_from(peer, "recv_tensor_dict") else None
+    called = group._called("recv_tensor_dict", src)
     if shm is not None:
-        described = checked(shm.recv_message(peer, "recv_tensor_dict"))
+        described = checked(shm.recv_message(peer, "recv_tensor_dict"), called, src)
     else:
-        described = decode(group._recv_bytes(src, "recv_tensor_dict"))
+        described = decode(group._recv_bytes(src, "recv_tensor_dict"), called, src)
     slices = all_gather_group.world_size if all_gather_group is not None else 1
     for n in {i.slices for i in described.separate.values() if i.slices}:
         if all_gather_group is None or slices != n:

@@ -16,6 +16,7 @@ from ready_flags import mark, wait_for
 
 from coordinator import custom_ops
 from coordinator.errors import (
+    DesyncError,
     GroupcoordError,
     GroupcoordTimeoutError,
     GroupcoordTypeError,
@@ -401,6 +402,62 @@ def test_bad_group_ranks_raise_before_any_group_is_made() -> None:
     # process group's numbering: sends went to the wrong rank (or to itself).
     assert "[1, 0] is not in increasing order" in messages[4]
     assert "list it as [0, 1]" in messages[4]
+
+
+def _kinds_that_differ(rank: int, world_size: int, mq: bool) -> list[str]:
+    init_gloo(rank, world_size)
+    g = GroupCoordinator(
+        [[0, 1]], rank, "gloo", True, use_message_queue_broadcaster=mq, group_name="kinds"
+    )
+    td = {"x": torch.ones(4), "n": 3}
+    # (rank 0's call, rank 1's call): each pair moves one message, so the group
+    # stays in step after rank 1 raises.
+    pairs: list[tuple] = [
+        (lambda: g.broadcast_tensor_dict(td, src=0), lambda: g.broadcast_object(None, src=0)),
+        (lambda: g.broadcast_object({"x": 1}, src=0), lambda: g.broadcast_tensor_dict(src=0)),
+        (lambda: g.send_tensor_dict(td, dst=1), lambda: g.recv_object(src=0)),
+        (lambda: g.send_object({"x": 1}, dst=1), lambda: g.recv_tensor_dict(src=0)),
+    ]
+    if not mq:  # with a queue, broadcast_object from rank 0 takes the queue instead
+        pairs += [
+            (lambda: g.broadcast_object_list([1, 2], 0), lambda: g.broadcast_object(None, 0)),
+            (lambda: g.broadcast_object([1, 2], 0), lambda: g.broadcast_object_list([0, 0], 0)),
+            (
+                lambda: g.broadcast_object_list([1, 2, 3], 0),
+                lambda: g.broadcast_object_list([0], 0),
+            ),
+        ]
+    messages = []
+    try:
+        for root, other in pairs:
+            if rank == 0:
+                root()
+                continue
+            with pytest.raises(DesyncError) as info:
+                other()
+            messages.append(str(info.value))
+        assert g.broadcast_object("fine" if rank == 0 else None, src=0) == "fine"
+        g.barrier()
+        return messages
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize("mq", [False, True], ids=["gloo", "queue"])
+def test_object_calls_of_other_kinds_raise_naming_both(mq: bool) -> None:
+    """A tensor dict read as an object (or an object list as an object, and back)
+    was returned as the other call's message, silently, until 2026-11-27."""
+    messages = run_ranks(_kinds_that_differ, 2, mq, timeout=60)[1]
+    both = "the ranks' calls are out of step"
+    assert all(m.startswith("kinds:0: rank 1 called") and both in m for m in messages), messages
+    assert "broadcast_object(src=0), and rank 0 sent a tensor dict" in messages[0]
+    assert "broadcast_tensor_dict(src=0), and rank 0 sent an object (" in messages[1]
+    assert "recv_object from rank 0, and rank 0 sent a tensor dict" in messages[2]
+    assert "recv_tensor_dict from rank 0, and rank 0 sent an object (" in messages[3]
+    if not mq:
+        assert "broadcast_object(src=0), and rank 0 sent an object list" in messages[4]
+        assert "broadcast_object_list(src=0), and rank 0 sent an object (" in messages[5]
+        assert "with a list of 1, and rank 0 broadcast 3 objects" in messages[6]
 
 
 def _failed_constructor(rank: int, world_size: int) -> None:

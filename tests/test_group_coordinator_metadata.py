@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.errors import GroupcoordTypeError, ProtocolError
-from coordinator.metadata import SeparateTensor, decode, describe, encode, rebuild
+from coordinator.errors import DesyncError, GroupcoordTypeError, ProtocolError
+from coordinator.metadata import TENSOR_DICT, SeparateTensor, describe, encode, rebuild
+from coordinator.metadata import decode as decode_from
 from shm_broadcast.codec import dumps, encode_message, message_bytes
+
+
+def decode(data: bytes) -> object:
+    return decode_from(data, "tp:0: rank 1 called recv_tensor_dict from rank 0", 0)
 
 
 def _dict() -> dict:
@@ -33,7 +38,8 @@ def test_round_trip_with_small_tensors_inline_and_large_ones_separate() -> None:
     # One encoding: the message is the codec's encoding of the dict plus the
     # separate tensor's description, with no nested per-value encodings inside it.
     plain_part = len(encode_message({k: v for k, v in original.items() if k != "big"}).header)
-    assert plain_part < len(encode(described).header) < plain_part + 40
+    # (The kind's mark, TENSOR_DICT, is 23 bytes of it.)
+    assert plain_part < len(encode(described).header) < plain_part + 64
     again = decode(wire)
     assert list(again.values) == list(original)
     assert again.separate == described.separate
@@ -79,12 +85,12 @@ def test_refusals_name_the_key() -> None:
 def test_bad_bytes_raise_protocol_error() -> None:
     with pytest.raises(ProtocolError):
         decode(b"\x93garbage")
-    with pytest.raises(ProtocolError, match="expected a tensor dict"):
-        decode(dumps({"a": 1}))
     with pytest.raises(ProtocolError, match="not a str"):
-        decode(dumps([{1: "a"}, []]))
+        decode(dumps([TENSOR_DICT, {1: "a"}, []]))
+    with pytest.raises(ProtocolError, match="malformed tensor dict message"):
+        decode(dumps([TENSOR_DICT, {"a": 1}]))
     with pytest.raises(ProtocolError, match="unknown torch dtype 'float99'"):
-        decode(dumps([{"a": None}, ["a", "float99", "cpu", 0, 1, 1]]))
+        decode(dumps([TENSOR_DICT, {"a": None}, ["a", "float99", "cpu", 0, 1, 1]]))
     for bad in (
         ["a", "float32", "cpu", 0, 1, -1],  # negative size
         ["a", "float32", "cpu", -2, 1, 1],  # negative slices
@@ -94,6 +100,19 @@ def test_bad_bytes_raise_protocol_error() -> None:
         ["a", 7, "cpu", 0, 1, 1],  # dtype name not a str
     ):
         with pytest.raises(ProtocolError, match="malformed tensor description"):
-            decode(dumps([{"a": None}, bad]))
+            decode(dumps([TENSOR_DICT, {"a": None}, bad]))
     with pytest.raises(ProtocolError, match="malformed"):  # a value where a tensor goes
-        decode(dumps([{"a": 5}, ["a", "float32", "cpu", 0, 1, 1]]))
+        decode(dumps([TENSOR_DICT, {"a": 5}, ["a", "float32", "cpu", 0, 1, 1]]))
+
+
+def test_another_kind_of_message_is_a_desync_naming_both_calls() -> None:
+    """A plain object (or an object list) where a tensor dict was expected: the
+    ranks called different things, which the message says."""
+    with pytest.raises(
+        DesyncError,
+        match=r"called recv_tensor_dict from rank 0, and rank 0 "
+        r"sent an object \(send_object or broadcast_object\)",
+    ):
+        decode(dumps({"a": 1}))
+    with pytest.raises(DesyncError, match="sent an object list"):
+        decode(dumps(["groupcoord:object_list", 1, 2]))
