@@ -1,7 +1,9 @@
 """GroupCoordinator collectives vs plain torch.distributed over Gloo, same ranks, same run.
 
 Ops: all_reduce, all_gather, reduce_scatter, broadcast (one tensor from rank
-0, in place), broadcast_tensor_dict (8 tensors plus plain values), send/recv_tensor_dict and send_recv (one tensor: ``send``
+0, in place), broadcast_tensor_dict (8 tensors plus plain values), broadcast_object
+(a dict holding ``size`` bytes; Gloo's side ``broadcast_object_list``, which pickles;
+ours goes through the group's message queue unless ``--no-mq``), send/recv_tensor_dict and send_recv (one tensor: ``send``
 then ``recv``), rank 0 -> 1 -> 0 ping-pongs timed per one-way trip, and
 ring_exchange (every rank sends its tensor right and receives its left
 neighbour's, all in flight at once: ours is a ``coordinator.comm`` batch,
@@ -72,6 +74,7 @@ OPS = [
     "reduce_scatter",
     "broadcast",
     "broadcast_tensor_dict",
+    "broadcast_object",
     "send_recv_tensor_dict",
     "send_recv",
     "ring_exchange",
@@ -248,6 +251,14 @@ def _pair(
                 dist.broadcast(b, src=0, group=plain)
 
         return ours_b, torch_b, None
+    if op == "broadcast_object":
+        obj = {"step": 1, "ids": [1, 2, 3], "data": bytes(x.numel() * x.element_size())}
+        return (
+            (lambda: group.broadcast_object(obj if rank == 0 else None, src=0)),
+            # torch.distributed's way to send an object: pickled, a size then the bytes.
+            (lambda: dist.broadcast_object_list([obj if rank == 0 else None], 0, group=plain)),
+            None,
+        )
     if op == "send_recv":
         if rank > 1:
             return (lambda: None), (lambda: None), (lambda: None)

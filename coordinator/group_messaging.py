@@ -5,6 +5,7 @@ vLLM's asynchronous sends return (ours complete before they return)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +44,9 @@ COMPLETED: Handle = _CompletedHandle()
 class GroupMessaging(GroupBase):
     """Objects and tensor dicts between a group's ranks (``GroupCoordinator`` is one)."""
 
+    # GroupCoordinator's: the CPU fast path, fingerprinted (declared for the type checker).
+    broadcast: Callable[..., torch.Tensor]
+
     # ---- objects ------------------------------------------------------------------
 
     def broadcast_object(self, obj: Any | None = None, src: int = 0) -> Any:
@@ -54,12 +58,32 @@ class GroupMessaging(GroupBase):
         if self.mq_broadcaster is not None and src == 0:
             got = self._mq_broadcast(obj)
         else:
-            payload = dumps(obj) if mine else None
-            data = self._collective(
-                "broadcast_object", broadcast_bytes, self.cpu_group, payload, src
+            got = loads(
+                self._broadcast_bytes("broadcast_object", dumps(obj) if mine else None, src)
             )
-            got = loads(data)
         return got if mine else expect(got, None, self._called("broadcast_object", src), src)
+
+    def _broadcast_bytes(
+        self, operation: str, payload: bytes | None, src: int, pg: ProcessGroup | None = None
+    ) -> bytes:
+        """``src``'s ``payload`` on every rank. A CPU group moves it with its own
+        ``broadcast`` (its length, then its bytes: through shared memory when the
+        group has it, fingerprinted, so a rank that called another collective
+        raises ``DesyncError``); otherwise, or on another ``pg``, Gloo's broadcasts."""
+        if pg is not None or self.device.type != "cpu":
+            return self._collective(operation, broadcast_bytes, pg or self.cpu_group, payload, src)
+        mine = self.rank_in_group == src
+        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        self.broadcast(length, src)
+        n = int(length[0])
+        if n == 0:
+            return b""
+        if payload is not None and mine:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            data = torch.empty(n, dtype=torch.uint8)
+        self.broadcast(data, src)
+        return payload if payload is not None and mine else data.numpy().tobytes()
 
     def _called(self, operation: str, src: int) -> str:
         """How a ``DesyncError`` names this rank's receive of ``operation`` from ``src``."""
@@ -87,10 +111,9 @@ class GroupMessaging(GroupBase):
         self._check_index(src, "src")
         if self.world_size == 1:
             return obj_list
-        pg = group if group is not None else self.cpu_group
         mine = self.rank_in_group == src
         payload = dumps([OBJECT_LIST, *obj_list]) if mine else None
-        data = self._collective("broadcast_object_list", broadcast_bytes, pg, payload, src)
+        data = self._broadcast_bytes("broadcast_object_list", payload, src, group)
         if mine:
             return obj_list
         called = self._called("broadcast_object_list", src)

@@ -24,7 +24,6 @@ from torch.distributed import ProcessGroup
 
 from device_communicators import c10d_calls
 from shm_broadcast.codec import message_bytes
-from shm_broadcast.group_io import broadcast_bytes
 from shm_broadcast.p2p_channels import P2PChannels
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
@@ -46,6 +45,7 @@ class Group(Protocol):
     _p2p_channels: P2PChannels
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor: ...
     def _mq_broadcast(self, obj: Any) -> Any: ...
     def _collective(self, operation: str, fn: Any, *args: Any) -> Any: ...
     def _p2p(self, operation: str, peer: int, fn: Any, *args: Any) -> Any: ...
@@ -53,6 +53,9 @@ class Group(Protocol):
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None: ...
     def _recv_bytes(self, src: int, operation: str) -> bytes: ...
     def _called(self, operation: str, src: int) -> str: ...
+    def _broadcast_bytes(
+        self, operation: str, payload: bytes | None, src: int, pg: ProcessGroup | None = None
+    ) -> bytes: ...
 
 
 # CPU tensors up to this size ride inside the dict's message: one message instead
@@ -71,6 +74,9 @@ def broadcast(
     tensors_pg = tensor_group if tensor_group is not None else group.device_group
     meta_pg = metadata_group if metadata_group is not None else group.cpu_group
     via_mq = group.mq_broadcaster is not None and src == 0 and metadata_group is None
+    # A CPU group's own broadcast (shared memory, fingerprinted) moves the tensors
+    # that travel alone, one after another; else c10d's broadcasts, all at once.
+    own = group.device.type == "cpu" and tensor_group is None and metadata_group is None
     src_rank = group.ranks[src]
     if group.rank_in_group == src:
         if tensor_dict is None:
@@ -83,7 +89,11 @@ def broadcast(
         else:
             described, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
             payload = message_bytes(encode(described))
-            group._collective("broadcast_tensor_dict", broadcast_bytes, meta_pg, payload, src)
+            group._broadcast_bytes("broadcast_tensor_dict", payload, src, metadata_group)
+        if own:
+            for t in tensors:
+                group.broadcast(t.contiguous(), src)
+            return dict(tensor_dict)
         works = [
             dist.broadcast(
                 t.contiguous(),
@@ -99,12 +109,14 @@ def broadcast(
     if via_mq:
         described = checked(group._mq_broadcast(None), called, src)
     else:
-        data = group._collective("broadcast_tensor_dict", broadcast_bytes, meta_pg, None, src)
+        data = group._broadcast_bytes("broadcast_tensor_dict", None, src, metadata_group)
         described = decode(data, called, src)
     works = []
 
     def receive(item: SeparateTensor) -> torch.Tensor:
         out = _empty(group, item)
+        if own:
+            return group.broadcast(out, src)
         pg = meta_pg if out.is_cpu else tensors_pg
         works.append(dist.broadcast(out, src=src_rank, group=pg, async_op=True))
         return out

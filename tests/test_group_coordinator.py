@@ -460,6 +460,32 @@ def test_object_calls_of_other_kinds_raise_naming_both(mq: bool) -> None:
         assert "with a list of 1, and rank 0 broadcast 3 objects" in messages[6]
 
 
+def _object_against_collective(rank: int, world_size: int) -> tuple[str, float]:
+    init_gloo(rank, world_size)
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="objcol")
+    try:
+        start = time.monotonic()
+        with pytest.raises(DesyncError) as info:
+            if rank == 0:
+                g.all_reduce(torch.ones(4))
+            else:
+                g.broadcast_object(None, src=0)
+        took = time.monotonic() - start
+        assert g.broadcast_object("fine" if rank == 0 else None, src=0) == "fine"
+        return str(info.value), took
+    finally:
+        g.destroy()
+
+
+def test_an_object_broadcast_against_a_collective_raises_at_once() -> None:
+    """Objects move through the group's fingerprinted broadcast: a rank that called
+    another collective meanwhile raises on both ranks at once (on Gloo's broadcasts
+    both waited for the group's timeout, until 2026-11-27)."""
+    for message, took in run_ranks(_object_against_collective, 2, timeout=60):
+        assert "all_reduce(float32[4], SUM)" in message and "broadcast(int64[1]" in message
+        assert took < 5.0, took
+
+
 def _failed_constructor(rank: int, world_size: int) -> None:
     from device_communicators.cpu_communicator import CpuCommunicator
     from shm_broadcast.config import override

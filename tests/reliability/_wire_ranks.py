@@ -239,7 +239,6 @@ def pickle_through_groups(rank: int, world: int, path: str, port: int) -> Any:
     from coordinator.group_coordinator import GroupCoordinator
     from coordinator.stateless_group import StatelessProcessGroup
     from shm_broadcast.codec import Codec, loads
-    from shm_broadcast.group_io import broadcast_bytes
 
     from ._wire import pickle_bomb
 
@@ -258,8 +257,8 @@ def pickle_through_groups(rank: int, world: int, path: str, port: int) -> Any:
 
     try:
         if rank == 0:
-            broadcast_bytes(g.cpu_group, bomb, 0)  # as broadcast_object does
-            broadcast_bytes(g.cpu_group, bomb, 0)  # as broadcast_object_list does
+            g._broadcast_bytes("broadcast_object", bomb, 0)  # as broadcast_object does
+            g._broadcast_bytes("broadcast_object_list", bomb, 0)  # as broadcast_object_list does
             # As send_object does to a peer on this node: through the pair's channel ...
             assert g._p2p_channels.open_to(1, "send_object")
             channel = g._p2p_channels._writers[1]
