@@ -78,12 +78,13 @@ class GroupMessaging(GroupBase):
         n = int(length[0])
         if n == 0:
             return b""
-        if payload is not None and mine:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        else:
-            data = torch.empty(n, dtype=torch.uint8)
+        if mine:
+            assert payload is not None  # the source's, checked by its caller
+            self.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src)
+            return payload
+        data = torch.empty(n, dtype=torch.uint8)
         self.broadcast(data, src)
-        return payload if payload is not None and mine else data.numpy().tobytes()
+        return data.numpy().tobytes()
 
     def _called(self, operation: str, src: int) -> str:
         """How a ``DesyncError`` names this rank's receive of ``operation`` from ``src``."""
