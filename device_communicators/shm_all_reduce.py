@@ -99,7 +99,7 @@ class ShmAllReduce(ShmBase):
             return f"tensor is on {tensor.device}, not the CPU"
         if tensor.dtype not in SHM_DTYPES:
             return f"dtype {tensor.dtype} is not one of {[str(d) for d in SHM_DTYPES]}"
-        reason = refused_op(op)
+        reason = refused_op(op, tensor.dtype)
         if reason is not None:
             return reason
         return None
@@ -111,10 +111,14 @@ class ShmAllReduce(ShmBase):
         op: ReduceOp.RedOpType = ReduceOp.SUM,
         *,
         out: torch.Tensor | None = None,
+        called: str | None = None,
     ) -> torch.Tensor:
         """The reduction as a new tensor, or written into contiguous ``out`` of the same
-        shape and dtype (``tensor`` itself is fine: each piece is read before written)."""
-        return self._all_reduce(self.refusal(tensor, op), tensor, op, out)
+        shape and dtype (``tensor`` itself is fine: each piece is read before written).
+        ``called``: the operator the caller was asked for and runs as ``op`` with work
+        of its own ("AVG": a sum, then a division), fingerprinted in its place, so a
+        rank's AVG against another's SUM raises instead of returning two answers."""
+        return self._all_reduce(self.refusal(tensor, op), tensor, op, out, called=called)
 
     @one_at_a_time
     def reduce(
@@ -124,13 +128,17 @@ class ShmAllReduce(ShmBase):
         op: ReduceOp.RedOpType = ReduceOp.SUM,
         *,
         out: torch.Tensor | None = None,
+        called: str | None = None,
     ) -> torch.Tensor:
         """The reduction, for in-group rank ``dst`` (checked as a reduce to ``dst``: a
         rank that calls anything else raises on every rank). Every rank computes it
         (the reduction is one-shot or split among the ranks anyway), so the others'
-        result is the same; a caller may treat it as scratch."""
+        result is the same; a caller may treat it as scratch. ``called``: as for
+        :meth:`all_reduce`."""
         self._check_index(dst, "dst")
-        return self._all_reduce(self.refusal(tensor, op), tensor, op, out, "reduce", dst)
+        return self._all_reduce(
+            self.refusal(tensor, op), tensor, op, out, "reduce", dst, called=called
+        )
 
     @one_at_a_time
     def reduce_in_chain(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
@@ -159,6 +167,7 @@ class ShmAllReduce(ShmBase):
         out: torch.Tensor | None,
         operation: str = "all_reduce",
         root: int = 0,
+        called: str | None = None,
     ) -> torch.Tensor:
         if out is not None:
             _check_out(out, tensor.dtype, tensor.numel())
@@ -171,7 +180,7 @@ class ShmAllReduce(ShmBase):
             and (self.world_size <= reads.cores or nbytes >= DIRECT_ALL_REDUCE_MIN_BYTES)
         )
         direct, turn = self._timed_way(operation, nbytes, readable)
-        lines = self._start(operation, reason, tensor, op, root, direct=direct)
+        lines = self._start(operation, reason, tensor, called or op, root, direct=direct)
         if 0 < nbytes <= ONE_SHOT_MAX_BYTES and nbytes <= self.max_bytes:
             # The common small call: one piece on views shaped like the tensor
             # (no flattening, no slicing; copy_ takes any strides).
@@ -213,6 +222,7 @@ class ShmAllReduce(ShmBase):
         *,
         out: torch.Tensor | None = None,
         split: int = 0,
+        called: str | None = None,
     ) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the all-reduce of 1-D ``flat`` (a reduce-scatter).
 
@@ -223,6 +233,7 @@ class ShmAllReduce(ShmBase):
         a code of how the caller cut the rows among the ranks (``split_code``; 0
         for equal parts), in the call's fingerprint: ranks that cut differently
         raise ``DesyncError`` instead of each reducing rows of its own choosing.
+        ``called``: as for :meth:`all_reduce`.
         """
         # Checked before the call is stamped: a refused call leaves the ranks in step.
         if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
@@ -239,7 +250,7 @@ class ShmAllReduce(ShmBase):
             "reduce_scatter", n * size, readable and self.peer_reads is not None
         )
         lines = self._start(
-            "reduce_scatter", self.refusal(flat, op), flat, op, root=split, direct=direct
+            "reduce_scatter", self.refusal(flat, op), flat, called or op, root=split, direct=direct
         )
         got = self._reduce_range(lines, flat, lo, hi, op, out, direct, turn)
         if turn is not None:

@@ -24,10 +24,11 @@ __all__ = [
 ]
 
 # Integers wrap and bools add as "or" (multiply as "and") as on Gloo; Gloo takes no
-# int16, and complex or unsigned wider than a byte have no torch min/max here.
+# int16. Complex tensors reduce by sum only (as torch.distributed allows); unsigned
+# dtypes wider than a byte and complex32 have no torch arithmetic here.
 SHM_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64,
-    torch.int8, torch.uint8, torch.int16, torch.bool,
+    torch.int8, torch.uint8, torch.int16, torch.bool, torch.complex64, torch.complex128,
 )  # fmt: skip
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -36,13 +37,11 @@ _OPS: dict[object, Callable[..., torch.Tensor]] = {
     ReduceOp.PRODUCT: torch.mul,
     ReduceOp.MIN: torch.minimum,
     ReduceOp.MAX: torch.maximum,
+    ReduceOp.BAND: torch.bitwise_and,
+    ReduceOp.BOR: torch.bitwise_or,
+    ReduceOp.BXOR: torch.bitwise_xor,
 }
-_OP_NAMES = {
-    ReduceOp.SUM: "sum",
-    ReduceOp.PRODUCT: "product",
-    ReduceOp.MIN: "min",
-    ReduceOp.MAX: "max",
-}
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def combine(
@@ -135,8 +134,13 @@ class OneTorchThread:
             torch.set_num_threads(self.saved)
 
 
-def refused_op(op: object) -> str | None:
-    """Why the path cannot take reduce op ``op``, or None."""
+def refused_op(op: object, dtype: torch.dtype) -> str | None:
+    """Why the path cannot reduce ``dtype`` with ``op``, or None. What it refuses goes
+    to c10d, which reduces it or says why not (as for AVG on Gloo)."""
     if op not in _OPS:
-        return f"reduce op {op} is not one of {sorted(_OP_NAMES.values())}"
+        return f"reduce op {op} is not one of {[str(o).rsplit('.', 1)[-1] for o in _OPS]}"
+    if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        return f"reduce op {op} needs an integer or bool dtype, not {dtype}"
+    if dtype.is_complex and op != ReduceOp.SUM:
+        return f"a {dtype} tensor reduces by SUM only, not {op}"
     return None

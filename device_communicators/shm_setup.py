@@ -220,7 +220,7 @@ class ShmBase(AllReduceBackend):
         operation: str,
         reason: str | None,
         tensor: torch.Tensor | None,
-        op: ReduceOp.RedOpType | None = None,
+        op: ReduceOp.RedOpType | str | None = None,
         root: int = 0,
         direct: bool = False,
     ) -> PhaseLines:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
+import warnings
 
 import pytest
 import torch
@@ -212,20 +213,21 @@ def _bad_input_leaves_comm_usable(comm: Comm) -> None:
 
 
 def _reduce_scatter_both_paths(comm: Comm) -> None:
-    # float32 takes the shared-memory path, complex64 (not a shm dtype) Gloo's; both
-    # with multi-dimensional outputs, which each path flattens its own way.
+    # float32 and complex64 take the shared-memory path, complex32 (not a shm dtype)
+    # Gloo's; all with multi-dimensional outputs, which each path flattens its own way.
     r, w = comm.get_rank(), comm.get_size()
-    for dtype in (torch.float32, torch.complex64):
+    for dtype in (torch.float32, torch.complex64, torch.complex32):
         ins = [torch.full((2, 3), r + 10 * i, dtype=dtype) for i in range(w)]
         res = torch.empty((2, 3), dtype=dtype)
         comm.reduce_scatter(res, ins, ReduceOp.SUM)
         assert res.tolist() == [[sum(range(w)) + 10 * w * r] * 3] * 2, dtype
         single = torch.empty((2, 3), dtype=dtype)
         comm.reduce_scatter_single(single, torch.cat(ins).reshape(w * 2, 3), ReduceOp.SUM)
-        assert torch.equal(single, res), dtype
+        assert single.tolist() == res.tolist(), dtype
 
 
 def _every_op(rank: int, world_size: int) -> str:
+    warnings.simplefilter("ignore", UserWarning)  # complex32 is "experimental"
     comm = new_comm("gloo", "cpu", "ops", timeout=30, hints={"purpose": "test"})
     assert (comm.get_rank(), comm.get_size(), comm.get_name()) == (rank, world_size, "ops")
     assert comm.get_backend() == "gloo" and comm.get_device() == torch.device("cpu")
@@ -327,6 +329,25 @@ def _shared_memory_path(rank: int, world_size: int) -> str:
     ins = [torch.ones(n) for n in (cut if rank == 0 else cut[::-1])]
     with pytest.raises(DesyncError, match=r"float32\[8\], SUM, sizes #.*sizes #"):
         comm.reduce_scatter_v(torch.empty(ins[rank].numel()), ins)
+    # An operator the comm emulates (AVG: a sum, then a division) is fingerprinted as
+    # itself: against a SUM it raises instead of returning an average on one rank.
+    mine_op = ReduceOp.AVG if rank == 0 else ReduceOp.SUM
+    for call in (
+        lambda: comm.all_reduce(torch.ones(4), mine_op),
+        lambda: comm.reduce(torch.ones(300_000), 0, mine_op),
+        lambda: comm.reduce_scatter_single(torch.empty(4), torch.ones(4 * world_size), mine_op),
+    ):
+        with pytest.raises(DesyncError) as caught:
+            call()
+        assert "], AVG" in str(caught.value) and "], SUM" in str(caught.value)
+    # Bitwise operators and complex sums take the path too, checked alike.
+    bits = torch.tensor([6, 3], dtype=torch.int32) << rank
+    comm.all_reduce(bits, ReduceOp.BOR)
+    want = [functools.reduce(operator.or_, (v << r for r in range(world_size))) for v in (6, 3)]
+    assert bits.tolist() == want
+    z = torch.ones(4, dtype=torch.complex64) if rank == 0 else torch.ones(8)
+    with pytest.raises(DesyncError, match=r"complex64\[4\]"):
+        comm.all_reduce(z)
     # One stack: the comm runs on the device communicator a GroupCoordinator uses on
     # CPU, and finalize() releases it (through the lane, once no call is inside).
     from device_communicators import CpuCommunicator

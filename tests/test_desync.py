@@ -35,6 +35,22 @@ CASES = {
         lambda g: g.device_communicator.all_reduce(torch.ones(16), op=ReduceOp.MAX),
         ("all_reduce(float32[16], SUM)", "all_reduce(float32[16], MAX)"),
     ),
+    # Bitwise operators and complex sums went to Gloo, which aborted on these.
+    "bitwise size": (
+        lambda g: g.device_communicator.all_reduce(torch.ones(4096).int(), op=ReduceOp.BAND),
+        lambda g: g.device_communicator.all_reduce(torch.ones(8192).int(), op=ReduceOp.BAND),
+        ("all_reduce(int32[4096], BAND)", "all_reduce(int32[8192], BAND)"),
+    ),
+    "bitwise op": (
+        lambda g: g.device_communicator.all_reduce(torch.ones(16).int(), op=ReduceOp.BAND),
+        lambda g: g.device_communicator.all_reduce(torch.ones(16).int(), op=ReduceOp.BOR),
+        ("all_reduce(int32[16], BAND)", "all_reduce(int32[16], BOR)"),
+    ),
+    "complex or real": (
+        lambda g: g.all_reduce(torch.ones(4096, dtype=torch.complex64)),
+        lambda g: g.all_reduce(torch.ones(8192)),
+        ("all_reduce(complex64[4096], SUM)", "all_reduce(float32[8192], SUM)"),
+    ),
     "root": (
         lambda g: g.broadcast(torch.ones(8), src=0),
         lambda g: g.broadcast(torch.ones(8), src=1),

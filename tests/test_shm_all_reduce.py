@@ -90,6 +90,17 @@ def test_every_dtype_and_op_matches_fixed_order_reference(world: int) -> None:
     assert all(d == digests[0] for d in digests), "ranks got different bits"
 
 
+BITWISE = ["BAND", "BOR", "BXOR"]
+# What the shared-memory path took from Gloo: bytes and bools by every op, any
+# integer dtype by a bitwise op, complex dtypes by a sum.
+FROM_GLOO = [(d, OPS + BITWISE) for d in (torch.int8, torch.uint8, torch.bool)] + [
+    (torch.int32, BITWISE),
+    (torch.int64, BITWISE),
+    (torch.complex64, ["SUM"]),
+    (torch.complex128, ["SUM"]),
+]
+
+
 def _same_bits_as_gloo(rank: int, world: int) -> int:
     import torch.distributed as dist
     from torch.distributed import ReduceOp
@@ -100,9 +111,14 @@ def _same_bits_as_gloo(rank: int, world: int) -> int:
     try:
         # One-shot, and past 256 KiB (read directly or two-shot through the slots).
         for numel in (1000, 300_000):
-            for dtype in (torch.int8, torch.uint8, torch.bool):
-                for op in OPS:
-                    x = rank_input(rank, numel, dtype, seed=numel)
+            for dtype, ops in FROM_GLOO:
+                for op in ops:
+                    if dtype.is_complex:  # small whole parts: sums exact in any order
+                        parts = rank_input(rank, 2 * numel, torch.int64, seed=numel)
+                        x = parts.view(numel, 2).to(dtype.to_real()).view(dtype).view(-1)
+                    else:
+                        x = rank_input(rank, numel, dtype, seed=numel)
+                    assert shm.refusal(x, getattr(ReduceOp, op)) is None, (dtype, op)
                     ours = shm.all_reduce(x, getattr(ReduceOp, op))
                     gloo = x.clone()
                     dist.all_reduce(gloo, getattr(ReduceOp, op))
@@ -113,10 +129,12 @@ def _same_bits_as_gloo(rank: int, world: int) -> int:
     return checked
 
 
-def test_byte_and_bool_reductions_give_gloos_bits() -> None:
-    """int8, uint8 and bool take the shared-memory path (fingerprinted: ranks that
-    disagree raise) with Gloo's answers: integers wrap, bools add as "or"."""
-    assert run_ranks(_same_bits_as_gloo, 3, timeout=120) == [24, 24, 24]
+def test_reductions_taken_from_gloo_give_gloos_bits() -> None:
+    """int8, uint8 and bool reductions, bitwise ones of any integer and sums of complex
+    tensors take the shared-memory path (fingerprinted: ranks that disagree raise)
+    with Gloo's answers: integers wrap, bools add as "or"."""
+    want = 2 * sum(len(ops) for _, ops in FROM_GLOO)
+    assert run_ranks(_same_bits_as_gloo, 3, timeout=120) == [want] * 3
 
 
 def _pieces(rank: int, world: int, one_shot_max: int) -> list[str]:
@@ -204,25 +222,31 @@ def test_back_to_back_calls_with_uneven_pace(world: int, wait_mode: str) -> None
 
 
 def _refusals(rank: int, world: int) -> list[str]:
+    import warnings
+
     import torch.distributed as dist
     from torch.distributed import ReduceOp
 
     from device_communicators.cpu_communicator import CpuCommunicator
 
+    warnings.simplefilter("ignore", UserWarning)  # complex32 is "experimental"
     init_gloo(rank, world)
     comm = CpuCommunicator(dist.group.WORLD, unique_name="refuse")
     shm = comm.shm_all_reduce
     try:
         reasons = []
-        other = torch.full((5,), rank + 1, dtype=torch.complex64)
+        other = torch.full((5,), rank + 1, dtype=torch.complex32)
         assert not shm.can_handle(other)
         reasons.append(str(shm.refusal(other)))
         # The chain hands what shm refuses to Gloo, which gets it right.
         assert comm.all_reduce_chain.select(other).name == "torch.distributed(gloo)"
-        assert torch.equal(comm.all_reduce(other), torch.full((5,), 3, dtype=torch.complex64))
+        assert comm.all_reduce(other).tolist() == [3] * 5
+        z = torch.ones(3, dtype=torch.complex64)
+        reasons.append(str(shm.refusal(z, ReduceOp.MAX)))
+        reasons.append(str(shm.refusal(z.real, ReduceOp.BAND)))
+        reasons.append(str(shm.refusal(z.real, ReduceOp.AVG)))
         x = torch.tensor([6, 3], dtype=torch.int32) * (rank + 1)
-        assert not shm.can_handle(x, ReduceOp.BAND)
-        reasons.append(str(shm.refusal(x, ReduceOp.BAND)))
+        assert comm.all_reduce_chain.select(x, ReduceOp.BAND) is shm
         assert torch.equal(
             comm.all_reduce(x, op=ReduceOp.BAND), torch.tensor([6 & 12, 3 & 6]).int()
         )
@@ -234,9 +258,11 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 
 def test_shm_refuses_what_it_cannot_take_and_gloo_takes_it() -> None:
-    reasons = run_ranks(_refusals, 2, timeout=60)
-    assert "torch.complex64" in reasons[0][0]
-    assert "BAND" in reasons[0][1]
+    reasons = run_ranks(_refusals, 2, timeout=60)[0]
+    assert "torch.complex32" in reasons[0]
+    assert "complex64 tensor reduces by SUM only" in reasons[1]
+    assert "BAND needs an integer or bool dtype, not torch.float32" in reasons[2]
+    assert "AVG is not one of" in reasons[3] and "BXOR" in reasons[3]
 
 
 def _disabled(rank: int, world: int) -> str | None:

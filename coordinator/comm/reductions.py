@@ -48,7 +48,7 @@ class Reductions(CommCore):
         finish = functools.partial(op.finish, tensor, self._size)
 
         def fast(shm: ShmAllReduce) -> None:
-            shm.all_reduce(op.premultiply(tensor), op.c10d_op(), out=tensor)
+            shm.all_reduce(op.premultiply(tensor), op.c10d_op(), out=tensor, called=op.name)
             finish()
 
         return self._run(
@@ -92,7 +92,7 @@ class Reductions(CommCore):
                 op.finish(tensor, size)
 
         def fast(shm: ShmAllReduce) -> None:
-            shm.reduce(op.premultiply(tensor), root, op.c10d_op(), out=tensor)
+            shm.reduce(op.premultiply(tensor), root, op.c10d_op(), out=tensor, called=op.name)
             finish()
 
         return self._run(
@@ -138,6 +138,7 @@ class Reductions(CommCore):
                 op.c10d_op(),
                 out=flat_out,
                 split=split,
+                called=op.name,
             )
             finish()
 

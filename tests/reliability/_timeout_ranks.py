@@ -53,7 +53,7 @@ def _coordinator_call(g: Any, call: str) -> Callable[[], Any]:
     x = torch.ones(8)
     calls: dict[str, Callable[[], Any]] = {
         "all_reduce": lambda: g.all_reduce(x),
-        "all_reduce (Gloo dtype)": lambda: g.all_reduce(torch.ones(8, dtype=torch.complex64)),
+        "all_reduce (Gloo dtype)": lambda: g.all_reduce(torch.ones(8, dtype=torch.complex32)),
         "all_gather": lambda: g.all_gather(x, dim=0),
         "all_gatherv": lambda: g.all_gatherv(x, dim=0),
         "reduce_scatter": lambda: g.reduce_scatter(x, dim=0),
@@ -112,7 +112,7 @@ def communicator_rows(rank: int, world: int, rows: list[tuple[str, int]]) -> dic
         calls: dict[str, Callable[[], Any]] = {
             "all_reduce": lambda: comm.all_reduce(x),
             "all_reduce (Gloo dtype)": lambda: comm.all_reduce(
-                torch.ones(8, dtype=torch.complex64)
+                torch.ones(8, dtype=torch.complex32)
             ),
             "all_gather": lambda: comm.all_gather(x, dim=0),
             "all_gatherv": lambda: comm.all_gatherv(x, dim=0),
