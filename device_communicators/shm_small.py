@@ -101,8 +101,11 @@ class _Plan:
         self.reads = reads
         self.out_shape = out_shape  # the result's
         self.dim = dim  # an all-gather's: the axis the ranks' tensors are joined on
-        # Two ranks and no fp32 accumulation: one torch.add makes the result.
-        self.pair = slots.world_size == 2 and tensor.dtype not in _HALF
+        # Two ranks, no fp32 accumulation and no bool (summed as "or" by combine):
+        # one torch.add makes the result.
+        self.pair = (
+            slots.world_size == 2 and tensor.dtype not in _HALF and tensor.dtype is not torch.bool
+        )
         # A large all-gather whose result is the ranks' slots one after the
         # other: every slot's address, by set (see _gather_plan).
         self.blocks: tuple[list[int], list[int]] | None = None

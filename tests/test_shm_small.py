@@ -42,20 +42,25 @@ def _lean_small_sums(rank: int, world: int) -> bool:
             torch.full((65536,), rank + 1.0, dtype=torch.bfloat16),
             torch.full((256, 256), rank + 1.0).t(),
             torch.full((32767,), rank + 1.0, dtype=torch.bfloat16),  # one under torch's grain
+            torch.full((4,), rank + 1 + 1j, dtype=torch.complex64),
         ):
             before = shm.generation
             got = group.all_reduce(x)
             assert shm.generation == before + 1, "one generation, one barrier"
-            assert torch.equal(got, torch.full_like(x, total)) and got.shape == x.shape
+            want = (
+                torch.full_like(x, total)
+                if not x.is_complex()
+                else torch.full_like(x, total + world * 1j)
+            )
+            assert torch.equal(got, want) and got.shape == x.shape
             assert torch.get_num_threads() == threads, "the pool's size is given back"
-        # Not small, not a plain tensor, or not a shm dtype: the general path.
+        # Bools sum as "or", as on Gloo.
+        flags = torch.tensor([rank == 0, False, True])
+        assert group.all_reduce(flags).tolist() == [True, False, True]
+        # Not small or not a plain tensor: the general path.
         group._all_reduce_eager = eager
         big = group.all_reduce(torch.ones(65537))  # over 256 KiB
         assert torch.equal(big, torch.full((65537,), float(world)))
-        assert torch.equal(
-            group.all_reduce(torch.ones(4, dtype=torch.complex64)),
-            torch.full((4,), world, dtype=torch.complex64),
-        )
         with pytest.raises(TypeError, match="input_ must be a torch.Tensor"):
             group.all_reduce([1.0, 2.0])
         return True
