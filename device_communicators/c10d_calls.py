@@ -49,7 +49,6 @@ __all__ = [
     "barrier",
     "broadcast",
     "gather",
-    "recv",
     "recv_bytes",
     "recv_blocking",
     "reduce",
@@ -193,16 +192,13 @@ def barrier(pg: Any, timeout: Timeout) -> Any:
 # receive meeting them, or an object receive meeting a tensor, raises too, and
 # consumes it. A message larger than the buffer it is received into is still
 # Gloo's to refuse: it aborts the receiving process ("Received data size doesn't
-# match expected size"). So a receive waited for at once (``recv_blocking``,
-# ``recv_bytes``: every receive of ``GroupCoordinator``, ``Comm``'s blocking
-# ones) takes the header with room for any inline data, and receives larger
-# data only once the header has said what comes: Gloo aborts on none of its
-# mismatches. An asynchronous receive (``recv``: ``Comm``'s ``async_op=True``
-# and batches on Gloo) must post its data buffer with its header's: Gloo's
-# sends wait until their receive is posted, and nothing of ours would post it
-# while the caller is busy elsewhere; one of more than 64 KiB is still aborted
-# by Gloo when a message of up to 64 KiB or a larger tensor
-# reaches it. A device tensor goes alone (reading a header back would wait for
+# match expected size"). So a receive (``recv_blocking``, ``recv_bytes``) takes
+# the header with room for any inline data, and receives larger data only once
+# the header has said what comes: Gloo aborts on none of its mismatches. Its
+# caller waits at once (``GroupCoordinator``; ``Comm``'s asynchronous receives
+# wait on their pair's lane thread, ``coordinator/comm/p2p_lanes.py``): Gloo's
+# sends wait until their receive is posted, and nothing else would post the
+# data's buffer while the caller is busy elsewhere. A device tensor goes alone (reading a header back would wait for
 # the device). Both ends of a pair must be groupcoord's: a plain
 # torch.distributed.recv would take the header.
 INLINE_MAX_BYTES = 64 * 1024
@@ -291,10 +287,10 @@ def _header(buf: torch.Tensor) -> tuple[int, int]:
     return ctypes.c_int64.from_address(at).value, ctypes.c_int64.from_address(at + 8).value
 
 
-def _sent(pg: Any, src: int, code: int, count: int, inline: bool, end: float | None) -> str:
+def _sent(pg: Any, src: int, code: int, count: int, end: float | None) -> str:
     """What a header that is not the one expected says was sent; when its data
-    follows as a message of its own (the receive took the header inline), that
-    message is received and dropped, so the pair stays in step."""
+    follows as a message of its own, that message is received and dropped, so the
+    pair stays in step."""
     if code == BYTES_CODE and count >= 0:
         sent, nbytes = f"an object's {count} bytes (send_object or send_tensor_dict)", count
     elif 0 <= code < len(WIRE_DTYPES) and count >= 0:
@@ -302,7 +298,7 @@ def _sent(pg: Any, src: int, code: int, count: int, inline: bool, end: float | N
         nbytes = count * torch_dtype(WIRE_DTYPES[code]).itemsize
     else:
         return "a message without a tensor header (not a groupcoord send)"
-    if inline and nbytes > INLINE_MAX_BYTES:  # its data follows alone: consume it
+    if nbytes > INLINE_MAX_BYTES:  # its data follows alone: consume it
         _wait(pg.recv([torch.empty(nbytes, dtype=torch.uint8)], src, P2P_TAG), end)
     return sent
 
@@ -316,35 +312,6 @@ def _out_of_step(what: str, pg: Any, called: str, src: int, sent: str) -> Desync
         f"{what + ': ' if what else ''}rank {pg.rank()} called {called} from rank {src}, "
         f"which sent {sent}: the ranks' point-to-point calls are out of step"
     )
-
-
-def recv(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
-    """Receive into ``tensor`` (contiguous) from in-group rank ``src``; on CPU the
-    work's ``wait()`` raises ``DesyncError`` (``what``: the group, for its message)
-    when the sender's dtype or element count differ."""
-    wire = _wire(tensor)
-    if not tensor.is_cpu:
-        return pg.recv([wire], src, P2P_TAG)
-    nbytes = tensor.nbytes
-    # An inline receive takes any inline message (INLINE_MAX_BYTES of room), so a
-    # sender's larger inline tensor or object is a DesyncError too, not Gloo's abort.
-    inline = nbytes <= INLINE_MAX_BYTES
-    buf = _buffer(_HEADER + (INLINE_MAX_BYTES if inline else 0))
-    _clear_header(buf)
-    works = [pg.recv([buf], src, P2P_TAG)]
-    if not inline:
-        works.append(pg.recv([wire], src, P2P_TAG))
-
-    def check(buf: torch.Tensor, end: float | None) -> None:
-        code, count = _header(buf)
-        if code == dtype_code(tensor.dtype) and count == tensor.numel():
-            if inline and nbytes:
-                ctypes.memmove(tensor.data_ptr(), buf.data_ptr() + _HEADER, nbytes)
-            return
-        sent = _sent(pg, src, code, count, inline, end)
-        raise _out_of_step(what, pg, _called(tensor), src, sent)
-
-    return _Messages(works, buf, check)
 
 
 def recv_blocking(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
@@ -414,7 +381,7 @@ class _HeaderFirst:
         try:
             code, count = _header(buf)
             if code != self._code or (self._count >= 0 and count != self._count) or count < 0:
-                sent = _sent(pg, src, code, count, True, end)
+                sent = _sent(pg, src, code, count, end)
                 self._error = _out_of_step(self._what, pg, self._called, src, sent)
                 raise self._error
             nbytes = count if into is None else into.nbytes
@@ -434,36 +401,20 @@ class _HeaderFirst:
 
 
 class _Messages:
-    """A c10d work of one or two messages (the header, with or before the data) that
-    completes when each has; a receive's ``check`` runs then."""
+    """A c10d work of one or two sent messages (the header, with or before the data)
+    that completes when each has; then the header's buffer is given back."""
 
-    __slots__ = ("_works", "_keep", "_check", "_error")
+    __slots__ = ("_works", "_keep")
 
-    def __init__(
-        self,
-        works: list[Any],
-        keep: torch.Tensor,
-        check: Callable[[torch.Tensor, float | None], None] | None = None,
-    ) -> None:
+    def __init__(self, works: list[Any], keep: torch.Tensor) -> None:
         self._keep: torch.Tensor | None
-        self._works, self._keep, self._check = works, keep, check
-        self._error: DesyncError | None = None
+        self._works, self._keep = works, keep
 
     def wait(self, timeout: Timeout = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for work in self._works:
             _wait(work, end)
         keep, self._keep = self._keep, None
-        if keep is None:  # waited before: the same answer
-            if self._error is not None:
-                raise self._error
-            return True
-        try:
-            if self._check is not None:
-                self._check(keep, end)
-        except DesyncError as exc:
-            self._error = exc
-            raise
-        finally:
-            _give_back(keep)  # every message is done with it (a failed wait keeps it)
+        if keep is not None:  # every message is done with it (a failed wait keeps it)
+            _give_back(keep)
         return True

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import torch
 
-from device_communicators import c10d_calls, checks
+from device_communicators import checks
 
 from ..errors import ClosedError, GroupcoordTypeError
 from .ops import CommOps
@@ -94,30 +94,8 @@ class P2PBatch:
             return Work.completed(comm.get_name(), "batch")
         checks.flag(async_op, "async_op")
         peers = sorted({op.peer for op in ops})
-        if comm._p2p is not None:
-            work = comm._new_work("batch", peers, timeout, async_op, hints)
-            self._issued = True
-            comm._p2p.run_batch(work, [(op.kind, op.tensor, op.peer) for op in ops], async_op)
-            return work
-        pg = comm._pg
-        what = f"communicator {comm.get_name()!r}"
-
-        def launch(td: datetime.timedelta) -> list[Any]:
-            works = []
-            for op in ops:
-                if op.kind == "send":
-                    works.append(c10d_calls.send(pg, op.tensor, op.peer))
-                else:
-                    works.append(c10d_calls.recv(pg, op.tensor, op.peer, what))
-            return works
-
-        self._issued = True  # even if the wait below times out: the ops were posted
-        return comm._run(
-            "batch",
-            peers,
-            timeout,
-            async_op,
-            hints,
-            launch,
-            completes_in_wait=True,
-        )
+        assert comm._p2p is not None  # set at creation
+        work = comm._new_work("batch", peers, timeout, async_op, hints)
+        self._issued = True
+        comm._p2p.run_batch(work, [(op.kind, op.tensor, op.peer) for op in ops], async_op)
+        return work

@@ -161,13 +161,10 @@ class Comm(CommOps):
             self._lane = ShmLane(
                 self._name, shm, self._weak_failure_marker(self), close=communicator.destroy
             )
-        if communicator.p2p_channels.peers:  # peers on this node: the same on both ends
-            self._p2p = P2PLanes(
-                self._name,
-                communicator.p2p_channels,
-                self._pg,
-                self._weak_failure_marker(self),
-            )
+        # Every pair's calls go through its lanes, over the pair's channel or Gloo.
+        self._p2p = P2PLanes(
+            self._name, communicator.p2p_channels, self._pg, self._weak_failure_marker(self)
+        )
 
     def unsafe_get_backend(self) -> Any:
         """The c10d Gloo process group underneath (an escape hatch, as in torchcomms:

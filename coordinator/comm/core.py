@@ -10,7 +10,6 @@ depend on these parts, never on ``comm``, so nothing imports in a circle.
 from __future__ import annotations
 
 import datetime
-import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
@@ -19,7 +18,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from device_communicators import c10d_calls, checks
+from device_communicators import checks
 from device_communicators.cpu_communicator import CpuCommunicator, ShmTransport
 from device_communicators.shm_all_reduce import ShmAllReduce
 from device_communicators.shm_reduce import settle_torch_pool
@@ -103,7 +102,7 @@ class CommCore:
         # The device communicator over this comm's group (``Comm._connect_local``).
         self._communicator: CpuCommunicator | None = None
         self._lane: ShmLane | None = None  # None: no shared-memory path for this comm
-        self._p2p: P2PLanes | None = None  # None: send/recv/batches go to Gloo directly
+        self._p2p: P2PLanes | None = None  # send/recv/batches (``Comm._connect_local``)
         self._done: dict[str, Work] = {}  # the finished work lean calls return, by operation
         self._on_timeout = self._weak_timeout_marker(self)
 
@@ -259,19 +258,8 @@ class CommCore:
         hints: Mapping[str, str] | None,
         timeout: float | datetime.timedelta | None,
     ) -> Work:
-        """A send or receive: on its peer's lane when the comm has them, else on Gloo."""
-        if self._p2p is None:
-            if kind == "send":
-                post = functools.partial(c10d_calls.send, self._pg, tensor, peer)
-            else:
-                what = f"communicator {self._name!r}"
-                # A blocking receive reads the header before posting the data's
-                # buffer; an asynchronous one must post both now (c10d_calls).
-                receive = c10d_calls.recv if async_op else c10d_calls.recv_blocking
-                post = functools.partial(receive, self._pg, tensor, peer, what)
-            return self._run(
-                kind, [peer], timeout, async_op, hints, lambda td: [post()], completes_in_wait=True
-            )
+        """A send or receive, on its peer's lane (over the pair's channel or Gloo)."""
+        assert self._p2p is not None  # set at creation
         work = self._new_work(kind, [peer], timeout, async_op, hints)
         self._p2p.run(work, kind, tensor, peer, async_op)
         return work
