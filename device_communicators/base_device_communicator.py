@@ -170,6 +170,7 @@ class DeviceCommunicatorBase:
     ) -> torch.Tensor:
         """Reduce over the group; returns a new tensor, ``input_`` is unchanged."""
         checks.tensor(input_, "input_", self.device)
+        checks.reduce_op(op, input_.dtype)
         return self.all_reduce_chain.all_reduce(input_, op)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:

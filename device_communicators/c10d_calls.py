@@ -39,7 +39,8 @@ from torch.distributed import ReduceOp
 
 from shm_broadcast.array_frames import WIRE_DTYPES, dtype_code, torch_dtype
 
-from .errors import DesyncError, GroupcoordValueError
+from . import checks
+from .errors import DesyncError
 
 __all__ = [
     "P2P_TAG",
@@ -73,11 +74,7 @@ def _wires(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _reducible(tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
-    if tensor.is_complex() and op != ReduceOp.SUM:
-        raise GroupcoordValueError(
-            f"op={op}: a {tensor.dtype} tensor can only be reduced with SUM "
-            "(its real and imaginary parts would be reduced apart)"
-        )
+    checks.reduce_op(op, tensor.dtype)
     return _wire(tensor)
 
 

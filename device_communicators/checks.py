@@ -25,6 +25,7 @@ __all__ = [
     "hints",
     "numel",
     "rank",
+    "reduce_op",
     "same_dtype",
     "same_shape",
     "sizes",
@@ -106,6 +107,36 @@ def rank(
         )
     if self_rank is not None and value == self_rank:
         raise GroupcoordValueError(f"{argument}={value} is this rank itself")
+    return value
+
+
+_BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
+
+
+def reduce_op(value: Any, dtype: torch.dtype, argument: str = "op") -> Any:
+    """``value`` if it is a ``torch.distributed.ReduceOp`` that can reduce ``dtype``:
+    bitwise ops take integers and bool, AVG floating and complex dtypes, and a
+    complex tensor reduces by SUM or AVG only (its real and imaginary parts would
+    be reduced apart)."""
+    if not isinstance(value, dist.ReduceOp | dist.ReduceOp.RedOpType):
+        raise GroupcoordTypeError(
+            f"{argument} must be a torch.distributed.ReduceOp, got {type(value).__name__}"
+        )
+    inexact = dtype.is_floating_point or dtype.is_complex
+    if value in _BITWISE_OPS and inexact:
+        raise GroupcoordTypeError(
+            f"{argument}={value}: needs an integer or bool dtype, got {dtype}"
+        )
+    if value == dist.ReduceOp.AVG and not inexact:
+        raise GroupcoordTypeError(
+            f"{argument}={value}: needs a floating or complex dtype (an integer mean would "
+            f"truncate), got {dtype}"
+        )
+    if dtype.is_complex and value not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        raise GroupcoordValueError(
+            f"{argument}={value}: a {dtype} tensor can only be reduced with SUM or AVG "
+            "(its real and imaginary parts would be reduced apart)"
+        )
     return value
 
 

@@ -40,6 +40,7 @@ _OPS: dict[object, Callable[..., torch.Tensor]] = {
     ReduceOp.BAND: torch.bitwise_and,
     ReduceOp.BOR: torch.bitwise_or,
     ReduceOp.BXOR: torch.bitwise_xor,
+    ReduceOp.AVG: torch.add,  # then one division (combine)
 }
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
@@ -49,6 +50,8 @@ def combine(
 ) -> torch.Tensor:
     """parts[0] op parts[1] op ..., in that order, into ``out`` or a new tensor (fp16
     and bf16 sums and products accumulate in fp32): every rank gets identical bits."""
+    if op == ReduceOp.AVG:
+        return _average(parts, out)
     fn = _OPS[op]
     if parts[0].dtype is torch.bool and op == ReduceOp.SUM:
         fn = torch.bitwise_or  # the same bits as torch's bool add, 16-28x faster
@@ -64,6 +67,22 @@ def combine(
     for part in parts[2:]:
         fn(out, part, out=out)
     return out
+
+
+def _average(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """The sum in rank order, then one division by the rank count (fp16 and bf16 in
+    fp32 throughout), as Gloo's AVG does."""
+    if parts[0].dtype in _HALF:
+        acc = parts[0].float()
+        for part in parts[1:]:
+            acc.add_(part)
+        acc.div_(len(parts))
+        return acc.to(parts[0].dtype) if out is None else out.copy_(acc)
+    total = combine(parts, out, ReduceOp.SUM)
+    # A complex sum's parts divided apart (as Gloo does on the real view): torch's
+    # complex division by a real rounds differently.
+    (torch.view_as_real(total) if total.is_complex() else total).div_(len(parts))
+    return total
 
 
 # torch splits an elementwise op (and a concatenation) over its intra-op pool
@@ -141,8 +160,11 @@ def refused_op(op: object, dtype: torch.dtype) -> str | None:
     to c10d, which reduces it or says why not (as for AVG on Gloo)."""
     if op not in _OPS:
         return f"reduce op {op} is not one of {[str(o).rsplit('.', 1)[-1] for o in _OPS]}"
-    if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+    inexact = dtype.is_floating_point or dtype.is_complex
+    if op in _BITWISE and inexact:
         return f"reduce op {op} needs an integer or bool dtype, not {dtype}"
-    if dtype.is_complex and op != ReduceOp.SUM:
-        return f"a {dtype} tensor reduces by SUM only, not {op}"
+    if op == ReduceOp.AVG and not inexact:
+        return f"reduce op {op} needs a floating or complex dtype, not {dtype}"
+    if dtype.is_complex and op not in (ReduceOp.SUM, ReduceOp.AVG):
+        return f"a {dtype} tensor reduces by SUM or AVG only, not {op}"
     return None

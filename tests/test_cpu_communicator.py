@@ -172,6 +172,8 @@ def test_every_collective_matches_the_local_reference(world: int, path: str) -> 
 
 
 def _bad_then_good(rank: int, world: int) -> list[str]:
+    from torch.distributed import ReduceOp
+
     from device_communicators.errors import GroupcoordTypeError, GroupcoordValueError
 
     comm = make_comm(rank, world)
@@ -197,6 +199,12 @@ def _bad_then_good(rank: int, world: int) -> list[str]:
         (lambda: comm.recv((2,), "float"), GroupcoordTypeError, "dtype"),  # type: ignore[arg-type]
         (lambda: comm.recv((-1,), torch.float32), GroupcoordValueError, "size"),
         (lambda: comm.all_gather(x, dim=1.0), GroupcoordTypeError, "dim"),  # type: ignore[arg-type]
+        # Reduce ops: what it is, and what the dtype allows (Gloo raised its own
+        # RuntimeError, or a pybind TypeError for a string).
+        (lambda: comm.all_reduce(x, op="sum"), GroupcoordTypeError, "op must be"),  # type: ignore[arg-type]
+        (lambda: comm.all_reduce(x, op=ReduceOp.BAND), GroupcoordTypeError, "integer or bool"),
+        (lambda: comm.all_reduce(x.int(), op=ReduceOp.AVG), GroupcoordTypeError, "floating"),
+        (lambda: comm.all_reduce(x.cfloat(), op=ReduceOp.MAX), GroupcoordValueError, "SUM or AVG"),
     ]
     if world > 1:
         bad_calls.append((lambda: comm.send(x, dst=world + 3), GroupcoordValueError, "dst"))

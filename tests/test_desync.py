@@ -46,6 +46,11 @@ CASES = {
         lambda g: g.device_communicator.all_reduce(torch.ones(16).int(), op=ReduceOp.BOR),
         ("all_reduce(int32[16], BAND)", "all_reduce(int32[16], BOR)"),
     ),
+    "average or sum": (
+        lambda g: g.device_communicator.all_reduce(torch.ones(16), op=ReduceOp.AVG),
+        lambda g: g.device_communicator.all_reduce(torch.ones(16), op=ReduceOp.SUM),
+        ("all_reduce(float32[16], AVG)", "all_reduce(float32[16], SUM)"),
+    ),
     "complex or real": (
         lambda g: g.all_reduce(torch.ones(4096, dtype=torch.complex64)),
         lambda g: g.all_reduce(torch.ones(8192)),

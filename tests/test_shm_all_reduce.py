@@ -92,12 +92,16 @@ def test_every_dtype_and_op_matches_fixed_order_reference(world: int) -> None:
 
 BITWISE = ["BAND", "BOR", "BXOR"]
 # What the shared-memory path took from Gloo: bytes and bools by every op, any
-# integer dtype by a bitwise op, complex dtypes by a sum.
+# integer dtype by a bitwise op, floating dtypes by an average, complex dtypes by
+# a sum or an average.
 FROM_GLOO = [(d, OPS + BITWISE) for d in (torch.int8, torch.uint8, torch.bool)] + [
     (torch.int32, BITWISE),
     (torch.int64, BITWISE),
-    (torch.complex64, ["SUM"]),
-    (torch.complex128, ["SUM"]),
+    (torch.float32, ["AVG"]),
+    (torch.float64, ["AVG"]),
+    (torch.bfloat16, ["AVG"]),
+    (torch.complex64, ["SUM", "AVG"]),
+    (torch.complex128, ["SUM", "AVG"]),
 ]
 
 
@@ -113,9 +117,12 @@ def _same_bits_as_gloo(rank: int, world: int) -> int:
         for numel in (1000, 300_000):
             for dtype, ops in FROM_GLOO:
                 for op in ops:
-                    if dtype.is_complex:  # small whole parts: sums exact in any order
+                    # Floating ones hold small whole numbers: sums exact in any order.
+                    if dtype.is_complex:
                         parts = rank_input(rank, 2 * numel, torch.int64, seed=numel)
                         x = parts.view(numel, 2).to(dtype.to_real()).view(dtype).view(-1)
+                    elif dtype.is_floating_point:
+                        x = rank_input(rank, numel, torch.int64, seed=numel).to(dtype)
                     else:
                         x = rank_input(rank, numel, dtype, seed=numel)
                     assert shm.refusal(x, getattr(ReduceOp, op)) is None, (dtype, op)
@@ -130,9 +137,9 @@ def _same_bits_as_gloo(rank: int, world: int) -> int:
 
 
 def test_reductions_taken_from_gloo_give_gloos_bits() -> None:
-    """int8, uint8 and bool reductions, bitwise ones of any integer and sums of complex
-    tensors take the shared-memory path (fingerprinted: ranks that disagree raise)
-    with Gloo's answers: integers wrap, bools add as "or"."""
+    """int8, uint8 and bool reductions, bitwise ones of any integer, averages and sums
+    of complex tensors take the shared-memory path (fingerprinted: ranks that disagree
+    raise) with Gloo's answers: integers wrap, bools add as "or"."""
     want = 2 * sum(len(ops) for _, ops in FROM_GLOO)
     assert run_ranks(_same_bits_as_gloo, 3, timeout=120) == [want] * 3
 
@@ -244,8 +251,9 @@ def _refusals(rank: int, world: int) -> list[str]:
         z = torch.ones(3, dtype=torch.complex64)
         reasons.append(str(shm.refusal(z, ReduceOp.MAX)))
         reasons.append(str(shm.refusal(z.real, ReduceOp.BAND)))
-        reasons.append(str(shm.refusal(z.real, ReduceOp.AVG)))
         x = torch.tensor([6, 3], dtype=torch.int32) * (rank + 1)
+        reasons.append(str(shm.refusal(x, ReduceOp.AVG)))
+        reasons.append(str(shm.refusal(z.real, dist._make_nccl_premul_sum(2.0))))
         assert comm.all_reduce_chain.select(x, ReduceOp.BAND) is shm
         assert torch.equal(
             comm.all_reduce(x, op=ReduceOp.BAND), torch.tensor([6 & 12, 3 & 6]).int()
@@ -260,9 +268,10 @@ def _refusals(rank: int, world: int) -> list[str]:
 def test_shm_refuses_what_it_cannot_take_and_gloo_takes_it() -> None:
     reasons = run_ranks(_refusals, 2, timeout=60)[0]
     assert "torch.complex32" in reasons[0]
-    assert "complex64 tensor reduces by SUM only" in reasons[1]
+    assert "complex64 tensor reduces by SUM or AVG only" in reasons[1]
     assert "BAND needs an integer or bool dtype, not torch.float32" in reasons[2]
-    assert "AVG is not one of" in reasons[3] and "BXOR" in reasons[3]
+    assert "AVG needs a floating or complex dtype, not torch.int32" in reasons[3]
+    assert "is not one of" in reasons[4] and "AVG" in reasons[4]
 
 
 def _disabled(rank: int, world: int) -> str | None:
