@@ -11,6 +11,9 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ReduceOp
 
+from . import checks
+from .errors import GroupcoordTypeError, GroupcoordValueError
+
 __all__ = [
     "CLONE_MAX_BYTES",
     "ONE_SHOT_MAX_BYTES",
@@ -24,7 +27,7 @@ __all__ = [
 ]
 
 # Integers wrap and bools add as "or" (multiply as "and") as on Gloo; Gloo takes no
-# int16. Complex tensors reduce by sum only (as torch.distributed allows); unsigned
+# int16. Complex tensors reduce by sum or average (as torch.distributed allows); unsigned
 # dtypes wider than a byte and complex32 have no torch arithmetic here.
 SHM_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64,
@@ -42,7 +45,6 @@ _OPS: dict[object, Callable[..., torch.Tensor]] = {
     ReduceOp.BXOR: torch.bitwise_xor,
     ReduceOp.AVG: torch.add,  # then one division (combine)
 }
-_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def combine(
@@ -156,15 +158,13 @@ class OneTorchThread:
 
 
 def refused_op(op: object, dtype: torch.dtype) -> str | None:
-    """Why the path cannot reduce ``dtype`` with ``op``, or None. What it refuses goes
-    to c10d, which reduces it or says why not (as for AVG on Gloo)."""
+    """Why the path cannot reduce ``dtype`` with ``op``, or None: an operator it lacks
+    (a PREMUL_SUM object), or one the dtype does not allow (``checks.reduce_op``).
+    What it refuses goes to c10d, which reduces it or says why not."""
     if op not in _OPS:
         return f"reduce op {op} is not one of {[str(o).rsplit('.', 1)[-1] for o in _OPS]}"
-    inexact = dtype.is_floating_point or dtype.is_complex
-    if op in _BITWISE and inexact:
-        return f"reduce op {op} needs an integer or bool dtype, not {dtype}"
-    if op == ReduceOp.AVG and not inexact:
-        return f"reduce op {op} needs a floating or complex dtype, not {dtype}"
-    if dtype.is_complex and op not in (ReduceOp.SUM, ReduceOp.AVG):
-        return f"a {dtype} tensor reduces by SUM or AVG only, not {op}"
+    try:
+        checks.reduce_op(op, dtype)
+    except (GroupcoordTypeError, GroupcoordValueError) as exc:
+        return str(exc)
     return None

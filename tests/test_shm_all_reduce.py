@@ -268,9 +268,9 @@ def _refusals(rank: int, world: int) -> list[str]:
 def test_shm_refuses_what_it_cannot_take_and_gloo_takes_it() -> None:
     reasons = run_ranks(_refusals, 2, timeout=60)[0]
     assert "torch.complex32" in reasons[0]
-    assert "complex64 tensor reduces by SUM or AVG only" in reasons[1]
-    assert "BAND needs an integer or bool dtype, not torch.float32" in reasons[2]
-    assert "AVG needs a floating or complex dtype, not torch.int32" in reasons[3]
+    assert "complex64 tensor can only be reduced with SUM or AVG" in reasons[1]
+    assert "BAND: needs an integer or bool dtype, got torch.float32" in reasons[2]
+    assert "AVG: needs a floating or complex dtype" in reasons[3] and "torch.int32" in reasons[3]
     assert "is not one of" in reasons[4] and "AVG" in reasons[4]
 
 
