@@ -195,9 +195,9 @@ def barrier(pg: Any, timeout: Timeout) -> Any:
 # caller waits at once (``GroupCoordinator``; ``Comm``'s asynchronous receives
 # wait on their pair's lane thread, ``coordinator/comm/p2p_lanes.py``): Gloo's
 # sends wait until their receive is posted, and nothing else would post the
-# data's buffer while the caller is busy elsewhere. A device tensor goes alone (reading a header back would wait for
-# the device). Both ends of a pair must be groupcoord's: a plain
-# torch.distributed.recv would take the header.
+# data's buffer while the caller is busy elsewhere. A device tensor goes alone
+# (reading a header back would wait for the device). Both ends of a pair must be
+# groupcoord's: a plain torch.distributed.recv would take the header.
 INLINE_MAX_BYTES = 64 * 1024
 _HEADER = 16
 BYTES_CODE = 1 << 16  # a header's "dtype" for an object's bytes (no dtype has it)
@@ -312,10 +312,11 @@ def _out_of_step(what: str, pg: Any, called: str, src: int, sent: str) -> Desync
 
 
 def recv_blocking(pg: Any, tensor: torch.Tensor, src: int, what: str = "") -> Any:
-    """:func:`recv` for a caller that waits on the work at once (a blocking receive):
-    the work's ``wait()`` receives the header, and the data only once the header
-    says what came, so no message can be too large for its buffer, and any
-    mismatch raises ``DesyncError`` and is consumed (Gloo aborts on none)."""
+    """Receive into ``tensor`` (contiguous) from in-group rank ``src``, for a caller
+    that waits on the work at once: the work's ``wait()`` receives the header, and
+    the data only once the header says what came, so no message can be too large
+    for its buffer, and any mismatch raises ``DesyncError`` (``what``: the group,
+    for its message) and is consumed (Gloo aborts on none)."""
     if not tensor.is_cpu:
         return pg.recv([_wire(tensor)], src, P2P_TAG)
     code, count = dtype_code(tensor.dtype), tensor.numel()

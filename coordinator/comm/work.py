@@ -256,8 +256,8 @@ class Completer:
     (on Gloo's thread) runs the finishing step and settles the Work. Gloo's
     reduce_scatter works have no future and complete only inside ``wait()``
     (``completes_in_wait``), so each asynchronous one gets its own
-    short-lived daemon thread (sends and receives run on their pair's lane). A blocking op of either kind is
-    finished on the caller's thread. Works never queue behind each other, so
+    short-lived daemon thread (sends and receives run on their pair's lane).
+    A blocking op of either kind is finished on the caller's thread. Works never queue behind each other, so
     an async recv that waits on the peer cannot delay an unrelated
     all_reduce's completion.
     """
