@@ -110,6 +110,7 @@ def rank(
     return value
 
 
+_REDUCE_OP_TYPES = (dist.ReduceOp, dist.ReduceOp.RedOpType)
 _BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
 
 
@@ -118,7 +119,7 @@ def reduce_op(value: Any, dtype: torch.dtype, argument: str = "op") -> Any:
     bitwise ops take integers and bool, AVG floating and complex dtypes, and a
     complex tensor reduces by SUM or AVG only (its real and imaginary parts would
     be reduced apart)."""
-    if not isinstance(value, dist.ReduceOp | dist.ReduceOp.RedOpType):
+    if not isinstance(value, _REDUCE_OP_TYPES):
         raise GroupcoordTypeError(
             f"{argument} must be a torch.distributed.ReduceOp, got {type(value).__name__}"
         )
