@@ -11,8 +11,11 @@ registered ``ProcessGroup`` and on a standalone Gloo backend alike (a
 (``timeout``; None keeps the group's).
 
 A complex tensor travels as its real view, as ``torch.distributed`` sends
-it; reductions of complex tensors other than a sum are refused, since
-reducing the real and imaginary parts apart would be a wrong answer.
+it; reductions of complex tensors other than a sum or an average are
+refused, since reducing the real and imaginary parts apart would be a wrong
+answer. On the CPU a dtype Gloo lacks (float8, int16, the wider unsigned and
+the sub-byte ones) is copied as the dtype of its width that Gloo has, and
+refused with a clear error by a reduction.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch.distributed import ReduceOp
 from shm_broadcast.array_frames import WIRE_DTYPES, dtype_code, torch_dtype
 
 from . import checks
-from .errors import DesyncError
+from .errors import DesyncError, GroupcoordTypeError
 
 __all__ = [
     "P2P_TAG",
@@ -64,9 +67,29 @@ P2P_TAG = 0  # one tag for every send/recv, so Gloo keeps them in FIFO order per
 Timeout = datetime.timedelta | None
 
 
+# The dtypes Gloo moves and reduces: no int16, no unsigned one wider than a byte, no
+# float8 or sub-byte one ("Invalid scalar type", even for a broadcast).
+_GLOO_DTYPES = frozenset(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    + (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool)
+)
+# A copy moves bytes: a dtype Gloo lacks travels as the one of its width it has.
+_SAME_WIDTH = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
+
+
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """What c10d moves for ``tensor``: itself, or the real view of a complex one."""
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    """What c10d moves for ``tensor``: itself, the real view of a complex one, or (on
+    the CPU, Gloo's) a dtype Gloo lacks as the dtype of its width that it has."""
+    if tensor.is_complex():
+        return torch.view_as_real(tensor)
+    if not tensor.is_cpu or tensor.dtype in _GLOO_DTYPES:
+        return tensor
+    if tensor.is_quantized:
+        raise GroupcoordTypeError(
+            f"a quantized tensor ({tensor.dtype}) cannot travel: send its int_repr() "
+            "and its quantization parameters"
+        )
+    return tensor.view(_SAME_WIDTH[tensor.element_size()])
 
 
 def _wires(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -75,6 +98,14 @@ def _wires(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _reducible(tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
     checks.reduce_op(op, tensor.dtype)
+    refused = tensor.is_cpu and tensor.dtype not in _GLOO_DTYPES
+    if refused and not tensor.is_complex() and not tensor.is_quantized:  # _wire: those
+        raise GroupcoordTypeError(
+            f"op={op}: Gloo cannot reduce {tensor.dtype} (the shared-memory path, between "
+            "ranks on one node, reduces int16 and the wider unsigned dtypes by SUM, "
+            "PRODUCT and the bitwise ops): cast it to one of "
+            f"{sorted(str(d) for d in _GLOO_DTYPES)} first"
+        )
     return _wire(tensor)
 
 
@@ -165,8 +196,8 @@ def all_to_all(
     timeout: Timeout,
 ) -> Any:
     """Rows of ``input`` to each rank by ``input_splits`` (empty: equal blocks)."""
-    if input.is_complex():  # split sizes count rows, which the real view keeps
-        input, output = _wire(input), _wire(output)
+    # Split sizes count rows, which every wire view keeps.
+    input, output = _wire(input), _wire(output)
     opts = _with_timeout(AllToAllOptions(), timeout)
     return pg.alltoall_base(output, input, output_splits, input_splits, opts)
 

@@ -317,6 +317,8 @@ class ShmAllReduce(ShmBase):
             return self.disabled_reason
         if not tensor.is_cpu:
             return f"tensor is on {tensor.device}, not the CPU"
+        if tensor.is_quantized:  # no code in the call's fingerprint (the wire table's)
+            return f"dtype {tensor.dtype} is quantized"
         return None
 
     @one_at_a_time

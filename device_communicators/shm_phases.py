@@ -24,6 +24,7 @@ import zlib
 
 import torch
 
+from shm_broadcast.array_frames import WIRE_DTYPES, dtype_code
 from shm_broadcast.liveness import pid_namespace
 from shm_broadcast.liveness import process_alive as pid_alive
 from shm_broadcast.waiting import (
@@ -65,11 +66,6 @@ OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
     "all_to_all", "scatter", "all_to_all_v",
 )  # fmt: skip
-_DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-)  # fmt: skip
-_DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}  # 0: another dtype
 _REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 
 
@@ -96,7 +92,7 @@ def _make_code(operation: str, dtype: torch.dtype | None, reduce_op: object, roo
     op_code = _REDUCE_OPS.index(op_name) + 1 if op_name in _REDUCE_OPS else 0
     return (
         (OPERATIONS.index(operation) << 40)
-        | ((_DTYPE_CODE.get(dtype, 0) if dtype is not None else 0) << 32)
+        | ((dtype_code(dtype) + 1 if dtype is not None else 0) << 32)
         | (op_code << 16)
         | (root & 0xFFFF)
     )
@@ -139,8 +135,8 @@ def describe_call(code: int, count: int) -> str:
     """E.g. ``all_reduce(float32[4096], SUM)``, ``broadcast(uint8[100], src=1)`` or
     ``all_gather(float32[300000]) read directly``."""
     operation = OPERATIONS[(code >> 40) & 0xFF]
-    dtype_code = (code >> 32) & 0xFF
-    dtype = str(_DTYPES[dtype_code - 1]).removeprefix("torch.") if dtype_code else "other"
+    wire = (code >> 32) & 0xFF  # the dtype's code in the wire table, plus one
+    dtype = WIRE_DTYPES[wire - 1] if wire else "none"
     op_code, root = (code >> 16) & 0xFFFF, code & 0xFFFF
     extra = ""
     if operation == "barrier":

@@ -20,20 +20,37 @@ __all__ = [
     "PARALLEL_MIN_BYTES",
     "SHM_DTYPES",
     "TORCH_GRAIN",
+    "PLAIN_ADD_DTYPES",
     "OneTorchThread",
     "combine",
     "refused_op",
     "settle_torch_pool",
 ]
 
-# Integers wrap and bools add as "or" (multiply as "and") as on Gloo; Gloo takes no
-# int16. Complex tensors reduce by sum or average (as torch.distributed allows); unsigned
-# dtypes wider than a byte and complex32 have no torch arithmetic here.
+# Integers wrap and bools add as "or" (multiply as "and") as on Gloo. Complex tensors
+# reduce by sum or average (as torch.distributed allows). Gloo reduces neither int16
+# nor unsigned dtypes wider than a byte (c10d_calls refuses them there).
 SHM_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64,
     torch.int8, torch.uint8, torch.int16, torch.bool, torch.complex64, torch.complex128,
+    torch.complex32, torch.uint16, torch.uint32, torch.uint64,
 )  # fmt: skip
 _HALF = (torch.float16, torch.bfloat16)
+# Dtypes torch has too little arithmetic for, reduced as the dtype of their width
+# that has it: complex32 as its fp16 parts; the unsigned ones as signed integers,
+# whose sums, products and bitwise results have the same bits (not their order:
+# MIN and MAX are refused).
+_CARRIERS = {
+    torch.complex32: torch.float16,
+    torch.uint16: torch.int16,
+    torch.uint32: torch.int32,
+    torch.uint64: torch.int64,
+}
+# The dtypes whose SUM of two parts is one plain torch.add (no fp32 accumulation,
+# no "or" for bool, no carrier): the lean path's two-rank case calls it directly.
+PLAIN_ADD_DTYPES = frozenset(d for d in SHM_DTYPES if d not in _HALF and d is not torch.bool) - set(
+    _CARRIERS
+)
 
 _OPS: dict[object, Callable[..., torch.Tensor]] = {
     ReduceOp.SUM: torch.add,
@@ -52,6 +69,11 @@ def combine(
 ) -> torch.Tensor:
     """parts[0] op parts[1] op ..., in that order, into ``out`` or a new tensor (fp16
     and bf16 sums and products accumulate in fp32): every rank gets identical bits."""
+    carrier = _CARRIERS.get(parts[0].dtype)
+    if carrier is not None:
+        carried = [p.view(carrier) for p in parts]
+        result = combine(carried, None if out is None else out.view(carrier), op)
+        return result.view(parts[0].dtype)
     if op == ReduceOp.AVG:
         return _average(parts, out)
     fn = _OPS[op]
@@ -163,6 +185,8 @@ def refused_op(op: object, dtype: torch.dtype) -> str | None:
     What it refuses goes to c10d, which reduces it or says why not."""
     if op not in _OPS:
         return f"reduce op {op} is not one of {[str(o).rsplit('.', 1)[-1] for o in _OPS]}"
+    if dtype in _CARRIERS and op in (ReduceOp.MIN, ReduceOp.MAX):
+        return f"torch has no {str(op).rsplit('.', 1)[-1]} of {dtype}"
     try:
         checks.reduce_op(op, dtype)
     except (GroupcoordTypeError, GroupcoordValueError) as exc:

@@ -42,6 +42,7 @@ from .shm_phases import PhaseLines, call_code, varying_gather_code
 from .shm_reduce import (
     CLONE_MAX_BYTES,
     ONE_SHOT_MAX_BYTES,
+    PLAIN_ADD_DTYPES,
     SHM_DTYPES,
     TORCH_GRAIN,
     OneTorchThread,
@@ -52,7 +53,6 @@ from .shm_slots import SlotSegment
 __all__ = ["SmallCalls", "VaryingParts"]
 
 _SHM_DTYPES = frozenset(SHM_DTYPES)
-_HALF = (torch.float16, torch.bfloat16)
 # The largest piece on this path: what the general path, too, reduces one-shot.
 LEAN_MAX_BYTES = ONE_SHOT_MAX_BYTES
 _PLAN_ENTRIES = 512  # plans kept per operation (a workload repeats a few shapes)
@@ -101,11 +101,8 @@ class _Plan:
         self.reads = reads
         self.out_shape = out_shape  # the result's
         self.dim = dim  # an all-gather's: the axis the ranks' tensors are joined on
-        # Two ranks, no fp32 accumulation and no bool (summed as "or" by combine):
-        # one torch.add makes the result.
-        self.pair = (
-            slots.world_size == 2 and tensor.dtype not in _HALF and tensor.dtype is not torch.bool
-        )
+        # Two ranks and a dtype whose sum is a plain add: one torch.add makes the result.
+        self.pair = slots.world_size == 2 and tensor.dtype in PLAIN_ADD_DTYPES
         # A large all-gather whose result is the ranks' slots one after the
         # other: every slot's address, by set (see _gather_plan).
         self.blocks: tuple[list[int], list[int]] | None = None
@@ -414,8 +411,8 @@ class SmallCalls:
         nbytes = tensor.numel() * tensor.element_size()
         if not (0 < nbytes <= LEAN_MAX_BYTES and nbytes <= slots.max_bytes):
             return None
-        if not 0 <= src < slots.world_size:
-            return None  # the general path says what is wrong
+        if not 0 <= src < slots.world_size or tensor.is_quantized:
+            return None  # the general path says what is wrong, or refuses it
         code = call_code("broadcast", tensor.dtype, None, src)
         return _Plan("broadcast", code, tensor, slots, src, ((), ()), tensor.shape, src)
 

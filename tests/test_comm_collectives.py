@@ -213,17 +213,27 @@ def _bad_input_leaves_comm_usable(comm: Comm) -> None:
 
 
 def _reduce_scatter_both_paths(comm: Comm) -> None:
-    # float32 and complex64 take the shared-memory path, complex32 (not a shm dtype)
-    # Gloo's; all with multi-dimensional outputs, which each path flattens its own way.
+    # On the comm's shared-memory path and on Gloo's (a comm built with the path off,
+    # as between nodes), with multi-dimensional outputs, which each path flattens its
+    # own way; complex32 goes as its fp16 parts on both.
+    from shm_broadcast.config import override
+
+    with override(disable_shm_all_reduce=True):
+        gloo = new_comm("gloo", "cpu", "ops-gloo", timeout=30)
     r, w = comm.get_rank(), comm.get_size()
-    for dtype in (torch.float32, torch.complex64, torch.complex32):
-        ins = [torch.full((2, 3), r + 10 * i, dtype=dtype) for i in range(w)]
-        res = torch.empty((2, 3), dtype=dtype)
-        comm.reduce_scatter(res, ins, ReduceOp.SUM)
-        assert res.tolist() == [[sum(range(w)) + 10 * w * r] * 3] * 2, dtype
-        single = torch.empty((2, 3), dtype=dtype)
-        comm.reduce_scatter_single(single, torch.cat(ins).reshape(w * 2, 3), ReduceOp.SUM)
-        assert single.tolist() == res.tolist(), dtype
+    try:
+        for each in (comm, gloo):
+            for dtype in (torch.float32, torch.complex64, torch.complex32):
+                assert each._shm_takes(torch.ones(1, dtype=dtype), ReduceOp.SUM) == (each is comm)
+                ins = [torch.full((2, 3), r + 10 * i, dtype=dtype) for i in range(w)]
+                res = torch.empty((2, 3), dtype=dtype)
+                each.reduce_scatter(res, ins, ReduceOp.SUM)
+                assert res.tolist() == [[sum(range(w)) + 10 * w * r] * 3] * 2, dtype
+                single = torch.empty((2, 3), dtype=dtype)
+                each.reduce_scatter_single(single, torch.cat(ins).reshape(w * 2, 3), ReduceOp.SUM)
+                assert single.tolist() == res.tolist(), dtype
+    finally:
+        gloo.finalize()
 
 
 def _every_op(rank: int, world_size: int) -> str:

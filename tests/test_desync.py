@@ -56,6 +56,18 @@ CASES = {
         lambda g: g.all_reduce(torch.ones(8192)),
         ("all_reduce(complex64[4096], SUM)", "all_reduce(float32[8192], SUM)"),
     ),
+    # Copies take any dtype: each has its own code in the fingerprint (these shared
+    # one, "another dtype", and returned the other rank's bytes as their own).
+    "unsigned width": (
+        lambda g: g.all_gather(torch.ones(16, dtype=torch.uint32), dim=0),
+        lambda g: g.all_gather(torch.ones(16, dtype=torch.uint64), dim=0),
+        ("all_gather(uint32[16])", "all_gather(uint64[16])"),
+    ),
+    "float8 format": (
+        lambda g: g.broadcast(torch.ones(16).to(torch.float8_e4m3fn), src=0),
+        lambda g: g.broadcast(torch.ones(16).to(torch.float8_e5m2), src=0),
+        ("broadcast(float8_e4m3fn[16], src=0)", "broadcast(float8_e5m2[16], src=0)"),
+    ),
     "root": (
         lambda g: g.broadcast(torch.ones(8), src=0),
         lambda g: g.broadcast(torch.ones(8), src=1),

@@ -97,9 +97,10 @@ def _peer_exits(rank: int, world: int, call: str) -> Any:
         os._exit(0)
     calls = {
         "CpuCommunicator.recv": lambda: comm.recv(torch.Size([8]), torch.float32, src=1),
-        "CpuCommunicator.all_reduce (Gloo dtype)": lambda: comm.all_reduce(
-            torch.ones(8, dtype=torch.complex32)  # the one reducible dtype shm leaves to Gloo
-        ),
+        # What a group whose ranks do not share a node reduces with (pids known here).
+        "Gloo all_reduce (the chain's last back end)": lambda: comm.all_reduce_chain.backends[
+            -1
+        ].all_reduce(torch.ones(8)),
         "MessageQueue.create_from_process_group": lambda: MessageQueue.create_from_process_group(
             pg, 1024, 2
         ).shutdown(),
@@ -121,7 +122,7 @@ def _peer_exits(rank: int, world: int, call: str) -> Any:
     "call",
     [
         "CpuCommunicator.recv",
-        "CpuCommunicator.all_reduce (Gloo dtype)",
+        "Gloo all_reduce (the chain's last back end)",
         "MessageQueue.create_from_process_group",
     ],
 )

@@ -102,13 +102,17 @@ FROM_GLOO = [(d, OPS + BITWISE) for d in (torch.int8, torch.uint8, torch.bool)] 
     (torch.bfloat16, ["AVG"]),
     (torch.complex64, ["SUM", "AVG"]),
     (torch.complex128, ["SUM", "AVG"]),
+    (torch.complex32, ["SUM", "AVG"]),  # as its fp16 parts
 ]
 
 
 def _same_bits_as_gloo(rank: int, world: int) -> int:
+    import warnings
+
     import torch.distributed as dist
     from torch.distributed import ReduceOp
 
+    warnings.simplefilter("ignore", UserWarning)  # complex32 is "experimental"
     init_gloo(rank, world)
     shm = make_shm(unique_name="bits")
     checked = 0
@@ -129,6 +133,8 @@ def _same_bits_as_gloo(rank: int, world: int) -> int:
                     ours = shm.all_reduce(x, getattr(ReduceOp, op))
                     gloo = x.clone()
                     dist.all_reduce(gloo, getattr(ReduceOp, op))
+                    if dtype is torch.complex32:  # torch cannot compare these
+                        ours, gloo = torch.view_as_real(ours), torch.view_as_real(gloo)
                     assert torch.equal(ours, gloo), f"{numel} {dtype} {op}"
                     checked += 1
     finally:
@@ -142,6 +148,59 @@ def test_reductions_taken_from_gloo_give_gloos_bits() -> None:
     raise) with Gloo's answers: integers wrap, bools add as "or"."""
     want = 2 * sum(len(ops) for _, ops in FROM_GLOO)
     assert run_ranks(_same_bits_as_gloo, 3, timeout=120) == [want] * 3
+
+
+UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+UNSIGNED_OPS = ["SUM", "PRODUCT", "BAND", "BOR", "BXOR"]
+
+
+def _unsigned(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values across the dtype's whole range (its signed twin's bits)."""
+    signed = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+    info = torch.iinfo(signed[dtype])
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    return torch.randint(info.min, info.max, (numel,), generator=gen, dtype=signed[dtype]).view(
+        dtype
+    )
+
+
+def _unsigned_as_numpy(rank: int, world: int) -> int:
+    import numpy as np
+    from torch.distributed import ReduceOp
+
+    init_gloo(rank, world)
+    shm = make_shm(unique_name="unsigned")
+    ufuncs = {
+        "SUM": np.add,
+        "PRODUCT": np.multiply,
+        "BAND": np.bitwise_and,
+        "BOR": np.bitwise_or,
+        "BXOR": np.bitwise_xor,
+    }
+    checked = 0
+    try:
+        for numel in (1000, 300_000):  # one-shot, and past 256 KiB
+            for dtype in UNSIGNED:
+                everyone = np.stack(
+                    [_unsigned(r, numel, dtype, numel).numpy() for r in range(world)]
+                )
+                for op in UNSIGNED_OPS:
+                    x = _unsigned(rank, numel, dtype, numel)
+                    ours = shm.all_reduce(x, getattr(ReduceOp, op))
+                    want = ufuncs[op].reduce(everyone, axis=0, dtype=everyone.dtype)
+                    assert ours.dtype == dtype and np.array_equal(ours.numpy(), want), (numel, op)
+                    checked += 1
+    finally:
+        shm.close()
+    return checked
+
+
+def test_wide_unsigned_reductions_wrap_as_numpy_does() -> None:
+    """Gloo reduces no unsigned dtype wider than a byte; the shared-memory path sums,
+    multiplies and combines their bits as their signed twins (the same bits: numpy's
+    wrapping arithmetic is the reference), and refuses MIN and MAX."""
+    want = 2 * len(UNSIGNED) * len(UNSIGNED_OPS)
+    assert run_ranks(_unsigned_as_numpy, 3, timeout=120) == [want] * 3
 
 
 def _pieces(rank: int, world: int, one_shot_max: int) -> list[str]:
@@ -229,31 +288,40 @@ def test_back_to_back_calls_with_uneven_pace(world: int, wait_mode: str) -> None
 
 
 def _refusals(rank: int, world: int) -> list[str]:
-    import warnings
 
     import torch.distributed as dist
     from torch.distributed import ReduceOp
 
     from device_communicators.cpu_communicator import CpuCommunicator
+    from shm_broadcast.errors import GroupcoordTypeError
 
-    warnings.simplefilter("ignore", UserWarning)  # complex32 is "experimental"
     init_gloo(rank, world)
     comm = CpuCommunicator(dist.group.WORLD, unique_name="refuse")
     shm = comm.shm_all_reduce
     try:
         reasons = []
-        other = torch.full((5,), rank + 1, dtype=torch.complex32)
+        other = torch.full((5,), rank + 1.0).to(torch.float8_e4m3fn)
         assert not shm.can_handle(other)
         reasons.append(str(shm.refusal(other)))
-        # The chain hands what shm refuses to Gloo, which gets it right.
+        # The chain hands what shm refuses to Gloo, which cannot reduce it either and
+        # says so before sending anything (it said "Invalid scalar type", which the
+        # coordinator took for a lost peer); the communicator stays usable.
         assert comm.all_reduce_chain.select(other).name == "torch.distributed(gloo)"
-        assert comm.all_reduce(other).tolist() == [3] * 5
+        with pytest.raises(GroupcoordTypeError, match="Gloo cannot reduce torch.float8_e4m3fn"):
+            comm.all_reduce(other)
+        wide = torch.full((5,), rank + 1, dtype=torch.uint32)
+        reasons.append(str(shm.refusal(wide, ReduceOp.MAX)))
+        assert comm.all_reduce(wide).tolist() == [3] * 5
         z = torch.ones(3, dtype=torch.complex64)
         reasons.append(str(shm.refusal(z, ReduceOp.MAX)))
         reasons.append(str(shm.refusal(z.real, ReduceOp.BAND)))
         x = torch.tensor([6, 3], dtype=torch.int32) * (rank + 1)
         reasons.append(str(shm.refusal(x, ReduceOp.AVG)))
         reasons.append(str(shm.refusal(z.real, dist._make_nccl_premul_sum(2.0))))
+        # Copies take every dtype with a code in the call's fingerprint: all but quantized.
+        q = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+        reasons.append(str(shm.copy_refusal(q)))
+        assert shm.copy_refusal(torch.ones(2).to(torch.float8_e5m2)) is None
         assert comm.all_reduce_chain.select(x, ReduceOp.BAND) is shm
         assert torch.equal(
             comm.all_reduce(x, op=ReduceOp.BAND), torch.tensor([6 & 12, 3 & 6]).int()
@@ -267,11 +335,13 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 def test_shm_refuses_what_it_cannot_take_and_gloo_takes_it() -> None:
     reasons = run_ranks(_refusals, 2, timeout=60)[0]
-    assert "torch.complex32" in reasons[0]
-    assert "complex64 tensor can only be reduced with SUM or AVG" in reasons[1]
-    assert "BAND: needs an integer or bool dtype, got torch.float32" in reasons[2]
-    assert "AVG: needs a floating or complex dtype" in reasons[3] and "torch.int32" in reasons[3]
-    assert "is not one of" in reasons[4] and "AVG" in reasons[4]
+    assert "torch.float8_e4m3fn is not one of" in reasons[0]
+    assert reasons[1] == "torch has no MAX of torch.uint32"
+    assert "complex64 tensor can only be reduced with SUM or AVG" in reasons[2]
+    assert "BAND: needs an integer or bool dtype, got torch.float32" in reasons[3]
+    assert "AVG: needs a floating or complex dtype" in reasons[4] and "torch.int32" in reasons[4]
+    assert "is not one of" in reasons[5] and "AVG" in reasons[5]
+    assert reasons[6] == "dtype torch.qint8 is quantized"
 
 
 def _disabled(rank: int, world: int) -> str | None:

@@ -53,7 +53,7 @@ def _coordinator_call(g: Any, call: str) -> Callable[[], Any]:
     x = torch.ones(8)
     calls: dict[str, Callable[[], Any]] = {
         "all_reduce": lambda: g.all_reduce(x),
-        "all_reduce (Gloo dtype)": lambda: g.all_reduce(torch.ones(8, dtype=torch.complex32)),
+        "all_reduce (shared memory off)": lambda: g.all_reduce(x),
         "all_gather": lambda: g.all_gather(x, dim=0),
         "all_gatherv": lambda: g.all_gatherv(x, dim=0),
         "reduce_scatter": lambda: g.reduce_scatter(x, dim=0),
@@ -78,15 +78,16 @@ def coordinator_rows(rank: int, world: int, rows: list[tuple[str, int]]) -> dict
 
     def run_row(call: str, absent: bool) -> Outcome | None:
         mq = "message queue" in call
-        g = GroupCoordinator(
-            [list(range(world))],
-            rank,
-            "gloo",
-            True,
-            use_message_queue_broadcaster=mq,
-            group_name="tmo",
-            timeout=TIMEOUT_S,
-        )
+        with override(disable_shm_all_reduce="shared memory off" in call):
+            g = GroupCoordinator(
+                [list(range(world))],
+                rank,
+                "gloo",
+                True,
+                use_message_queue_broadcaster=mq,
+                group_name="tmo",
+                timeout=TIMEOUT_S,
+            )
         try:
             return None if absent else attempt(_coordinator_call(g, call))
         finally:
@@ -107,13 +108,11 @@ def communicator_rows(rank: int, world: int, rows: list[tuple[str, int]]) -> dic
 
     def run_row(call: str, absent: bool) -> Outcome | None:
         pg = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        with override(timeout_s=TIMEOUT_S):
+        with override(timeout_s=TIMEOUT_S, disable_shm_all_reduce="shared memory off" in call):
             comm = CpuCommunicator(pg, torch.device("cpu"), pg, unique_name="tmo")
         calls: dict[str, Callable[[], Any]] = {
             "all_reduce": lambda: comm.all_reduce(x),
-            "all_reduce (Gloo dtype)": lambda: comm.all_reduce(
-                torch.ones(8, dtype=torch.complex32)
-            ),
+            "all_reduce (shared memory off)": lambda: comm.all_reduce(x),
             "all_gather": lambda: comm.all_gather(x, dim=0),
             "all_gatherv": lambda: comm.all_gatherv(x, dim=0),
             "reduce_scatter": lambda: comm.reduce_scatter(x, dim=0),

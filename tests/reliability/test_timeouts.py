@@ -36,7 +36,7 @@ TIMEOUT_TABLE: list[Row] = [
         Row("GroupCoordinator", call, 1, "tmo")
         for call in (
             "all_reduce",
-            "all_reduce (Gloo dtype)",
+            "all_reduce (shared memory off)",
             "all_gather",
             "all_gatherv",
             "reduce_scatter",
@@ -59,7 +59,7 @@ TIMEOUT_TABLE: list[Row] = [
         Row("CpuCommunicator", call, 1, "tmo")
         for call in (
             "all_reduce",
-            "all_reduce (Gloo dtype)",
+            "all_reduce (shared memory off)",
             "all_gather",
             "all_gatherv",
             "reduce_scatter",
