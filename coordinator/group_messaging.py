@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed import ProcessGroup
 
-from device_communicators import c10d_calls
+from device_communicators import c10d_calls, object_bytes
 from shm_broadcast.codec import dumps, encode_message, loads, message_bytes
 from shm_broadcast.group_io import broadcast_bytes
 
@@ -67,24 +67,25 @@ class GroupMessaging(GroupBase):
         self, operation: str, payload: bytes | None, src: int, pg: ProcessGroup | None = None
     ) -> bytes:
         """``src``'s ``payload`` on every rank. A CPU group moves it with its own
-        ``broadcast`` (its length, then its bytes: through shared memory when the
-        group has it, fingerprinted, so a rank that called another collective
+        ``broadcast`` (its length, then its bytes, as ``object_bytes`` tensors:
+        through shared memory when the group has it, fingerprinted, so a rank that
+        called another collective, a plain broadcast of the same size included,
         raises ``DesyncError``); otherwise, or on another ``pg``, Gloo's broadcasts."""
         if pg is not None or self.device.type != "cpu":
             return self._collective(operation, broadcast_bytes, pg or self.cpu_group, payload, src)
         mine = self.rank_in_group == src
-        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        length = object_bytes.lengths([len(payload) if payload is not None else 0])
         self.broadcast(length, src)
-        n = int(length[0])
+        n = object_bytes.read_lengths(length)[0]
         if n == 0:
             return b""
         if mine:
             assert payload is not None  # the source's, checked by its caller
-            self.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src)
+            self.broadcast(object_bytes.from_bytes(payload), src)
             return payload
-        data = torch.empty(n, dtype=torch.uint8)
+        data = torch.empty(n, dtype=object_bytes.OBJECT_DTYPE)
         self.broadcast(data, src)
-        return data.numpy().tobytes()
+        return object_bytes.to_bytes(data)
 
     def _called(self, operation: str, src: int) -> str:
         """How a ``DesyncError`` names this rank's receive of ``operation`` from ``src``."""

@@ -25,7 +25,7 @@ from shm_broadcast.codec import encode_message, loads, message_bytes
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.p2p_channels import P2PChannels
 
-from . import checks
+from . import checks, object_bytes
 from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
 from .errors import GroupcoordTypeError
@@ -120,8 +120,8 @@ class CpuCommunicator(DeviceCommunicatorBase):
             self.p2p_channels.send_message(peer, msg, operation)
             return
         payload = message_bytes(msg)
-        self.send(torch.tensor([len(payload)], dtype=torch.int64), dst)
-        self.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst)
+        self.send(object_bytes.lengths([len(payload)]), dst)
+        self.send(object_bytes.from_bytes(payload), dst)
 
     def recv_tensor_dict(self, src: int) -> dict[str, torch.Tensor | Any]:
         """The next dict in-group rank ``src`` sent with :meth:`send_tensor_dict`."""
@@ -131,8 +131,10 @@ class CpuCommunicator(DeviceCommunicatorBase):
         if self.p2p_channels.open_from(peer, operation):
             got = self.p2p_channels.recv_message(peer, operation)
         else:
-            length = int(self.recv(torch.Size([1]), torch.int64, src).item())
-            got = loads(self.recv(torch.Size([length]), torch.uint8, src).numpy().tobytes())
+            dtype = object_bytes.OBJECT_DTYPE
+            length = self.recv(torch.Size([object_bytes.LENGTH_BYTES]), dtype, src)
+            n = object_bytes.read_lengths(length)[0]
+            got = loads(object_bytes.to_bytes(self.recv(torch.Size([n]), dtype, src)))
         if not isinstance(got, dict):
             raise GroupcoordTypeError(
                 f"{self.what}: recv_tensor_dict from rank {peer} got a "

@@ -19,7 +19,13 @@ from coordinator.comm import (
     scatter_object_list,
     send_object_list,
 )
-from coordinator.errors import GroupcoordTypeError, GroupcoordValueError, ProtocolError
+from coordinator.errors import (
+    DesyncError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+    PeerDiedError,
+    ProtocolError,
+)
 from coordinator.launch import run_ranks
 
 
@@ -125,3 +131,58 @@ def test_object_collectives_refuse_pickle_by_default(tmp_path: pathlib.Path) -> 
     marker = str(tmp_path / "unpickled-code-ran")
     assert run_ranks(_pickle_refused, 2, marker, timeout=60) == ["ok", "ok"]
     assert not os.path.exists(marker)
+
+
+# (object call on rank 0, the plain tensor call of the same size on rank 1): lengths
+# and bytes travel as bits8, so the plain call raises instead of taking the length.
+AGAINST_PLAIN = {
+    "send_object_list": (
+        lambda comm: send_object_list(comm, [1, 2, 3], 1),
+        lambda comm: comm.recv(torch.empty(1, dtype=torch.int64), 0),
+        "rank 1 called recv(int64[1]) from rank 0, which sent a bits8[8] tensor",
+    ),
+    "send_object_list over Gloo": (
+        lambda comm: send_object_list(comm, [1, 2, 3], 1),
+        lambda comm: comm.recv(torch.empty(1, dtype=torch.int64), 0),
+        "rank 1 called recv(int64[1]) from rank 0, which sent a bits8[8] tensor",
+    ),
+    "broadcast_object_list": (
+        lambda comm: broadcast_object_list(comm, [1, 2, 3], 0),
+        lambda comm: comm.broadcast(torch.empty(1, dtype=torch.int64), 0),
+        "called broadcast(bits8[8], src=0)",
+    ),
+    "all_gather_object": (
+        lambda comm: all_gather_object(comm, [None, None], "x"),
+        lambda comm: comm.all_gather_single(
+            torch.empty(2, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+        ),
+        "called all_gather(bits8[8])",
+    ),
+}
+
+
+def _object_against_plain(rank: int, world_size: int, case: str) -> str:
+    from shm_broadcast.config import set_config
+
+    if "Gloo" in case:  # the pair's transport between nodes
+        set_config(disable_shm_all_reduce=True, disable_shm_p2p=True)
+    comm = new_comm("gloo", "cpu", "plain", timeout=5)
+    object_call, plain_call, _ = AGAINST_PLAIN[case]
+    try:
+        try:
+            (object_call if rank == 0 else plain_call)(comm)
+        except DesyncError as exc:
+            return str(exc)
+        except PeerDiedError:  # over Gloo a send waits for its receive: rank 1 left
+            return "returned"
+        return "returned"
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize("case", sorted(AGAINST_PLAIN))
+def test_a_plain_tensor_call_against_an_object_call_raises(case: str) -> None:
+    object_side, plain_side = run_ranks(_object_against_plain, 2, case, timeout=60)
+    assert AGAINST_PLAIN[case][2] in plain_side, plain_side
+    # A collective raises on both ranks; a send's length went (rank 1 took it).
+    assert object_side == "returned" if case.startswith("send") else "bits8" in object_side

@@ -460,30 +460,43 @@ def test_object_calls_of_other_kinds_raise_naming_both(mq: bool) -> None:
         assert "with a list of 1, and rank 0 broadcast 3 objects" in messages[6]
 
 
-def _object_against_collective(rank: int, world_size: int) -> tuple[str, float]:
+def _object_against_collective(rank: int, world_size: int) -> list[tuple[str, float]]:
     init_gloo(rank, world_size)
     g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="objcol")
+    others = [
+        lambda: g.all_reduce(torch.ones(4)),
+        # The length's size and int64's dtype: matched the length silently before.
+        lambda: g.broadcast(torch.zeros(1, dtype=torch.int64), src=0),
+    ]
+    seen = []
     try:
-        start = time.monotonic()
-        with pytest.raises(DesyncError) as info:
-            if rank == 0:
-                g.all_reduce(torch.ones(4))
-            else:
-                g.broadcast_object(None, src=0)
-        took = time.monotonic() - start
-        assert g.broadcast_object("fine" if rank == 0 else None, src=0) == "fine"
-        return str(info.value), took
+        for other in others:
+            start = time.monotonic()
+            with pytest.raises(DesyncError) as info:
+                if rank == 0:
+                    other()
+                else:
+                    g.broadcast_object(None, src=0)
+            seen.append((str(info.value), time.monotonic() - start))
+            assert g.broadcast_object("fine" if rank == 0 else None, src=0) == "fine"
+        return seen
     finally:
         g.destroy()
 
 
 def test_an_object_broadcast_against_a_collective_raises_at_once() -> None:
-    """Objects move through the group's fingerprinted broadcast: a rank that called
-    another collective meanwhile raises on both ranks at once (on Gloo's broadcasts
-    both waited for the group's timeout, until 2026-11-27)."""
-    for message, took in run_ranks(_object_against_collective, 2, timeout=60):
-        assert "all_reduce(float32[4], SUM)" in message and "broadcast(int64[1]" in message
-        assert took < 5.0, took
+    """Objects move through the group's fingerprinted broadcast, their length and
+    bytes as bits8 (no tensor call's dtype): a rank that called another collective
+    meanwhile, a broadcast of an int64 included, raises on both ranks at once (on
+    Gloo's broadcasts both waited for the group's timeout until 2026-11-27, and the
+    plain broadcast took the length as its data until the twenty-eighth session)."""
+    for seen in run_ranks(_object_against_collective, 2, timeout=60):
+        (reduce_message, took), (broadcast_message, took_too) = seen
+        assert "all_reduce(float32[4], SUM)" in reduce_message, reduce_message
+        assert "broadcast(bits8[8], src=0)" in reduce_message, reduce_message
+        assert "broadcast(int64[1], src=0)" in broadcast_message, broadcast_message
+        assert "broadcast(bits8[8], src=0)" in broadcast_message, broadcast_message
+        assert took < 5.0 and took_too < 5.0, (took, took_too)
 
 
 def _failed_constructor(rank: int, world_size: int) -> None:

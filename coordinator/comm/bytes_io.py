@@ -1,7 +1,10 @@
-"""Move byte strings over a :class:`Comm` as uint8 tensors: lengths first, then payloads.
+"""Move byte strings over a :class:`Comm`: lengths first, then payloads.
 
 The building block of the object collectives and of window set-up; no pickle
 anywhere (the bytes are whatever the caller encoded, e.g. with the msgspec codec).
+Lengths and bytes travel as ``device_communicators.object_bytes`` tensors, so a
+rank whose peer made a plain tensor call of the same size raises instead of
+handing it a length.
 """
 
 from __future__ import annotations
@@ -10,64 +13,67 @@ import datetime
 
 import torch
 
+from device_communicators.object_bytes import (
+    LENGTH_BYTES,
+    OBJECT_DTYPE,
+    from_bytes,
+    lengths,
+    read_lengths,
+    to_bytes,
+)
+
 from .ops import CommOps
 
 
-def _as_tensor(data: bytes) -> torch.Tensor:
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
 def _lengths(comm: CommOps, n: int, timeout: float | datetime.timedelta | None) -> list[int]:
-    out = torch.empty(comm.get_size(), dtype=torch.int64)
-    comm.all_gather_single(out, torch.tensor([n], dtype=torch.int64), timeout=timeout)
-    return [int(x) for x in out.tolist()]
+    out = torch.empty(comm.get_size() * LENGTH_BYTES, dtype=OBJECT_DTYPE)
+    comm.all_gather_single(out, lengths([n]), timeout=timeout)
+    return read_lengths(out)
 
 
 def all_gather_bytes(
     comm: CommOps, data: bytes, timeout: float | datetime.timedelta | None = None
 ) -> list[bytes]:
     sizes = _lengths(comm, len(data), timeout)
-    outs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-    comm.all_gather_v(outs, _as_tensor(data), timeout=timeout)
-    return [t.numpy().tobytes() for t in outs]
+    outs = [torch.empty(n, dtype=OBJECT_DTYPE) for n in sizes]
+    comm.all_gather_v(outs, from_bytes(data), timeout=timeout)
+    return [to_bytes(t) for t in outs]
 
 
 def broadcast_bytes(
     comm: CommOps, data: bytes | None, root: int, timeout: float | datetime.timedelta | None
 ) -> bytes:
     mine = comm.get_rank() == root
-    length = torch.tensor([len(data) if mine and data is not None else 0], dtype=torch.int64)
+    length = lengths([len(data) if mine and data is not None else 0])
     comm.broadcast(length, root, timeout=timeout)
-    n = int(length.item())
+    n = read_lengths(length)[0]
     if mine:
         assert data is not None
-        payload = _as_tensor(data)
+        payload = from_bytes(data)
     else:
-        payload = torch.empty(n, dtype=torch.uint8)
+        payload = torch.empty(n, dtype=OBJECT_DTYPE)
     if n:
         comm.broadcast(payload, root, timeout=timeout)
-    return data if mine and data is not None else payload.numpy().tobytes()
+    return data if mine and data is not None else to_bytes(payload)
 
 
 def send_bytes(
     comm: CommOps, data: bytes, dst: int, timeout: float | datetime.timedelta | None
 ) -> None:
-    comm.send(torch.tensor([len(data)], dtype=torch.int64), dst, timeout=timeout)
+    comm.send(lengths([len(data)]), dst, timeout=timeout)
     if data:
-        comm.send(_as_tensor(data), dst, timeout=timeout)
+        comm.send(from_bytes(data), dst, timeout=timeout)
 
 
 def recv_bytes(comm: CommOps, src: int, timeout: float | datetime.timedelta | None) -> bytes:
-    length = torch.empty(1, dtype=torch.int64)
+    length = torch.empty(LENGTH_BYTES, dtype=OBJECT_DTYPE)
     comm.recv(length, src, timeout=timeout)
-    n = int(length.item())
+    n = read_lengths(length)[0]
     if not n:
         return b""
-    payload = torch.empty(n, dtype=torch.uint8)
+    payload = torch.empty(n, dtype=OBJECT_DTYPE)
     comm.recv(payload, src, timeout=timeout)
-    return payload.numpy().tobytes()
+    return to_bytes(payload)
 
 
 def gather_bytes(
@@ -82,15 +88,15 @@ def gather_bytes(
     longest = max(sizes)
     if longest == 0:
         return [b""] * comm.get_size() if comm.get_rank() == root else None
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: len(data)] = _as_tensor(data)
+    padded = torch.zeros(longest, dtype=OBJECT_DTYPE)
+    padded[: len(data)] = from_bytes(data)
     outs = None
     if comm.get_rank() == root:
-        outs = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+        outs = [torch.empty(longest, dtype=OBJECT_DTYPE) for _ in sizes]
     comm.gather(outs, padded, root, timeout=timeout)
     if outs is None:
         return None
-    return [t[:n].numpy().tobytes() for t, n in zip(outs, sizes)]
+    return [to_bytes(t[:n]) for t, n in zip(outs, sizes)]
 
 
 def scatter_bytes(
@@ -99,21 +105,21 @@ def scatter_bytes(
     """Rank ``i`` receives ``items[i]`` from ``root``."""
     size = comm.get_size()
     mine = comm.get_rank() == root
-    lengths = torch.zeros(size, dtype=torch.int64)
+    counts = torch.zeros(size * LENGTH_BYTES, dtype=OBJECT_DTYPE)
     if mine:
         assert items is not None
-        lengths = torch.tensor([len(b) for b in items], dtype=torch.int64)
-    comm.broadcast(lengths, root, timeout=timeout)
-    sizes = [int(x) for x in lengths.tolist()]
+        counts = lengths([len(b) for b in items])
+    comm.broadcast(counts, root, timeout=timeout)
+    sizes = read_lengths(counts)
     longest = max(sizes)
     if longest == 0:
         return b""
-    out = torch.empty(longest, dtype=torch.uint8)
+    out = torch.empty(longest, dtype=OBJECT_DTYPE)
     inputs = None
     if mine:
         assert items is not None
-        inputs = [torch.zeros(longest, dtype=torch.uint8) for _ in items]
+        inputs = [torch.zeros(longest, dtype=OBJECT_DTYPE) for _ in items]
         for tensor, item in zip(inputs, items):
-            tensor[: len(item)] = _as_tensor(item)
+            tensor[: len(item)] = from_bytes(item)
     comm.scatter(out, inputs, root, timeout=timeout)
-    return out[: sizes[comm.get_rank()]].numpy().tobytes()
+    return to_bytes(out[: sizes[comm.get_rank()]])
