@@ -83,7 +83,7 @@ class GroupCoordinator(GroupMessaging):
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """Sum over the group; out of place (``input_`` is unchanged)."""
         if self.world_size == 1:
-            checks.tensor(input_, "input_")
+            checks.traced_tensor(input_, "input_")
             return input_
         if torch.compiler.is_compiling():
             return torch.ops.groupcoord.all_reduce(input_, self.unique_name)
@@ -106,7 +106,7 @@ class GroupCoordinator(GroupMessaging):
                     self._collective_seq += 1
                     return out
             return self._all_gather_eager(input_, dim)  # the communicator checks the arguments
-        dim = checks.dim(checks.tensor(input_, "input_"), dim)
+        dim = checks.dim(checks.traced_tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
         return torch.ops.groupcoord.all_gather(input_, dim, self.world_size, self.unique_name)
@@ -144,7 +144,7 @@ class GroupCoordinator(GroupMessaging):
                     self._collective_seq += 1
                     return out
             return self._reduce_scatter_eager(input_, dim)  # the communicator checks the arguments
-        dim = checks.dim(checks.tensor(input_, "input_"), dim)
+        dim = checks.dim(checks.traced_tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
         return torch.ops.groupcoord.reduce_scatter(input_, dim, self.world_size, self.unique_name)
@@ -153,7 +153,7 @@ class GroupCoordinator(GroupMessaging):
         self, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
     ) -> torch.Tensor:
         """Sum over the group, then keep ``sizes[rank]`` rows along ``dim`` (equal when None)."""
-        dim = checks.dim(checks.tensor(input_, "input_"), dim)
+        dim = checks.dim(checks.traced_tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
         if torch.compiler.is_compiling() and sizes is not None:
@@ -167,7 +167,7 @@ class GroupCoordinator(GroupMessaging):
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every rank's ``input_`` concatenated along ``dim`` on in-group rank ``dst``; None elsewhere."""
         self._check_index(dst, "dst")
-        dim = checks.dim(checks.tensor(input_, "input_"), dim)
+        dim = checks.dim(checks.traced_tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
         # Lengths along dim may differ by rank; the rest must not.
@@ -177,7 +177,7 @@ class GroupCoordinator(GroupMessaging):
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s ``input_`` on every rank, in place (out of place under torch.compile)."""
         self._check_index(src, "src")
-        checks.tensor(input_, "input_")
+        checks.traced_tensor(input_, "input_")
         if self.world_size == 1:
             return input_
         if torch.compiler.is_compiling():
@@ -249,7 +249,7 @@ class GroupCoordinator(GroupMessaging):
                 )
 
     def _traced_all_gatherv(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Any:
-        dim = checks.dim(checks.tensor(tensor, "input_"), dim)
+        dim = checks.dim(checks.traced_tensor(tensor, "input_"), dim)
         return torch.ops.groupcoord.all_gatherv(tensor, dim, list(sizes), self.unique_name)
 
     # ---- tensor dicts ---------------------------------------------------------------

@@ -92,11 +92,11 @@ def broadcast(
             group._broadcast_bytes("broadcast_tensor_dict", payload, src, metadata_group)
         if own:
             for t in tensors:
-                group.broadcast(t.contiguous(), src)
+                group.broadcast(c10d_calls.dense(t), src)
             return dict(tensor_dict)
         works = [
             dist.broadcast(
-                t.contiguous(),
+                c10d_calls.dense(t),
                 src=src_rank,
                 group=meta_pg if t.is_cpu else tensors_pg,
                 async_op=True,
@@ -170,7 +170,7 @@ def send(
             shm.send_tensor(peer, tensor, "send_tensor_dict")
             continue
         pg = group.cpu_group if tensor.is_cpu else group.device_group
-        group._p2p("send_tensor_dict", dst, _send_waiting, pg, tensor.contiguous(), dst)
+        group._p2p("send_tensor_dict", dst, _send_waiting, pg, c10d_calls.dense(tensor), dst)
 
 
 def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, Any]:

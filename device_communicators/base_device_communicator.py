@@ -34,7 +34,7 @@ from .all2all import create_all2all_manager
 from .all2all_base import All2AllManagerBase, Cache, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
-from .padded_parts import check_lengths, pad_with_length, unpad_with_lengths
+from .padded_parts import check_lengths
 from .shm_reduce import OneTorchThread
 from .shm_small import SmallCalls
 from .transports import TorchTransport, Transport, TransportChain
@@ -196,11 +196,10 @@ class DeviceCommunicatorBase:
         ``sizes[i]`` is rank i's length along ``dim``; when None the lengths are
         discovered: on the shared-memory path in each tensor's own barrier
         (``SmallCalls.gather_v``, which also moves parts that fit a slot, and checks
-        given ``sizes`` against the parts), else with one small all-gather. Given
-        ``sizes`` are checked against the parts' true lengths on CPU (Gloo: each
-        padded part carries its length) and raise ``GroupcoordValueError`` on the
-        ranks whose entries are wrong, the group staying usable; on NCCL they are
-        trusted. The result is exact (no padding). A list of tensors gathers each
+        given ``sizes`` against the parts), else with one small all-gather (on Gloo
+        even when ``sizes`` are given). Given ``sizes`` are checked against the parts'
+        true lengths on CPU and raise ``GroupcoordValueError`` on the ranks whose
+        entries are wrong, the group staying usable; on NCCL they are trusted. The result is exact (no padding). A list of tensors gathers each
         and returns a list.
         """
         tensors = input_ if isinstance(input_, list) else [input_]
@@ -227,21 +226,26 @@ class DeviceCommunicatorBase:
         self, small: SmallCalls | None, tensor: torch.Tensor, dim: int, sizes: list[int] | None
     ) -> torch.Tensor:
         done = None if small is None else small.gather_v(tensor, dim)
-        if done is None:
-            given = None if sizes is None else f"sizes={list(sizes)}"
-            if sizes is None:
-                (sizes,) = self._discover_sizes([tensor], [dim])
-            return self.transports.select("all_gatherv", tensor).all_gatherv_exact(
-                tensor, dim, sizes, given
-            )
-        out = done.result
-        if not done.moved:  # every rank moves the parts, by their true lengths
-            transport = self.transports.select("all_gatherv", tensor)
-            out = transport.all_gatherv_exact(tensor, dim, done.lengths)
+        transport = self.transports.select("all_gatherv", tensor)
+        if done is not None:
+            lengths = done.lengths
+            out = done.result
+            if not done.moved:  # every rank moves the parts, by their true lengths
+                out = transport.all_gatherv_exact(tensor, dim, lengths)
+        elif sizes is not None and not tensor.is_cpu:
+            # A device's lengths could only be read back through a wait for the
+            # device: trusted (GROUPCOORD_DEBUG_DESYNC compares them across ranks).
+            return transport.all_gatherv_exact(tensor, dim, sizes)
+        else:
+            # Gloo moves the parts padded to the longest: ranks whose sizes named
+            # another longest posted buffers of other sizes, and Gloo's transport
+            # aborted the process. The true lengths come first (one small all-gather).
+            (lengths,) = self._discover_sizes([tensor], [dim])
+            out = transport.all_gatherv_exact(tensor, dim, lengths)
         if sizes is not None:
-            # The other ranks' entries were not checkable before: a wrong one would
-            # cut their parts at the wrong length. Raised once the ranks are in step.
-            check_lengths(f"sizes={list(sizes)}", sizes, done.lengths, f" along dim {dim}")
+            # The other ranks' entries were not checkable before the call; raised once
+            # the ranks are in step, on the ranks whose entries are wrong.
+            check_lengths(f"sizes={list(sizes)}", sizes, lengths, f" along dim {dim}")
         assert out is not None  # every rank receives
         return out
 
@@ -532,29 +536,21 @@ class DeviceCommunicatorBase:
         dim: int,
         sizes: list[int],
         dst: int | None,
-        given: str | None = None,
     ) -> torch.Tensor | None:
         """Gather (to ``dst``, or to all when None) tensors whose lengths along ``dim`` are ``sizes``.
 
         c10d's Gloo collectives need equal shapes, so each part travels padded
         to the longest and is cut back to its length on arrival; a part that is
-        already the longest travels as it is. ``given``: ``sizes`` came from the
-        caller (as it named them), unchecked: on CPU each part then travels with
-        its true length in front (``padded_parts``, one copy more), and a rank
-        whose ``sizes`` are wrong raises once the ranks are in step (on a GPU,
-        reading the lengths back would wait for the device: trusted there). The
-        copies run with torch's pool at one thread (``OneTorchThread``): split
+        already the longest travels as it is. ``sizes`` must be every rank's true
+        lengths (exchanged, or on a device trusted from the caller). The copies run with torch's pool at one thread (``OneTorchThread``): split
         over the pool they fought the peer ranks for the cores, and a 1 MiB
         gather to rank 0 at world 2 took 2.6 ms against Gloo's 1.3.
         """
         longest = max(sizes)
         moved = tensor.movedim(dim, 0)
         row = moved.shape[1:]
-        carry = given is not None and tensor.is_cpu  # the lengths travel, to be checked
         with OneTorchThread(tensor.nbytes if tensor.is_cpu else 0):
-            if carry:
-                padded = pad_with_length(moved, longest)
-            elif moved.shape[0] == longest:
+            if moved.shape[0] == longest:
                 padded = moved.contiguous()
             else:
                 padded = moved.new_zeros((longest, *row))
@@ -566,10 +562,6 @@ class DeviceCommunicatorBase:
                 parts = self.transports.select("gather", padded).gather_stacked(padded, dst)
             if parts is None:
                 return None
-            if carry:
-                assert given is not None
-                parts, lengths = unpad_with_lengths(parts, longest, row, tensor.dtype)
-                check_lengths(given, sizes, lengths, f" along dim {dim}")
             if all(n == longest for n in sizes):
                 joined = parts.reshape(len(sizes) * longest, *row)
             else:

@@ -43,10 +43,11 @@ from torch.distributed import ReduceOp
 from shm_broadcast.array_frames import WIRE_DTYPES, dtype_code, torch_dtype
 
 from . import checks
-from .errors import DesyncError, GroupcoordTypeError
+from .errors import DesyncError, GroupcoordTypeError, GroupcoordValueError
 
 __all__ = [
     "P2P_TAG",
+    "dense",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -77,9 +78,26 @@ _GLOO_DTYPES = frozenset(
 _SAME_WIDTH = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
 
 
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as c10d takes it: contiguous, with no conjugate or negative bit (a
+    lazy view's values), copied only where needed; a staging tensor's result is then
+    copied back into ``tensor``, which applies the bits again."""
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    return tensor.contiguous()
+
+
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """What c10d moves for ``tensor``: itself, the real view of a complex one, or (on
     the CPU, Gloo's) a dtype Gloo lacks as the dtype of its width that it has."""
+    if tensor.is_conj() or tensor.is_neg():
+        # c10d would move the memory, not the values (or refuse, for a complex one).
+        raise GroupcoordValueError(
+            "tensor is a lazy conjugate or negative view, which c10d would move as its "
+            "memory: call resolve_conj() / resolve_neg() first"
+        )
     if tensor.is_complex():
         return torch.view_as_real(tensor)
     if not tensor.is_cpu or tensor.dtype in _GLOO_DTYPES:

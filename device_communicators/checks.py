@@ -31,20 +31,41 @@ __all__ = [
     "sizes",
     "split_sizes",
     "tensor",
+    "traced_tensor",
     "tensor_list",
     "write_into",
 ]
 
 
+def traced_tensor(value: Any, argument: str) -> torch.Tensor:
+    """``value`` if it is a dense tensor: the checks of :func:`tensor` that
+    torch.compile can trace, for an entry point that may run under it and hands the
+    tensor on to a communicator, which checks it in full."""
+    if not isinstance(value, torch.Tensor):
+        raise GroupcoordTypeError(f"{argument} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout is not torch.strided:
+        raise GroupcoordTypeError(
+            f"{argument} must be a dense (strided) tensor, got layout {value.layout}"
+        )
+    return value
+
+
 def tensor(
     value: Any, argument: str, device: torch.device | None = None, *, contiguous: bool = False
 ) -> torch.Tensor:
-    """``value`` if it is a dense tensor (on ``device``: same type, and same index
-    unless CPU; contiguous when asked, as in-place transports need)."""
-    if not isinstance(value, torch.Tensor):
-        raise GroupcoordTypeError(f"{argument} must be a torch.Tensor, got {type(value).__name__}")
-    if value.is_sparse:
-        raise GroupcoordTypeError(f"{argument} must be a dense tensor")
+    """``value`` if it is a dense tensor whose memory holds its values (on ``device``:
+    same type, and same index unless CPU; contiguous when asked, as in-place
+    transports need)."""
+    traced_tensor(value, argument)
+    if value.is_conj() or value.is_neg():
+        # Its memory holds other values than it reads as: every path that moves
+        # memory (shared memory, c10d) would return those (torch.distributed refuses
+        # a conjugate view too).
+        kind = "conjugate" if value.is_conj() else "negative"
+        raise GroupcoordValueError(
+            f"{argument} is a lazy {kind} view, whose memory does not hold its values: "
+            f"pass {argument}.resolve_conj() (or .resolve_neg())"
+        )
     if device is not None and not _on_device(value, device):
         raise GroupcoordValueError(
             f"{argument} is on {value.device} but this group works on {device}"

@@ -180,9 +180,7 @@ class NcclTransport(Transport):
     def all_gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
         return nccl_all_gather_stacked(self.pynccl, tensor)
 
-    def all_gatherv_exact(
-        self, tensor: torch.Tensor, dim: int, sizes: list[int], given: str | None = None
-    ) -> torch.Tensor:
+    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         # NCCL moves each part by the sizes given: checking them would take an
         # exchange (GROUPCOORD_DEBUG_DESYNC compares them across ranks).
         return nccl_all_gatherv(self.pynccl, tensor, dim, sizes)

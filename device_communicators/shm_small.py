@@ -122,6 +122,7 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
         and out.dtype == tensor.dtype
         and out.is_cpu
         and out.is_contiguous()
+        and not (out.is_conj() or out.is_neg())
     )
 
 
@@ -346,6 +347,8 @@ class SmallCalls:
                 plans.clear()
             plan = plans[key] = self._makers[kind](tensor, dim)
         if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
+            return None
+        if tensor.is_conj() or tensor.is_neg():  # the general path says why not
             return None
         if out is not None and not _takes(plan, out, tensor):
             return None

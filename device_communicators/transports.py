@@ -58,12 +58,8 @@ class Transport:
         """Every rank's equally shaped ``tensor``, stacked: ``(world, *shape)``."""
         raise NotImplementedError
 
-    def all_gatherv_exact(
-        self, tensor: torch.Tensor, dim: int, sizes: list[int], given: str | None = None
-    ) -> torch.Tensor:
-        """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows.
-        ``given``: the caller passed ``sizes`` (named so): a transport that can learn the
-        parts' true lengths on the way checks them and raises when they differ."""
+    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """Every rank's ``tensor`` joined along ``dim``, rank r holding ``sizes[r]`` rows."""
         raise NotImplementedError
 
     def gather_stacked(self, tensor: torch.Tensor, dst: int) -> torch.Tensor | None:
@@ -188,14 +184,12 @@ class TorchTransport(Transport):
         operation = "all_gather (sizes)" if self.control else "all_gather"
         with comm._gloo(operation, group=self.group):
             c10d_calls.all_gather(
-                self.group, list(out.unbind(0)), tensor.contiguous(), comm._deadline
+                self.group, list(out.unbind(0)), c10d_calls.dense(tensor), comm._deadline
             ).wait()
         return out
 
-    def all_gatherv_exact(
-        self, tensor: torch.Tensor, dim: int, sizes: list[int], given: str | None = None
-    ) -> torch.Tensor:
-        out = self.comm._gather_padded(tensor, dim, sizes, dst=None, given=given)
+    def all_gatherv_exact(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        out = self.comm._gather_padded(tensor, dim, sizes, dst=None)
         assert out is not None  # every rank gets the result of an all-gather
         return out
 
@@ -208,7 +202,9 @@ class TorchTransport(Transport):
             )
         parts = None if out is None else list(out.unbind(0))
         with comm._gloo("gather", group=self.group):
-            c10d_calls.gather(self.group, parts, tensor.contiguous(), dst, comm._deadline).wait()
+            c10d_calls.gather(
+                self.group, parts, c10d_calls.dense(tensor), dst, comm._deadline
+            ).wait()
         return out
 
     def reduce_scatter_sizes(
@@ -219,7 +215,7 @@ class TorchTransport(Transport):
         return total.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = c10d_calls.dense(tensor)
         with self.comm._gloo("broadcast", group=self.group):
             c10d_calls.broadcast(self.group, work, src, self.comm._deadline).wait()
         if work is not tensor:
@@ -228,7 +224,7 @@ class TorchTransport(Transport):
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         with self.comm._gloo("send", peer=dst, group=self.group):
-            c10d_calls.send(self.group, tensor.contiguous(), dst).wait()
+            c10d_calls.send(self.group, c10d_calls.dense(tensor), dst).wait()
 
     def recv(self, shape: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=self.comm.device)

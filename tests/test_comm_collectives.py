@@ -172,6 +172,24 @@ def _bad_input_leaves_comm_usable(comm: Comm) -> None:
         (GroupcoordTypeError, "tensor must be a torch.Tensor", lambda: comm.all_reduce([1.0])),
         (GroupcoordValueError, "contiguous", lambda: comm.all_reduce(torch.ones(4, 4).t())),
         (GroupcoordValueError, "meta", lambda: comm.all_reduce(torch.empty(2, device="meta"))),
+        # A lazy conjugate moved as memory gave the unconjugated values (shared memory).
+        (
+            GroupcoordValueError,
+            "lazy conjugate view",
+            lambda: comm.all_reduce(torch.full((2,), 1 + 2j).conj()),
+        ),
+        (
+            GroupcoordValueError,
+            "lazy conjugate view",
+            lambda: comm.all_gather_single(
+                torch.empty(2 * w, dtype=torch.complex64), torch.full((2,), 1 + 2j).conj()
+            ),
+        ),
+        (
+            GroupcoordTypeError,
+            "layout torch.sparse_csr",
+            lambda: comm.all_reduce(torch.eye(2).to_sparse_csr()),
+        ),
         (
             GroupcoordValueError,
             "output has",

@@ -216,6 +216,7 @@ def _bad_then_good(rank: int, world: int) -> list[str]:
 
     comm = make_comm(rank, world)
     x = torch.ones(4, 2 * world)
+    z = torch.full((4,), 1 + 2j)
     bad_calls = [
         (lambda: comm.all_reduce([1, 2]), GroupcoordTypeError, "input_"),  # type: ignore[arg-type]
         (lambda: comm.all_gather(x, dim=2), GroupcoordValueError, "dim=2"),
@@ -237,6 +238,12 @@ def _bad_then_good(rank: int, world: int) -> list[str]:
         (lambda: comm.recv((2,), "float"), GroupcoordTypeError, "dtype"),  # type: ignore[arg-type]
         (lambda: comm.recv((-1,), torch.float32), GroupcoordValueError, "size"),
         (lambda: comm.all_gather(x, dim=1.0), GroupcoordTypeError, "dim"),  # type: ignore[arg-type]
+        # Layouts and lazy views a path that moves memory cannot take: these raised
+        # "peer rank(s) [] died" or returned the memory's values (conj(1+2j) as 1+2j).
+        (lambda: comm.all_reduce(torch.eye(2).to_sparse_csr()), GroupcoordTypeError, "layout"),
+        (lambda: comm.all_gather(z.conj()), GroupcoordValueError, "lazy conjugate"),
+        (lambda: comm.all_reduce(z.conj().imag), GroupcoordValueError, "lazy negative"),
+        (lambda: comm.broadcast(z.conj(), src=0), GroupcoordValueError, "lazy conjugate"),
         # Reduce ops: what it is, and what the dtype allows (Gloo raised its own
         # RuntimeError, or a pybind TypeError for a string).
         (lambda: comm.all_reduce(x, op="sum"), GroupcoordTypeError, "op must be"),  # type: ignore[arg-type]
@@ -702,16 +709,20 @@ def _all_gatherv_sizes_on_gloo(rank: int, world: int) -> list[str]:
             sizes = [rows + r for r in range(world)]
             assert torch.equal(comm.all_gatherv(parts[rank], dim, sizes), torch.cat(parts, dim))
             assert torch.equal(comm.all_gatherv(parts[rank], dim), torch.cat(parts, dim))
-            if rank:
-                sizes[0] -= 1
-            try:
-                got = comm.all_gatherv(parts[rank], dim, sizes)
-            except GroupcoordValueError as exc:
-                assert rank, exc
-                seen.append(str(exc))
-            else:
-                assert rank == 0, "a wrong size for another rank was accepted"
-                assert torch.equal(got, torch.cat(parts, dim))
+            # Then they say rank 0's part is the longest: the longest changes, and the
+            # ranks' padded parts had other sizes, which Gloo aborted the process on.
+            for wrong in (-1, world):
+                said = [rows + r for r in range(world)]
+                if rank:
+                    said[0] += wrong
+                try:
+                    got = comm.all_gatherv(parts[rank], dim, said)
+                except GroupcoordValueError as exc:
+                    assert rank, exc
+                    seen.append(str(exc))
+                else:
+                    assert rank == 0, "a wrong size for another rank was accepted"
+                    assert torch.equal(got, torch.cat(parts, dim))
         assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
         return seen
     finally:
@@ -721,14 +732,17 @@ def _all_gatherv_sizes_on_gloo(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gatherv_on_gloo_checks_given_sizes_against_the_parts(world: int) -> None:
     """Without shared memory, a wrong ``sizes`` entry for another rank raises on the
-    ranks that passed it (each padded part carries its length); the others get the
+    ranks that passed it (the true lengths are exchanged first); the others get the
     right result and the group stays usable."""
     results = run_ranks(_all_gatherv_sizes_on_gloo, world, timeout=120)
     assert results[0] == []
     for messages in results[1:]:
-        assert len(messages) == 4, messages
-        for message, rows, dim in zip(messages, (2, 30_000, 3, 2), (0, 0, 1, 1)):
-            sizes = [rows - 1] + [rows + r for r in range(1, world)]
+        assert len(messages) == 8, messages
+        cases = [(rows, dim, wrong) for rows, dim in ((2, 0), (30_000, 0), (3, 1), (2, 1))
+                 for wrong in (-1, world)]  # fmt: skip
+        for message, (rows, dim, wrong) in zip(messages, cases):
             true = [rows + r for r in range(world)]
-            want = f"sizes={sizes} but the ranks' parts have {true} along dim {dim}"
+            said = list(true)
+            said[0] += wrong
+            want = f"sizes={said} but the ranks' parts have {true} along dim {dim}"
             assert want in message, message

@@ -658,3 +658,34 @@ def test_random_calls_match_the_local_reference(world_size: int, seed: int) -> N
     (scratch runs of 950 such calls at worlds 2-4 found no difference)."""
     results = run_ranks(_random_calls, world_size, seed, 60, timeout=120)
     assert results == [[]] * world_size
+
+
+def _lazy_views_in_dicts(rank: int, world_size: int) -> list[bool]:
+    init_gloo(rank, world_size)
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="lazy")
+    try:
+        # Small ones ride in the message, large ones travel alone (a broadcast or send).
+        sent = {
+            "small": torch.full((4,), 1 + 2j).conj(),
+            "large": torch.full((100_000,), 1 + 2j).conj(),
+            "negative": torch.full((100_000,), 1 + 2j).conj().imag,
+        }
+        got = g.broadcast_tensor_dict(sent if rank == 0 else None, src=0)
+        if rank == 0:
+            g.send_tensor_dict(sent, dst=1)
+            return []
+        passed = g.recv_tensor_dict(src=0)
+        assert got is not None
+        return [
+            bool((d[key] == sent[key].resolve_conj().resolve_neg()).all())
+            for d in (got, passed)
+            for key in sent
+        ]
+    finally:
+        g.destroy()
+
+
+def test_tensor_dicts_carry_the_values_of_lazy_views() -> None:
+    """A dict's tensors may be lazy conjugate or negative views: they arrive with their
+    values (the large ones travelled as memory, unconjugated, before)."""
+    assert all(run_ranks(_lazy_views_in_dicts, 2, timeout=60)[1])

@@ -275,7 +275,11 @@ class CommCore:
         if lane is None or self._closed is not None or self._broken is not None:
             return None
         for t in tensors:
-            if type(t) is not torch.Tensor or not t.is_contiguous():
+            if (
+                type(t) is not torch.Tensor
+                or t.layout is not torch.strided
+                or not t.is_contiguous()
+            ):
                 return None
         small = lane.shm.small
         if lane.run_now(op, self._timeout_s, lambda: call(small)) is None:
