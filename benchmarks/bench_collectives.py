@@ -71,6 +71,7 @@ from _timing import per_call_seconds_each  # noqa: E402
 OPS = [
     "all_reduce",
     "all_gather",
+    "all_gatherv",
     "reduce_scatter",
     "broadcast",
     "broadcast_tensor_dict",
@@ -210,6 +211,15 @@ def _pair(
             (lambda: group.all_gather(x, dim=0)),
             (lambda: dist.all_gather_single(out, x, group=plain)),
             (lambda: comm.all_gather_single(out, x)),
+        )
+    if op == "all_gatherv":  # sizes given (equal here), which are checked against the parts
+        out = torch.empty(x.numel() * world)
+        sizes = [x.numel()] * world
+        outs = list(out.chunk(world))
+        return (
+            (lambda: group.all_gatherv(x, 0, sizes)),
+            (lambda: dist.all_gather_single(out, x, group=plain)),
+            (lambda: comm.all_gather_v(outs, x)),
         )
     if op == "reduce_scatter":
         out = torch.empty(x.numel() // world)

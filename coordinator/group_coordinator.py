@@ -341,10 +341,11 @@ class GroupCoordinator(GroupMessaging):
 
     def cpu_all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum of a CPU tensor over the CPU (Gloo) group."""
-        checks.tensor(tensor, "tensor")
-        if self.world_size == 1:
-            return tensor
-        self._collective("cpu_all_reduce_", dist.all_reduce, tensor, ReduceOp.SUM, self.cpu_group)
+        moved = checks.tensor(tensor, "tensor")  # detached: the same memory
+        if self.world_size > 1:
+            self._collective(
+                "cpu_all_reduce_", dist.all_reduce, moved, ReduceOp.SUM, self.cpu_group
+            )
         return tensor
 
     def reduce_scatterv_into_output(

@@ -169,13 +169,13 @@ class DeviceCommunicatorBase:
         self, input_: torch.Tensor, *, op: ReduceOp.RedOpType = ReduceOp.SUM
     ) -> torch.Tensor:
         """Reduce over the group; returns a new tensor, ``input_`` is unchanged."""
-        checks.tensor(input_, "input_", self.device)
+        input_ = checks.tensor(input_, "input_", self.device)
         checks.reduce_op(op, input_.dtype)
         return self.all_reduce_chain.all_reduce(input_, op)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's equally shaped ``input_`` along ``dim``."""
-        checks.tensor(input_, "input_", self.device)
+        input_ = checks.tensor(input_, "input_", self.device)
         dim = checks.dim(input_, dim)
         stacked = self._all_gather_stacked(input_)
         # (world, ..., n_dim, ...) -> (..., world * n_dim, ...), rank-major along dim.
@@ -202,13 +202,13 @@ class DeviceCommunicatorBase:
         entries are wrong, the group staying usable; on NCCL they are trusted. The result is exact (no padding). A list of tensors gathers each
         and returns a list.
         """
-        tensors = input_ if isinstance(input_, list) else [input_]
-        if not tensors:
+        given = input_ if isinstance(input_, list) else [input_]
+        if not given:
             raise GroupcoordValueError("input_: all_gatherv needs at least one tensor")
-        dims = []
-        for i, t in enumerate(tensors):
+        tensors, dims = [], []
+        for i, t in enumerate(given):
             name = f"input_[{i}]" if isinstance(input_, list) else "input_"
-            checks.tensor(t, name, self.device)
+            tensors.append(checks.tensor(t, name, self.device))
             dims.append(checks.dim(t, dim))
         if sizes is not None:
             checks.sizes(sizes, "sizes", self.world_size)
@@ -226,22 +226,21 @@ class DeviceCommunicatorBase:
         self, small: SmallCalls | None, tensor: torch.Tensor, dim: int, sizes: list[int] | None
     ) -> torch.Tensor:
         done = None if small is None else small.gather_v(tensor, dim)
-        transport = self.transports.select("all_gatherv", tensor)
         if done is not None:
             lengths = done.lengths
             out = done.result
             if not done.moved:  # every rank moves the parts, by their true lengths
-                out = transport.all_gatherv_exact(tensor, dim, lengths)
+                out = self._move_parts(tensor, dim, lengths)
         elif sizes is not None and not tensor.is_cpu:
             # A device's lengths could only be read back through a wait for the
             # device: trusted (GROUPCOORD_DEBUG_DESYNC compares them across ranks).
-            return transport.all_gatherv_exact(tensor, dim, sizes)
+            return self._move_parts(tensor, dim, sizes)
         else:
             # Gloo moves the parts padded to the longest: ranks whose sizes named
             # another longest posted buffers of other sizes, and Gloo's transport
             # aborted the process. The true lengths come first (one small all-gather).
             (lengths,) = self._discover_sizes([tensor], [dim])
-            out = transport.all_gatherv_exact(tensor, dim, lengths)
+            out = self._move_parts(tensor, dim, lengths)
         if sizes is not None:
             # The other ranks' entries were not checkable before the call; raised once
             # the ranks are in step, on the ranks whose entries are wrong.
@@ -249,9 +248,12 @@ class DeviceCommunicatorBase:
         assert out is not None  # every rank receives
         return out
 
+    def _move_parts(self, tensor: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:
+        return self.transports.select("all_gatherv", tensor).all_gatherv_exact(tensor, dim, lengths)
+
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal 1/world slice along ``dim``."""
-        checks.tensor(input_, "input_", self.device)
+        input_ = checks.tensor(input_, "input_", self.device)
         dim = checks.dim(input_, dim)
         if input_.shape[dim] % self.world_size:
             raise GroupcoordValueError(
@@ -267,7 +269,7 @@ class DeviceCommunicatorBase:
         """Like ``reduce_scatter`` with rank i keeping ``sizes[i]`` rows along ``dim``."""
         if sizes is None:
             return self.reduce_scatter(input_, dim)
-        checks.tensor(input_, "input_", self.device)
+        input_ = checks.tensor(input_, "input_", self.device)
         dim = checks.dim(input_, dim)
         checks.sizes(sizes, "sizes", self.world_size)
         if sum(sizes) != input_.shape[dim]:
@@ -283,7 +285,7 @@ class DeviceCommunicatorBase:
         on the shared-memory path in the gather's own barrier (``SmallCalls.gather_v``,
         which also moves parts that fit a slot), else by a small all-gather first.
         """
-        checks.tensor(input_, "input_", self.device)
+        input_ = checks.tensor(input_, "input_", self.device)
         dim = checks.dim(input_, dim)
         checks.rank(dst, "dst", self.world_size)
         small = self.small_calls
@@ -303,11 +305,11 @@ class DeviceCommunicatorBase:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with ``src``'s; returns ``tensor``."""
-        checks.tensor(tensor, "tensor", self.device)
+        moved = checks.tensor(tensor, "tensor", self.device)  # detached: the same memory
         checks.rank(src, "src", self.world_size)
-        if self.world_size == 1:
-            return tensor
-        return self.transports.select("broadcast", tensor).broadcast_(tensor, src)
+        if self.world_size > 1:
+            self.transports.select("broadcast", moved).broadcast_(moved, src)
+        return tensor
 
     def reduce_scatterv_into_output(
         self,
@@ -387,7 +389,7 @@ class DeviceCommunicatorBase:
 
     def send(self, tensor: torch.Tensor, dst: int | None = None) -> None:
         """Send ``tensor`` to in-group rank ``dst`` (default: the next rank)."""
-        checks.tensor(tensor, "tensor", self.device)
+        tensor = checks.tensor(tensor, "tensor", self.device)
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         checks.rank(dst, "dst", self.world_size, self.rank_in_group)

@@ -55,7 +55,10 @@ def tensor(
 ) -> torch.Tensor:
     """``value`` if it is a dense tensor whose memory holds its values (on ``device``:
     same type, and same index unless CPU; contiguous when asked, as in-place
-    transports need)."""
+    transports need), detached when it requires grad: a collective is not
+    differentiable, and autograd recording its copies into shared memory made the
+    path's cached views require grad (every later reduction raised). The detached
+    tensor shares ``value``'s memory, so in-place calls still fill ``value``."""
     traced_tensor(value, argument)
     if value.is_conj() or value.is_neg():
         # Its memory holds other values than it reads as: every path that moves
@@ -72,7 +75,7 @@ def tensor(
         )
     if contiguous and not value.is_contiguous():
         raise GroupcoordValueError(f"{argument} must be contiguous (call .contiguous() first)")
-    return value
+    return value.detach() if value.requires_grad else value
 
 
 def _on_device(value: torch.Tensor, device: torch.device) -> bool:

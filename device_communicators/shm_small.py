@@ -122,7 +122,7 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
         and out.dtype == tensor.dtype
         and out.is_cpu
         and out.is_contiguous()
-        and not (out.is_conj() or out.is_neg())
+        and not (out.is_conj() or out.is_neg() or out.requires_grad)
     )
 
 
@@ -348,8 +348,8 @@ class SmallCalls:
             plan = plans[key] = self._makers[kind](tensor, dim)
         if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
             return None
-        if tensor.is_conj() or tensor.is_neg():  # the general path says why not
-            return None
+        if tensor.is_conj() or tensor.is_neg() or tensor.requires_grad:
+            return None  # the general path says why not, or detaches it
         if out is not None and not _takes(plan, out, tensor):
             return None
         return plan

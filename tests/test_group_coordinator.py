@@ -689,3 +689,35 @@ def test_tensor_dicts_carry_the_values_of_lazy_views() -> None:
     """A dict's tensors may be lazy conjugate or negative views: they arrive with their
     values (the large ones travelled as memory, unconjugated, before)."""
     assert all(run_ranks(_lazy_views_in_dicts, 2, timeout=60)[1])
+
+
+def _tensors_that_require_grad(rank: int, world_size: int) -> list[str]:
+    init_gloo(rank, world_size)
+    g = GroupCoordinator([list(range(world_size))], rank, "gloo", True, group_name="grad")
+    try:
+        total = float(sum(range(1, world_size + 1)))
+        for n in (8, 100_000):  # the lean path and the general one
+            weight = torch.nn.Parameter(torch.full((n,), float(rank + 1)))
+            summed = g.all_reduce(weight)
+            assert torch.equal(summed, torch.full((n,), total)) and not summed.requires_grad
+            gathered = g.all_gather(weight, dim=0)
+            assert gathered.shape == (n * world_size,) and not gathered.requires_grad
+            part = g.reduce_scatter(torch.nn.Parameter(torch.ones(n * world_size)), dim=0)
+            assert torch.equal(part, torch.full((n,), float(world_size)))
+            # In place, as a weight update: the parameter itself takes rank 0's values.
+            assert g.broadcast(weight, src=0) is weight
+            assert torch.equal(weight.detach(), torch.full((n,), 1.0)) and weight.requires_grad
+        # Autograd once recorded the copies into the path's cached views, which then
+        # required grad: every later reduction of three or more ranks raised.
+        after = g.all_reduce(torch.ones(8))
+        return [str(after.tolist()), str(after.requires_grad)]
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tensors_that_require_grad_are_reduced_detached_and_the_group_stays_usable(
+    world_size: int,
+) -> None:
+    for got in run_ranks(_tensors_that_require_grad, world_size, timeout=60):
+        assert got == [str([float(world_size)] * 8), "False"], got
