@@ -27,6 +27,7 @@ __all__ = [
     "rank",
     "reduce_op",
     "same_dtype",
+    "overlap",
     "same_shape",
     "sizes",
     "split_sizes",
@@ -163,6 +164,26 @@ def reduce_op(value: Any, dtype: torch.dtype, argument: str = "op") -> Any:
             "(its real and imaginary parts would be reduced apart)"
         )
     return value
+
+
+def overlap(
+    output: torch.Tensor, input: torch.Tensor, rank_part: tuple[int, int] | None = None
+) -> bool:
+    """Whether ``output`` shares memory with ``input`` (both contiguous), which a call
+    that writes one while the peers still read the other cannot take as it is (wrong
+    values, or a broken call, until the twenty-eighth session): the caller copies the
+    input first. ``rank_part=(size, rank)``: the in-place idiom of torch.distributed,
+    the smaller tensor exactly part ``rank`` of ``size`` equal parts of the larger
+    (all_gather's input, reduce_scatter's output), which every path takes as it is."""
+    o, i = output.data_ptr(), input.data_ptr()
+    if not (output.nbytes and input.nbytes and o < i + input.nbytes and i < o + output.nbytes):
+        return False
+    if rank_part is None:
+        return True
+    size, rank = rank_part
+    part, whole = (input, output) if input.nbytes < output.nbytes else (output, input)
+    exact = part.nbytes * size == whole.nbytes
+    return not (exact and part.data_ptr() == whole.data_ptr() + rank * part.nbytes)
 
 
 def sizes(value: Any, argument: str, size: int) -> list[int]:

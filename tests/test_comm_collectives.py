@@ -544,3 +544,54 @@ def test_all_gather_v_whose_output_list_disagrees_with_the_inputs_raises(
         want = [[base - 1] + [base + r for r in range(1, world)] for base in (2, 70_000, 3, 5)]
         for message, counts in zip(messages, want, strict=True):
             assert f"output_list holds {counts} elements by rank" in message, message
+
+
+def _overlapping(rank: int, world: int, shm: bool) -> list[str]:
+    from shm_broadcast.config import set_config
+
+    set_config(disable_shm_all_reduce=not shm, disable_shm_p2p=not shm)
+    comm = new_comm("gloo", "cpu", "overlap", timeout=30)
+    wrong = []
+    try:
+        for n in (4, 100_000):  # the lean path, and the general one (direct reads)
+            m = world * n
+
+            def mine(r: int, shift: int = 0, m: int = m) -> torch.Tensor:
+                return torch.arange(shift, m + shift, dtype=torch.float32) + 1_000_000 * r
+
+            # all_to_all_single: output one element past the input, and the input itself.
+            want = torch.cat([mine(r)[rank * n : (rank + 1) * n] for r in range(world)])
+            a = torch.cat([mine(rank), torch.zeros(1)])
+            comm.all_to_all_single(a[1:], a[:-1])
+            b = mine(rank)
+            comm.all_to_all_single(b, b)
+            # reduce_scatter_single: the output is the input's head (on rank 1 and up
+            # not this rank's part, the in-place idiom), and all_gather_single likewise.
+            c = mine(rank, shift=1)
+            comm.reduce_scatter_single(c[:n], c, ReduceOp.SUM)
+            summed = sum(mine(r, shift=1)[rank * n : (rank + 1) * n] for r in range(world))
+            g = torch.zeros(m)
+            g[:n] = float(rank + 1)
+            comm.all_gather_single(g, g[:n].clone())  # a copy: the reference
+            h = torch.zeros(m + n)
+            h[n : 2 * n] = float(rank + 1)
+            comm.all_gather_single(h[:m], h[n : 2 * n])  # overlaps, not this rank's part
+            checks = {
+                "a2a shifted": torch.equal(a[1:], want),
+                "a2a same": torch.equal(b, want),
+                "rs overlap": torch.equal(c[:n], summed),
+                "ag overlap": torch.equal(h[:m], g),
+            }
+            wrong += [f"{name} n={n}" for name, ok in checks.items() if not ok]
+        return wrong
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_outputs_that_overlap_their_inputs_get_the_right_values(world: int, shm: bool) -> None:
+    """An output sharing memory with the input (not torch's in-place idiom) gave wrong
+    values on shared memory at world 3 and broke the call on Gloo: the input is now
+    copied first, on every path."""
+    assert run_ranks(_overlapping, world, shm, timeout=90) == [[]] * world

@@ -121,6 +121,8 @@ class CommOps(Reductions):
         output = self._tensor(output, "output")
         checks.dtype_match(output, input, "output", "input")
         checks.numel(output, self._size * input.numel(), "output", "size * input.numel()")
+        if checks.overlap(output, input, (self._size, self._rank)):
+            input = input.clone()  # written while the peers still read it
         stacked = output.view(self._size, input.numel())
         return self._allgather(
             "all_gather_single",
@@ -284,8 +286,8 @@ class CommOps(Reductions):
             raise GroupcoordValueError(
                 f"output shape {tuple(output.shape)} must equal input shape {tuple(input.shape)}"
             )
-        if output.data_ptr() == input.data_ptr() and input.numel():
-            raise GroupcoordValueError("output must not be the input tensor (out of place)")
+        if checks.overlap(output, input):
+            input = input.clone()  # written while the peers still read it
 
         def fast(shm: ShmAllReduce) -> None:
             shm.all_to_all(input, output)
@@ -329,8 +331,8 @@ class CommOps(Reductions):
         in_splits = checks.split_sizes(
             input_split_sizes, "input_split_sizes", self._size, input.shape[0], "input's dim 0"
         )
-        if output.data_ptr() == input.data_ptr() and input.numel():
-            raise GroupcoordValueError("output must not be the input tensor (out of place)")
+        if checks.overlap(output, input):
+            input = input.clone()  # written while the peers still read it
         row = input.shape[1:].numel()  # elements per row (input and output rows match)
 
         def fast(shm: ShmAllReduce) -> None:

@@ -200,6 +200,8 @@ class Reductions(CommCore):
         input = self._tensor(input, "input")
         checks.dtype_match(output, input, "output", "input")
         checks.numel(input, self._size * output.numel(), "input", "size * output.numel()")
+        if checks.overlap(output, input, (self._size, self._rank)):
+            input = input.clone()  # written while the peers still read it
         op = self._op(op, output.dtype, "output")
         n = output.numel()
         return self._reduce_scatter(
