@@ -36,7 +36,7 @@ from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistribu
 from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .padded_parts import check_lengths
 from .shm_reduce import OneTorchThread
-from .shm_small import SmallCalls
+from .shm_small import SmallCalls, VaryingParts
 from .transports import TorchTransport, Transport, TransportChain
 
 __all__ = ["All2AllManagerBase", "Cache", "DeviceCommunicatorBase"]
@@ -202,6 +202,16 @@ class DeviceCommunicatorBase:
         entries are wrong, the group staying usable; on NCCL they are trusted. The result is exact (no padding). A list of tensors gathers each
         and returns a list.
         """
+        small = self.small_calls
+        if small is not None and type(input_) is torch.Tensor:
+            # The lean way: gather_v takes a tensor it can move as it is (else None, and
+            # the checks below say what is wrong); the other ranks' ``sizes`` entries
+            # are checked once the call has told the lengths.
+            if sizes is not None:
+                self._check_own_size(input_, checks.dim(input_, dim), dim, sizes)
+            done = small.gather_v(input_, dim)
+            if done is not None:
+                return self._all_gatherv_done(input_, dim, sizes, done)
         given = input_ if isinstance(input_, list) else [input_]
         if not given:
             raise GroupcoordValueError("input_: all_gatherv needs at least one tensor")
@@ -211,41 +221,54 @@ class DeviceCommunicatorBase:
             tensors.append(checks.tensor(t, name, self.device))
             dims.append(checks.dim(t, dim))
         if sizes is not None:
-            checks.sizes(sizes, "sizes", self.world_size)
             for t, d in zip(tensors, dims):
-                if t.shape[d] != sizes[self.rank_in_group]:
-                    raise GroupcoordValueError(
-                        f"sizes[{self.rank_in_group}]={sizes[self.rank_in_group]} but this "
-                        f"rank's input_ has {t.shape[d]} along dim {dim}"
-                    )
-        small = self.small_calls
+                self._check_own_size(t, d, dim, sizes)
         out = [self._all_gatherv_one(small, t, d, sizes) for t, d in zip(tensors, dims)]
         return out if isinstance(input_, list) else out[0]
+
+    def _check_own_size(self, tensor: torch.Tensor, d: int, dim: int, sizes: list[int]) -> None:
+        """``sizes`` well formed, and its entry for this rank ``tensor``'s length along
+        ``d`` (``dim`` as the caller gave it): checked before anything is sent."""
+        checks.sizes(sizes, "sizes", self.world_size)
+        if tensor.shape[d] != sizes[self.rank_in_group]:
+            raise GroupcoordValueError(
+                f"sizes[{self.rank_in_group}]={sizes[self.rank_in_group]} but this "
+                f"rank's input_ has {tensor.shape[d]} along dim {dim}"
+            )
 
     def _all_gatherv_one(
         self, small: SmallCalls | None, tensor: torch.Tensor, dim: int, sizes: list[int] | None
     ) -> torch.Tensor:
         done = None if small is None else small.gather_v(tensor, dim)
         if done is not None:
-            lengths = done.lengths
-            out = done.result
-            if not done.moved:  # every rank moves the parts, by their true lengths
-                out = self._move_parts(tensor, dim, lengths)
-        elif sizes is not None and not tensor.is_cpu:
+            return self._all_gatherv_done(tensor, dim, sizes, done)
+        if sizes is not None and not tensor.is_cpu:
             # A device's lengths could only be read back through a wait for the
             # device: trusted (GROUPCOORD_DEBUG_DESYNC compares them across ranks).
             return self._move_parts(tensor, dim, sizes)
-        else:
-            # Gloo moves the parts padded to the longest: ranks whose sizes named
-            # another longest posted buffers of other sizes, and Gloo's transport
-            # aborted the process. The true lengths come first (one small all-gather).
-            (lengths,) = self._discover_sizes([tensor], [dim])
-            out = self._move_parts(tensor, dim, lengths)
-        if sizes is not None:
-            # The other ranks' entries were not checkable before the call; raised once
-            # the ranks are in step, on the ranks whose entries are wrong.
-            check_lengths(f"sizes={list(sizes)}", sizes, lengths, f" along dim {dim}")
+        # Gloo moves the parts padded to the longest: ranks whose sizes named another
+        # longest posted buffers of other sizes, and Gloo's transport aborted the
+        # process. The true lengths come first (one small all-gather).
+        (lengths,) = self._discover_sizes([tensor], [dim])
+        return self._check_gatherv(self._move_parts(tensor, dim, lengths), dim, sizes, lengths)
+
+    def _all_gatherv_done(
+        self, tensor: torch.Tensor, dim: int, sizes: list[int] | None, done: VaryingParts
+    ) -> torch.Tensor:
+        """The result of an all_gatherv whose lengths the shared-memory call told every
+        rank: moved in it, or now by those lengths."""
+        out = done.result if done.moved else self._move_parts(tensor, dim, done.lengths)
         assert out is not None  # every rank receives
+        return self._check_gatherv(out, dim, sizes, done.lengths)
+
+    def _check_gatherv(
+        self, out: torch.Tensor, dim: int, sizes: list[int] | None, lengths: list[int]
+    ) -> torch.Tensor:
+        """``out``, unless the caller's ``sizes`` are not the parts' true ``lengths``: the
+        other ranks' entries were not checkable before the call, so this raises once the
+        ranks are in step, on the ranks whose entries are wrong."""
+        if sizes is not None and list(sizes) != lengths:
+            check_lengths(f"sizes={list(sizes)}", sizes, lengths, f" along dim {dim}")
         return out
 
     def _move_parts(self, tensor: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:

@@ -240,6 +240,8 @@ class SmallCalls:
                 plan = plans[key] = self._gather_v_plan(tensor, dim, dst)
             if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
                 return None
+            if tensor.is_conj() or tensor.is_neg() or tensor.requires_grad:
+                return None  # the general path says why not, or detaches it
             return self._run_gather_v(plan, tensor)
 
     def _run_gather_v(self, plan: _Plan, tensor: torch.Tensor) -> VaryingParts:
