@@ -199,8 +199,9 @@ class DeviceCommunicatorBase:
         given ``sizes`` against the parts), else with one small all-gather (on Gloo
         even when ``sizes`` are given). Given ``sizes`` are checked against the parts'
         true lengths on CPU and raise ``GroupcoordValueError`` on the ranks whose
-        entries are wrong, the group staying usable; on NCCL they are trusted. The result is exact (no padding). A list of tensors gathers each
-        and returns a list.
+        entries are wrong, the group staying usable; on NCCL they are trusted. The
+        result is exact (no padding). A list of tensors gathers each and returns a
+        list.
         """
         small = self.small_calls
         if small is not None and type(input_) is torch.Tensor:

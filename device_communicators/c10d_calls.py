@@ -80,8 +80,8 @@ _SAME_WIDTH = {1: torch.uint8, 2: torch.float16, 4: torch.int32, 8: torch.int64}
 
 def dense(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as c10d takes it: contiguous, with no conjugate or negative bit (a
-    lazy view's values), copied only where needed; a staging tensor's result is then
-    copied back into ``tensor``, which applies the bits again."""
+    lazy view's values: a tensor dict's, which the entry checks do not refuse),
+    copied only where needed. A caller that receives into a copy copies it back."""
     if tensor.is_conj():
         tensor = tensor.resolve_conj()
     if tensor.is_neg():
@@ -117,7 +117,8 @@ def _wires(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _reducible(tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
     checks.reduce_op(op, tensor.dtype)
     refused = tensor.is_cpu and tensor.dtype not in _GLOO_DTYPES
-    if refused and not tensor.is_complex() and not tensor.is_quantized:  # _wire: those
+    # A complex tensor reduces as its real view; _wire says why a quantized one cannot.
+    if refused and not tensor.is_complex() and not tensor.is_quantized:
         raise GroupcoordTypeError(
             f"op={op}: Gloo cannot reduce {tensor.dtype} (the shared-memory path, between "
             "ranks on one node, reduces int16 and the wider unsigned dtypes by SUM, "

@@ -18,9 +18,9 @@ __all__ = [
     "CLONE_MAX_BYTES",
     "ONE_SHOT_MAX_BYTES",
     "PARALLEL_MIN_BYTES",
+    "PLAIN_ADD_DTYPES",
     "SHM_DTYPES",
     "TORCH_GRAIN",
-    "PLAIN_ADD_DTYPES",
     "OneTorchThread",
     "combine",
     "refused_op",
@@ -48,9 +48,7 @@ _CARRIERS = {
 }
 # The dtypes whose SUM of two parts is one plain torch.add (no fp32 accumulation,
 # no "or" for bool, no carrier): the lean path's two-rank case calls it directly.
-PLAIN_ADD_DTYPES = frozenset(d for d in SHM_DTYPES if d not in _HALF and d is not torch.bool) - set(
-    _CARRIERS
-)
+PLAIN_ADD_DTYPES = frozenset(SHM_DTYPES) - {*_HALF, torch.bool, *_CARRIERS}
 
 _OPS: dict[object, Callable[..., torch.Tensor]] = {
     ReduceOp.SUM: torch.add,

@@ -114,6 +114,12 @@ class _Plan:
         self.inner = 0  # a gather_v's elements per unit of length along ``dim``
 
 
+def _as_is(t: torch.Tensor) -> bool:
+    """Whether the path may move ``t``'s memory as it is: no lazy conjugate or negative
+    bit (memory that does not hold its values) and no autograd to record the copies."""
+    return not (t.is_conj() or t.is_neg() or t.requires_grad)
+
+
 def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
     """Whether ``out`` can hold the result: its shape and dtype, dense."""
     return (
@@ -122,7 +128,7 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
         and out.dtype == tensor.dtype
         and out.is_cpu
         and out.is_contiguous()
-        and not (out.is_conj() or out.is_neg() or out.requires_grad)
+        and _as_is(out)
     )
 
 
@@ -240,7 +246,7 @@ class SmallCalls:
                 plan = plans[key] = self._gather_v_plan(tensor, dim, dst)
             if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
                 return None
-            if tensor.is_conj() or tensor.is_neg() or tensor.requires_grad:
+            if not _as_is(tensor):
                 return None  # the general path says why not, or detaches it
             return self._run_gather_v(plan, tensor)
 
@@ -350,7 +356,7 @@ class SmallCalls:
             plan = plans[key] = self._makers[kind](tensor, dim)
         if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
             return None
-        if tensor.is_conj() or tensor.is_neg() or tensor.requires_grad:
+        if not _as_is(tensor):
             return None  # the general path says why not, or detaches it
         if out is not None and not _takes(plan, out, tensor):
             return None
