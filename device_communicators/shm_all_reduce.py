@@ -43,7 +43,7 @@ from torch.distributed import ReduceOp
 
 from shm_broadcast.host_memory import empty_output
 
-from .errors import DesyncError, GroupcoordValueError
+from .errors import GroupcoordValueError
 from .peer_reads import (
     DIRECT_ALL_REDUCE_MIN_BYTES,
     READ_SCRATCH_BYTES,
@@ -51,7 +51,7 @@ from .peer_reads import (
     PeerReads,
     WayTurn,
 )
-from .shm_phases import LINE, PhaseLines
+from .shm_phases import LINE, PhaseLines, check_all_to_all_counts
 from .shm_reduce import (
     CLONE_MAX_BYTES,
     ONE_SHOT_MAX_BYTES,
@@ -556,14 +556,8 @@ class ShmAllReduce(ShmBase):
         with self._desync_guard:
             slots, s = self._one_piece(lines, mine)
             table = slots.stacked(s, torch.int64, mine.shape).tolist()
+        check_all_to_all_counts(self.what, table)
         sent = [row[:world] for row in table]  # sent[r][q]: elements r sends q
-        for r in range(world):
-            for q in range(world):
-                if sent[r][q] != table[q][world + r]:
-                    raise DesyncError(
-                        f"{self.what}: all_to_all_v: rank {r} sends {sent[r][q]} elements to "
-                        f"rank {q}, which expects {table[q][world + r]} from it"
-                    )
         size = tensor.element_size()
         starts = [[sum(row[:q]) * size for q in range(world)] for row in sent]  # bytes
         into = [sum(counts[world : world + r]) * size for r in range(world)]

@@ -120,6 +120,20 @@ def split_code(sizes: list[int]) -> int:
     return zlib.crc32(",".join(map(str, sizes)).encode()) % 0xFFFF + 1
 
 
+def check_all_to_all_counts(what: str, table: list[list[int]]) -> None:
+    """Raise ``DesyncError`` naming the first pair of ranks that disagree in ``table``
+    (row ``r``: the elements rank ``r`` sends to each rank, then those it expects
+    from each): the same table on every rank, so every rank raises."""
+    world = len(table)
+    for r in range(world):
+        for q in range(world):
+            if table[r][q] != table[q][world + r]:
+                raise DesyncError(
+                    f"{what}: all_to_all_v: rank {r} sends {table[r][q]} elements to "
+                    f"rank {q}, which expects {table[q][world + r]} from it"
+                )
+
+
 def _describe_stamp(stamp: tuple[int, int], near: int) -> str:
     """The call of a stamp, numbered as the call nearest ``near`` (this rank's call
     number) whose low bits the stamp holds."""

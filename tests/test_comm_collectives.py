@@ -478,24 +478,50 @@ def test_rooted_calls_barrier_and_all_to_all_on_shared_memory_at_every_size(
     assert run_ranks(_rooted_on_shared_memory, world, peer_reads, timeout=120) == [[]] * world
 
 
-def _splits_disagree(rank: int, world: int) -> tuple[str, list[float]]:
+def _splits_disagree(rank: int, world: int, shm: bool) -> tuple[list[str], list[float]]:
+    from shm_broadcast.config import set_config
     from shm_broadcast.errors import DesyncError
 
+    set_config(disable_shm_all_reduce=not shm)
     comm = new_comm("gloo", "cpu", "splits", timeout=30)
     inp, out = torch.ones(2, 3), torch.empty(2, 3)
-    # Rank 1 sends both rows to itself; rank 0 expects one of them.
+    # Rank 1 sends both rows to itself; rank 0 expects one of them. On Gloo the
+    # sizes did not match what the receiver posted, and Gloo aborted the process.
     sends = [1, 1] if rank == 0 else [0, 2]
+    messages = []
+    for async_op in (False, True):
+        with pytest.raises(DesyncError) as caught:
+            comm.all_to_all_v_single(out, inp, [1, 1], sends, async_op=async_op).wait()
+        messages.append(str(caught.value))
+    # The list form, parts of different sizes per peer.
+    outs = [torch.empty(1), torch.empty(1)]
+    ins = [torch.ones(1), torch.ones(1)] if rank == 0 else [torch.ones(0), torch.ones(2)]
     with pytest.raises(DesyncError) as caught:
-        comm.all_to_all_v_single(out, inp, [1, 1], sends)
+        comm.all_to_all(outs, ins)
+    messages.append(str(caught.value))
+    # Different calls whose sizes are data: an all_gather_v against an all_to_all_v.
+    with pytest.raises(DesyncError) as caught:
+        if rank == 0:
+            comm.all_gather_v([torch.empty(2, 3) for _ in range(world)], inp)
+        else:
+            comm.all_to_all_v_single(out, inp, [1, 1], [1, 1])
+    messages.append(str(caught.value))
     t = torch.full((4,), float(rank))
     comm.all_reduce(t, ReduceOp.SUM, timeout=30)  # still in step, still usable
     comm.finalize()
-    return str(caught.value), t.tolist()
+    return messages, t.tolist()
 
 
-def test_all_to_all_v_with_splits_that_disagree_raises_on_every_rank() -> None:
-    for message, after in run_ranks(_splits_disagree, 2, timeout=60):
-        assert "rank 1 sends 0 elements to rank 0, which expects 3 from it" in message, message
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_all_to_all_v_with_splits_that_disagree_raises_on_every_rank(shm: bool) -> None:
+    for messages, after in run_ranks(_splits_disagree, 2, shm, timeout=60):
+        for message in messages[:2]:
+            assert "rank 1 sends 0 elements to rank 0, which expects 3 from it" in message
+        assert "rank 1 sends 0 elements to rank 0, which expects 1 from it" in messages[2]
+        # Both sides named (on shared memory the all-to-all's first step is its
+        # counts' exchange, an int64 table).
+        assert "rank 0 called all_gather(float32[6])" in messages[3], messages[3]
+        assert "rank 1 called all_to_all_v(" in messages[3], messages[3]
         assert after == [1.0] * 4
 
 
@@ -515,15 +541,19 @@ def _gather_v_counts_disagree(rank: int, world: int, shm: bool) -> list[str]:
         assert all(torch.equal(o, p) for o, p in zip(outs, parts))
         # Ranks but 0 think rank 0 brings one element less: the longest part is
         # unchanged, so padded parts still matched and they dropped its last element.
-        outs = [torch.empty(base + r - (r == 0 and rank != 0), dtype=dtype) for r in range(world)]
-        try:
-            comm.all_gather_v(outs, parts[rank])
-        except GroupcoordValueError as exc:
-            assert rank != 0, exc
-            seen.append(str(exc))
-        else:
-            assert rank == 0, "an output_list that disagrees with the inputs was accepted"
-            assert all(torch.equal(o, p) for o, p in zip(outs, parts))
+        # Then more than the longest part: on Gloo each rank padded to its own
+        # longest entry, and Gloo aborted the process on the size it did not expect.
+        for wrong in (-1, world + 2):
+            outs = [torch.empty(base + r + (wrong if r == 0 and rank != 0 else 0), dtype=dtype)
+                    for r in range(world)]  # fmt: skip
+            try:
+                comm.all_gather_v(outs, parts[rank])
+            except GroupcoordValueError as exc:
+                assert rank != 0, exc
+                seen.append(str(exc))
+            else:
+                assert rank == 0, "an output_list that disagrees with the inputs was accepted"
+                assert all(torch.equal(o, p) for o, p in zip(outs, parts))
     t = torch.full((4,), 1.0)
     comm.all_reduce(t, ReduceOp.SUM)  # still in step, still usable
     assert t.tolist() == [float(world)] * 4
@@ -541,7 +571,11 @@ def test_all_gather_v_whose_output_list_disagrees_with_the_inputs_raises(
     results = run_ranks(_gather_v_counts_disagree, world, shm, timeout=90)
     assert results[0] == []
     for messages in results[1:]:
-        want = [[base - 1] + [base + r for r in range(1, world)] for base in (2, 70_000, 3, 5)]
+        want = [
+            [base + wrong] + [base + r for r in range(1, world)]
+            for base in (2, 70_000, 3, 5)
+            for wrong in (-1, world + 2)
+        ]
         for message, counts in zip(messages, want, strict=True):
             assert f"output_list holds {counts} elements by rank" in message, message
 

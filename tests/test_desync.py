@@ -270,3 +270,88 @@ def test_ranks_that_cut_a_reduce_scatterv_differently_all_raise(world):
         codes = re.findall(r"reduce_scatter\(float32\[32\], SUM, sizes #([0-9a-f]{4})\)", raised)
         assert len(codes) == 2 and codes[0] != codes[1], raised
         assert got["equal_ok"]
+
+
+# A coordinator.comm communicator over Gloo (ranks on several nodes, or shared
+# memory off) with the debug check on: (what rank 0 does, what the others do,
+# both sides as the error names them).
+COMM_CASES = {
+    "size": (
+        lambda c: c.all_reduce(torch.ones(4096)),
+        lambda c: c.all_reduce(torch.ones(8192)),
+        ("all_reduce(float32[4096], SUM)", "all_reduce(float32[8192], SUM)"),
+    ),
+    "dtype": (
+        lambda c: c.broadcast(torch.ones(32), 0),
+        lambda c: c.broadcast(torch.ones(32, dtype=torch.int32), 0),
+        ("broadcast(float32[32], src=0)", "broadcast(int32[32], src=0)"),
+    ),
+    "average or sum": (
+        lambda c: c.all_reduce(torch.ones(16), _comm_op("AVG")),
+        lambda c: c.all_reduce(torch.ones(16), _comm_op("SUM")),
+        ("all_reduce(float32[16], AVG)", "all_reduce(float32[16], SUM)"),
+    ),
+    "root": (
+        lambda c: c.reduce(torch.ones(8), 0),
+        lambda c: c.reduce(torch.ones(8), 1),
+        ("reduce(float32[8], SUM, dst=0)", "reduce(float32[8], SUM, dst=1)"),
+    ),
+    "operation": (
+        lambda c: c.all_to_all_single(torch.empty(8), torch.ones(8)),
+        lambda c: c.all_gather_single(torch.empty(8 * c.get_size()), torch.ones(8)),
+        ("all_to_all(float32[8])", "all_gather(float32[8])"),
+    ),
+    "barrier": (
+        lambda c: c.barrier(),
+        lambda c: c.all_reduce(torch.ones(1)),
+        ("barrier()", "all_reduce(float32[1], SUM)"),
+    ),
+    "cut": (
+        lambda c: c.reduce_scatter_v(torch.empty(2), [torch.ones(2)] * c.get_size()),
+        lambda c: c.reduce_scatter_v(
+            torch.empty(1), [torch.ones(2)] + [torch.ones(1)] * (c.get_size() - 1)
+        ),
+        ("reduce_scatter(float32[", ", SUM, sizes #"),
+    ),
+}
+
+
+def _comm_op(name: str):
+    from coordinator.comm import ReduceOp as CommReduceOp
+
+    return getattr(CommReduceOp, name)
+
+
+def _comm_mismatch(rank: int, world: int, case: str) -> dict:
+    from coordinator.comm import new_comm
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import DesyncError
+
+    set_config(disable_shm_all_reduce=True, debug_desync=True)
+    comm = new_comm("gloo", "cpu", "cdsy", timeout=30)
+    try:
+        mine, others, _ = COMM_CASES[case]
+        try:
+            (mine if rank == 0 else others)(comm)
+            raised = ""
+        except DesyncError as exc:
+            raised = str(exc)
+        after = torch.full((100,), float(rank))
+        comm.all_reduce(after)  # still in step, still usable
+        return {"raised": raised, "after": after.tolist()}
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", sorted(COMM_CASES))
+def test_debug_desync_checks_a_comm_over_gloo(case, world):
+    """Gloo would abort the process on most of these and sum float32 bytes as int32
+    silently: with the debug check each raises on every rank naming both calls."""
+    results = run_ranks(_comm_mismatch, world, case, timeout=60)
+    rank0_side, other_side = COMM_CASES[case][2]
+    for rank, got in enumerate(results):
+        assert got["raised"], f"rank {rank} returned a result for a mismatched call"
+        assert rank0_side in got["raised"] and other_side in got["raised"], got["raised"]
+        assert "cdsy" in got["raised"] and "call #" in got["raised"], got["raised"]
+        assert got["after"] == [float(sum(range(world)))] * 100

@@ -18,15 +18,17 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from device_communicators import checks
+from device_communicators import c10d_calls, checks
 from device_communicators.cpu_communicator import CpuCommunicator, ShmTransport
 from device_communicators.shm_all_reduce import ShmAllReduce
+from device_communicators.shm_phases import call_code, describe_call
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
-from shm_broadcast.config import resolve_timeout
+from shm_broadcast.config import get_config, resolve_timeout
 
 from ..errors import (
     ClosedError,
+    DesyncError,
     GroupcoordTypeError,
     GroupcoordValueError,
 )
@@ -36,6 +38,10 @@ from .reduce_ops import ReduceOp
 from .work import Completer, Work, translate_error
 
 _Launch = Callable[[datetime.timedelta], Sequence[Any]]
+# What a call over Gloo is, for ``CommCore._agree``: the operation (one of
+# ``shm_phases.OPERATIONS``), dtype, reduce operator (its name), root and the
+# element count every rank must bring.
+Call = tuple[str, torch.dtype | None, str | None, int, int]
 _Fast = Callable[[ShmAllReduce], None]
 
 
@@ -96,6 +102,7 @@ class CommCore:
         self._closed: str | None = None
         self._broken: str | None = None
         self._split_count = 0
+        self._agreed = 0  # calls checked by _agree, numbered in its errors
         self._barrier_count = 0
         self._windows: list[Any] = []  # Window objects (they only need close())
         self._local_pids: dict[int, int] = {}  # comm rank -> pid, peers with our host key
@@ -202,6 +209,37 @@ class CommCore:
         op.check_dtype(dtype, argument)
         return op
 
+    def _agree(
+        self, call: Call, td: datetime.timedelta, counts: Sequence[int] = ()
+    ) -> list[list[int]]:
+        """Check that every rank makes ``call`` over Gloo, and return every rank's
+        ``counts`` (``2 * size`` at most), before anything moves: ranks whose calls
+        differ raise ``DesyncError`` on every rank, naming both, before Gloo meets the
+        difference (it aborts the process on a part's size that is not the one its
+        receiver posted, and adds up other dtypes' bytes silently). One blocking
+        all-gather of a fixed-width record (the call's code, its element count, the
+        counts). With ``counts`` (the calls whose sizes are data: ``all_gather_v``,
+        the ``_v`` all-to-alls) the element counts may differ by rank."""
+        operation, dtype, reduce_op, root, count = call
+        code = call_code(operation, dtype, reduce_op, root)
+        mine = torch.zeros(2 + 2 * self._size, dtype=torch.int64)
+        mine[0], mine[1] = code, count
+        mine[2 : 2 + len(counts)] = torch.tensor(counts, dtype=torch.int64)
+        table = torch.empty(self._size, mine.numel(), dtype=torch.int64)
+        c10d_calls.all_gather(self._pg, list(table.unbind(0)), mine, td).wait()
+        rows = table.tolist()
+        seq = self._agreed
+        self._agreed += 1
+        for rank, row in enumerate(rows):
+            # Every rank saw the same table: every rank raises.
+            if row[0] != code or (not counts and row[1] != count):
+                raise DesyncError(
+                    f"communicator {self._name!r}: rank {self._rank} called "
+                    f"{describe_call(code, count)} as call #{seq} checked over Gloo, "
+                    f"rank {rank} called {describe_call(row[0], row[1])}"
+                )
+        return [row[2 : 2 + len(counts)] for row in rows]
+
     def _run(
         self,
         op: str,
@@ -213,16 +251,22 @@ class CommCore:
         finish: Callable[[], None] | None = None,
         completes_in_wait: bool = False,
         fast: _Fast | None = None,
+        call: Call | None = None,
     ) -> Work:
         """Check, then run ``fast`` on the shared-memory back end (synchronous calls it
-        takes) or launch the c10d work(s), hand them to the completer, maybe wait."""
+        takes; it checks every call against the peers') or launch the c10d work(s),
+        hand them to the completer, maybe wait. With ``debug_desync`` on, ``call`` is
+        checked against the peers' first (:meth:`_agree`)."""
         work = self._new_work(op, peers, timeout, async_op, hints)
         if fast is not None:
             assert self._lane is not None  # fast is only offered with a lane
             self._lane.run_shm(work, fast, async_op)
             return work
+        td = datetime.timedelta(seconds=work.timeout_s)
         try:
-            c10d_works = launch(datetime.timedelta(seconds=work.timeout_s))
+            if call is not None and get_config().debug_desync:
+                self._agree(call, td)
+            c10d_works = launch(td)
         except RuntimeError as exc:
             raise translate_error(work, exc) from exc
         if async_op:

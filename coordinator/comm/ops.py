@@ -14,6 +14,7 @@ import torch
 from device_communicators import c10d_calls, checks
 from device_communicators.padded_parts import check_lengths, pad_with_length, unpad_with_lengths
 from device_communicators.shm_all_reduce import ShmAllReduce
+from device_communicators.shm_phases import check_all_to_all_counts
 
 from ..errors import (
     GroupcoordValueError,
@@ -55,6 +56,7 @@ class CommOps(Reductions):
             hints,
             launch,
             fast=fast if self._shm_takes(tensor, "broadcast") else None,
+            call=("broadcast", tensor.dtype, None, root, tensor.numel()),
         )
 
     def _allgather(
@@ -88,6 +90,7 @@ class CommOps(Reductions):
             hints,
             launch,
             fast=fast if self._shm_takes(tensor, "all_gather") else None,
+            call=("all_gather", tensor.dtype, None, 0, tensor.numel()),
         )
 
     def all_gather(
@@ -149,12 +152,12 @@ class CommOps(Reductions):
         checks.numel(
             outputs[self._rank], input.numel(), f"output_list[{self._rank}]", "this rank's input"
         )
-        # Gloo's allgather needs equal sizes: every part travels padded to the
-        # longest with its true count in front (padded_parts), so a rank whose
-        # output_list disagrees with the inputs raises once the ranks are in step
-        # instead of cutting (or padding) that part. The shared-memory path learns
-        # every rank's true count in its first barrier (SmallCalls.gather_v), and
-        # parts that fit a slot move in it.
+        # Gloo's allgather needs equal sizes: the ranks first learn every rank's
+        # true count, then every part travels padded to the longest with that count
+        # in front (padded_parts), so a rank whose output_list disagrees with the
+        # inputs raises once the ranks are in step instead of cutting (or padding)
+        # that part. The shared-memory path learns the counts in its first barrier
+        # (SmallCalls.gather_v), and parts that fit a slot move in it.
         counts = [t.numel() for t in outputs]
         said = f"output_list holds {counts} elements by rank"
         staged: list[Any] = []  # (every rank's padded part, longest), made when needed
@@ -174,7 +177,9 @@ class CommOps(Reductions):
                 out.view(-1).copy_(part[:n])
 
         def launch(td: datetime.timedelta) -> list[Any]:
-            padded, stacked = stage(max(counts))
+            call = ("all_gather", input.dtype, None, 0, input.numel())
+            lengths = self._agree(call, td, [input.numel()])
+            padded, stacked = stage(max(n for (n,) in lengths))
             return [c10d_calls.all_gather(self._pg, list(stacked.unbind(0)), padded, td)]
 
         def fast(shm: ShmAllReduce) -> None:
@@ -214,10 +219,22 @@ class CommOps(Reductions):
         finish: Callable[[], None] | None = None,
         fast: Callable[[ShmAllReduce], None] | None = None,
     ) -> Work:
+        """An all-to-all; with splits (the ``_v`` forms) the ranks first agree on
+        every pair's counts (:meth:`_agree`), else on the call when debugging."""
+
         def launch(td: datetime.timedelta) -> list[Any]:
+            if output_splits:  # sizes that are data: Gloo aborts on a pair that disagrees
+                row = input.shape[1:].numel()
+                counts = [n * row for n in (*input_splits, *output_splits)]
+                call = ("all_to_all_v", input.dtype, None, 0, sum(counts))
+                table = self._agree(call, td, counts)
+                check_all_to_all_counts(f"communicator {self._name!r}", table)
             return [c10d_calls.all_to_all(self._pg, output, input, output_splits, input_splits, td)]
 
-        return self._run(name, self._others(), timeout, async_op, hints, launch, finish, fast=fast)
+        call = None if output_splits else ("all_to_all", input.dtype, None, 0, input.numel())
+        return self._run(
+            name, self._others(), timeout, async_op, hints, launch, finish, fast=fast, call=call
+        )
 
     def all_to_all(
         self,
@@ -401,6 +418,7 @@ class CommOps(Reductions):
             hints,
             launch,
             fast=fast if self._shm_takes(tensor, "all_gather") else None,
+            call=("gather", tensor.dtype, None, root, tensor.numel()),
         )
 
     def gather_single(
@@ -459,6 +477,7 @@ class CommOps(Reductions):
             hints,
             launch,
             fast=fast if self._shm_takes(output_tensor, "broadcast") else None,
+            call=("scatter", output_tensor.dtype, None, root, output_tensor.numel()),
         )
 
     # -- point to point ----------------------------------------------------

@@ -60,6 +60,7 @@ class Reductions(CommCore):
             launch,
             finish,
             fast=fast if self._shm_takes(tensor, op) else None,
+            call=("all_reduce", tensor.dtype, op.name, 0, tensor.numel()),
         )
 
     def reduce(
@@ -104,6 +105,7 @@ class Reductions(CommCore):
             launch,
             finish,
             fast=fast if self._shm_takes(tensor, op) else None,
+            call=("reduce", tensor.dtype, op.name, root, tensor.numel()),
         )
 
     def _reduce_scatter(
@@ -117,11 +119,13 @@ class Reductions(CommCore):
         timeout: float | datetime.timedelta | None,
         joined: Callable[[], torch.Tensor],
         lo: int,
+        total: int,
         split: int = 0,
     ) -> Work:
         """``inputs()``: the per-rank parts (the Gloo path); ``joined()``: them as one
         flat tensor in rank order, of which this rank's result is ``[lo, lo + numel)``
-        (the shared-memory path). Each path builds only what it uses."""
+        (the shared-memory path), ``total`` elements. Each path builds only what it
+        uses."""
         flat_out = output if output.dim() == 1 else output.view(-1)
 
         def launch(td: datetime.timedelta) -> list[Any]:
@@ -152,6 +156,7 @@ class Reductions(CommCore):
             finish,
             completes_in_wait=True,  # Gloo's reduce_scatter work has no future
             fast=fast if self._shm_takes(output, op) else None,
+            call=("reduce_scatter", output.dtype, op.name, split, total),
         )
 
     def reduce_scatter(
@@ -176,6 +181,7 @@ class Reductions(CommCore):
             timeout,
             joined=lambda: torch.cat([t.reshape(-1) for t in inputs]),
             lo=self._rank * output.numel(),
+            total=self._size * output.numel(),
         )
 
     def reduce_scatter_single(
@@ -214,6 +220,7 @@ class Reductions(CommCore):
             timeout,
             joined=lambda: input if input.dim() == 1 else input.reshape(-1),
             lo=self._rank * n,
+            total=input.numel(),
         )
 
     def reduce_scatter_v(
@@ -244,6 +251,7 @@ class Reductions(CommCore):
             timeout,
             joined=lambda: torch.cat(flat),
             lo=sum(t.numel() for t in flat[: self._rank]),
+            total=sum(t.numel() for t in flat),
             split=split_code([t.numel() for t in flat]),  # ranks that cut differently raise
         )
 
@@ -270,4 +278,5 @@ class Reductions(CommCore):
             hints,
             launch,
             fast=fast if self._lane is not None else None,
+            call=("barrier", None, None, 0, 0),
         )
