@@ -75,7 +75,7 @@ class _Plan:
 
     __slots__ = (
         "operation", "code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim",
-        "pair", "blocks", "one_thread", "root", "inner",
+        "pair", "blocks", "one_thread", "root", "inner", "same",
     )  # fmt: skip
 
     def __init__(
@@ -112,6 +112,9 @@ class _Plan:
         self.one_thread = max(op_numel, self.count) >= TORCH_GRAIN
         self.root = -1  # a reduce's or gather's destination (-1: every rank receives)
         self.inner = 0  # a gather_v's elements per unit of length along ``dim``
+        # A gather_v whose part fits a slot: every rank's count and length when all
+        # parts are as long as this one (the common call, taken without a check each).
+        self.same: tuple[list[int], list[int]] | None = None
 
 
 def _as_is(t: torch.Tensor) -> bool:
@@ -263,6 +266,15 @@ class SmallCalls:
                 f"{plan.dim} (lengths along it may differ by rank, the other dims may not)"
             ) from exc
         counts = owner._lines.counts()
+        same = plan.same
+        if same is not None and counts == same[0]:  # every part as long as this one
+            lengths = list(same[1])
+            if plan.root not in (-1, owner.rank_in_group):
+                return VaryingParts(True, None, lengths)
+            if not plan.one_thread:
+                return VaryingParts(True, torch.cat(plan.reads[s], plan.dim), lengths)
+            with OneTorchThread(plan.nbytes * len(counts)):
+                return VaryingParts(True, torch.cat(plan.reads[s], plan.dim), lengths)
         inner = plan.inner  # the same on every rank (the stamps' layouts agree)
         if any(n % inner for n in counts):  # layouts whose 16-bit checksums collided
             raise DesyncError(
@@ -275,14 +287,11 @@ class SmallCalls:
             return VaryingParts(False, None, lengths)
         if plan.root not in (-1, owner.rank_in_group):
             return VaryingParts(True, None, lengths)
-        if all(n == plan.count for n in counts):
-            parts = plan.reads[s]
-        else:
-            shape = list(tensor.shape)
-            parts = []
-            for r, n in enumerate(lengths):
-                shape[plan.dim] = n
-                parts.append(slots.shaped(s, r, tensor.dtype, torch.Size(shape)))
+        shape = list(tensor.shape)
+        parts = []
+        for r, n in enumerate(lengths):
+            shape[plan.dim] = n
+            parts.append(slots.shaped(s, r, tensor.dtype, torch.Size(shape)))
         with OneTorchThread(size * sum(counts)):
             return VaryingParts(True, torch.cat(parts, plan.dim), lengths)
 
@@ -491,6 +500,8 @@ class SmallCalls:
                 [slots.shaped(s, r, tensor.dtype, shape) for r in range(world)] for s in (0, 1)
             )
             plan = _Plan(operation, code, tensor, slots, rank, (reads[0], reads[1]), out_shape, dim)
+            plan.same = ([tensor.numel()] * world, [shape[dim]] * world)
+            plan.one_thread = tensor.numel() * world >= TORCH_GRAIN  # the joined result's
         plan.root, plan.inner = dst, math.prod(others)
         return plan
 
