@@ -10,6 +10,7 @@ import datetime
 import importlib
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,26 @@ _COMMUNICATORS: dict[str, tuple[str, str]] = {
 }
 
 _name_counters: dict[str, int] = defaultdict(int)
+
+
+def unread_broadcasts_dropper(mq: Any) -> Callable[[], str]:
+    """What a group runs on every rank when its ranks' calls are found out of step
+    (before the ``DesyncError``): a queue broadcast that a reader's rank made another
+    call instead of reading (``broadcast_tensor_dict``, ``broadcast_object`` from
+    rank 0) is dropped, or that rank's next read would return it as the next
+    broadcast's. It holds the queue, not the group (no cycle through the
+    communicator). Returns the note the error ends with."""
+
+    def drop() -> str:
+        dropped = mq.drop_unread()
+        if not dropped:
+            return ""
+        return (
+            f"; {dropped} message-queue broadcast(s) from rank 0 that this rank had not "
+            "read were dropped"
+        )
+
+    return drop
 
 
 def _unique_name(name: str) -> str:
@@ -171,6 +192,9 @@ class GroupBase:
                 self._p2p_channels = channels
         if use_mq and self.world_size > 1:
             self.mq_broadcaster = self.create_mq_broadcaster()
+            shm = getattr(self.device_communicator, "shm_all_reduce", None)
+            if shm is not None:
+                shm.set_desync_hook(unread_broadcasts_dropper(self.mq_broadcaster))
 
     def __repr__(self) -> str:
         return f"GroupCoordinator({self.unique_name}, ranks={self.ranks}, rank={self.rank})"

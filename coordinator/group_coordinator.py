@@ -29,7 +29,7 @@ from shm_broadcast.group_io import all_gather_bytes
 
 from . import tensor_dicts
 from .errors import DesyncError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
-from .group_base import get_device_communicator_cls
+from .group_base import get_device_communicator_cls, unread_broadcasts_dropper
 from .group_messaging import COMPLETED, GroupMessaging, Handle
 
 __all__ = ["GraphCaptureContext", "GroupCoordinator", "Handle", "get_device_communicator_cls"]
@@ -243,9 +243,14 @@ class GroupCoordinator(GroupMessaging):
         gathered = self._collective(operation, all_gather_bytes, self.cpu_group, mine.encode())
         for rank, theirs in enumerate(c.decode() for c in gathered):
             if theirs != mine:
+                mq, note = self.mq_broadcaster, ""
+                if mq is not None:  # every rank drops, then goes on (no new broadcast sooner)
+                    note = unread_broadcasts_dropper(mq)()
+                    self._collective(operation, dist.barrier, self.cpu_group)
                 raise DesyncError(
                     f"{self.unique_name}: rank {self.rank_in_group} called {mine} as call "
                     f"#{seq} of the group, rank {rank} called {theirs} (debug_desync check)"
+                    f"{note}"
                 )
 
     def _traced_all_gatherv(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from collections.abc import Callable
 
 import torch
 
@@ -219,6 +220,10 @@ class PhaseLines:
         self.operation = ""
         self.generation = 0
         self.calls = 0  # calls stamped so far (the same on every rank while in step)
+        # Called when the ranks' calls are found out of step, before the DesyncError
+        # (every rank raises it): the group's clean-up, returning a note for the
+        # message (``GroupCoordinator`` drops queue broadcasts its rank never read).
+        self.on_desync: Callable[[], str] | None = None
         # Set from another thread (an abort): the wait in progress ends with ClosedError.
         self.abandoned: str | None = None
         self._check_pending = False
@@ -270,9 +275,13 @@ class PhaseLines:
         counters[at + 1] = ((calls & _CALL_MASK) << _COUNT_BITS) | count
         self._check_pending = True
 
-    def _check_agreement(self) -> None:
-        """After the call's first barrier every rank's stamp is visible (stored before
-        its counter): any rank that called something else fails the call everywhere."""
+    def _check_agreement(self, phase: int) -> None:
+        """After the call's first barrier (``phase``) every rank's stamp is visible
+        (stored before its counter): any rank that called something else fails the
+        call everywhere. Every rank sees a mismatch, so with an ``on_desync`` hook
+        each runs it and then meets the others once more (``phase + 1``, which no
+        call of this generation reaches now), so no rank goes on before every rank's
+        clean-up is done."""
         self._check_pending = False
         counters = self._counters
         parity = self.calls & 1
@@ -284,11 +293,15 @@ class PhaseLines:
                     if (counters[at + 1] ^ word) >> _COUNT_BITS == 0:
                         continue  # the same call; only the counts differ, as they may
                 r = at // _QWORDS
+                note = ""
+                if self.on_desync is not None:
+                    note = self.on_desync()
+                    self.arrive(phase + 1)
                 raise DesyncError(
                     f"{self.what}: rank {self.ranks[self.rank_in_group]} called "
                     f"{_describe_stamp((code, word), self.calls)}, rank {self.ranks[r]} "
                     f"called {_describe_stamp((counters[at], counters[at + 1]), self.calls)}: "
-                    "the ranks' collectives are out of step (no result returned)"
+                    f"the ranks' collectives are out of step (no result returned){note}"
                 )
 
     def counts(self) -> list[int]:
@@ -326,7 +339,7 @@ class PhaseLines:
                 self._wait_all(phase)
                 break
         if self._check_pending:
-            self._check_agreement()
+            self._check_agreement(phase)
 
     def _wait_all(self, phase: int) -> None:
         if self.all_reached(phase):

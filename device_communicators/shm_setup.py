@@ -135,6 +135,7 @@ class ShmBase(AllReduceBackend):
         self.call_lock = threading.RLock()
         self._slots: SlotSegment | None = None
         self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
+        self._desync_hook: Callable[[], str] | None = None  # PhaseLines.on_desync
         # Direct reads of the peers' memory (large calls, ``peer_reads``), where allowed.
         self.peer_reads: PeerReads | None = None
         self.peer_reads_reason: str | None = "not set up"
@@ -173,6 +174,8 @@ class ShmBase(AllReduceBackend):
         )
         self.disabled_reason = reason
         self._lines = None if self._slots is None else self._slots.lines
+        if self._lines is not None:
+            self._lines.on_desync = self._desync_hook
         self.small.attach(self._slots if reason is None else None)
         if self._lines is not None:  # every rank or none (the set-up agreed)
             self.peer_reads, self.peer_reads_reason = agree_on_peer_reads(
@@ -203,6 +206,14 @@ class ShmBase(AllReduceBackend):
             for i, (r, pid) in enumerate(zip(self.ranks, lines.pids))
             if i != self.rank_in_group
         }
+
+    def set_desync_hook(self, hook: Callable[[], str] | None) -> None:
+        """What runs on every rank when the ranks' calls are found out of step, before
+        each raises ``DesyncError`` (its note ends the message): the group's clean-up
+        (``GroupCoordinator`` drops the queue broadcasts its rank never read)."""
+        self._desync_hook = hook
+        if self._lines is not None:
+            self._lines.on_desync = hook
 
     def set_timeout(self, timeout_s: float, deadline: float | None = None) -> None:
         """The timeout of the calls that follow (a caller with a per-call timeout), or

@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 
 from .codec import Codec
-from .config import resolve_timeout
+from .config import get_config, resolve_timeout
 from .errors import (
     ClosedError,
     GroupcoordTimeoutError,
@@ -95,6 +95,22 @@ class ReaderEnd(QueueEnd):
             raise GroupcoordValueError(f"{self.what}: dequeue on the writer (rank {self.rank})")
         finally:
             self._end_call()
+
+    def drop_unread(self) -> int:
+        """Read and discard what the writer has published and this local reader has
+        not read; the number of messages. A group calls it when its ranks' calls
+        were found out of step (``DesyncError``): a broadcast this rank made another
+        call instead of reading would otherwise be what its next read returns. The
+        writer published it before it reached the call that found the mismatch, so
+        every such message is visible here. 0 on another end or a shut queue."""
+        if self.role != "local reader" or self._closed:
+            return 0
+        assert self._ring is not None and self._cursor is not None
+        dropped = 0
+        while self._ring.ready(self._cursor.idx, self._local_index):
+            self.dequeue(timeout=get_config().timeout_s)  # published: no wait but a stream's
+            dropped += 1
+        return dropped
 
     def _dequeue_local(
         self, deadline: float, timeout_s: float, into: memoryview | None = None

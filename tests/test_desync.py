@@ -355,3 +355,52 @@ def test_debug_desync_checks_a_comm_over_gloo(case, world):
         assert rank0_side in got["raised"] and other_side in got["raised"], got["raised"]
         assert "cdsy" in got["raised"] and "call #" in got["raised"], got["raised"]
         assert got["after"] == [float(sum(range(world)))] * 100
+
+
+def _unread_broadcast(rank: int, world: int, gloo_debug: bool) -> dict:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import DesyncError
+
+    if gloo_debug:
+        set_config(disable_shm_all_reduce=True, debug_desync=True)
+    init_gloo(rank, world)
+    group = GroupCoordinator(
+        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
+        group_name="stale",
+    )  # fmt: skip
+    try:
+        # Rank 0 broadcasts step 1 through the queue, then reduces; the last rank
+        # makes a plain broadcast instead of reading step 1 (the others read it).
+        raised = ""
+        try:
+            if rank == 0:
+                group.broadcast_tensor_dict({"step": 1, "t": torch.ones(4)}, src=0)
+                group.all_reduce(torch.ones(4))
+            elif rank == world - 1:
+                group.broadcast(torch.ones(4), src=0)
+            else:
+                assert group.broadcast_tensor_dict(None, src=0)["step"] == 1
+                group.all_reduce(torch.ones(4))
+        except DesyncError as exc:
+            raised = str(exc)
+        # In step again: the next broadcast is step 2 on every rank, not the step 1
+        # the last rank never read.
+        got = group.broadcast_tensor_dict({"step": 2} if rank == 0 else None, src=0)
+        return {"raised": raised, "step": got["step"]}
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("gloo_debug", [False, True], ids=["shm", "gloo-debug"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_queue_broadcast_left_unread_by_a_desync_is_dropped(world, gloo_debug):
+    """A reader's rank that made another call instead of reading a queue broadcast
+    raised DesyncError (with every rank), and its next read returned the old
+    broadcast as the new one (step 1 for step 2, no error)."""
+    results = run_ranks(_unread_broadcast, world, gloo_debug, timeout=60)
+    for rank, got in enumerate(results):
+        assert got["raised"], f"rank {rank} returned from a mismatched call"
+        assert got["step"] == 2, (rank, got)
+        dropped = "message-queue broadcast(s) from rank 0 that this rank had not read"
+        assert (dropped in got["raised"]) == (rank == world - 1), (rank, got["raised"])
