@@ -13,6 +13,7 @@ from device_communicators.errors import (
     NotSupportedError,
     PeerDiedError,
     ProtocolError,
+    TransportError,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "NotSupportedError",
     "PeerDiedError",
     "ProtocolError",
+    "TransportError",
 ]
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shm_broadcast.gloo_errors import failure_kind
 from shm_broadcast.liveness import dead_peers
 
-from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError
+from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError, TransportError
 
 
 def absent_ranks(
@@ -28,11 +28,12 @@ def absent_ranks(
     ranks: list[int],
     timeout_s: float,
     local_pids: dict[int, int],
-) -> tuple[list[int], bool]:
+) -> tuple[list[int] | None, bool]:
     """(global ranks that did not arrive at collective ``seq``, whether they are known dead).
 
-    A dead local peer ends the wait at once. The list is empty when the
-    store cannot be reached (its host died) and no local peer is dead.
+    A dead local peer ends the wait at once. The list is None when the store
+    cannot be reached (its host died) and no local peer is dead; empty when
+    every rank arrived (they all failed in this call).
     """
     dead = dead_peers(local_pids)
     if dead:
@@ -55,23 +56,34 @@ def absent_ranks(
                 return missing, False
             time.sleep(0.05)
     except RuntimeError:
-        return dead_peers(local_pids), True
+        dead = dead_peers(local_pids)
+        return (dead, True) if dead else (None, False)
 
 
 def classify(
     what: str,
     operation: str,
     timeout_s: float,
-    missing: list[int],
+    missing: list[int] | None,
     exc: BaseException,
     known_dead: bool = False,
 ) -> GroupcoordError:
-    """A dead peer or a timeout, from what we know and the transport's message (first line)."""
+    """A dead peer, a timeout or the transport's own failure, from what we know
+    (``missing``: as :func:`absent_ranks` says) and the transport's message (first
+    line)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    kind = failure_kind(exc)
+    if missing is None:
+        text += "; which ranks is unknown (the store did not answer)"
+        missing = []
+    elif not missing and not known_dead and kind is None:
+        # Every rank reached the call and failed in it, and no transport words say
+        # a peer went: not a dead peer (which this used to report, naming none).
+        return TransportError(
+            f"{what}: {operation} failed on every rank alike, none dead or late: {text}"
+        )
     if known_dead:
         return PeerDiedError(what, operation, missing, detail=text)
-    if failure_kind(exc) == "timeout":
+    if kind == "timeout":
         return GroupcoordTimeoutError(what, operation, timeout_s, missing, detail=text)
-    if not missing:
-        text += "; which ranks is unknown (the store did not answer)"
     return PeerDiedError(what, operation, missing, detail=text)

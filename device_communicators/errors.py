@@ -13,6 +13,7 @@ from shm_broadcast.errors import (
     NotSupportedError,
     PeerDiedError,
     ProtocolError,
+    TransportError,
     unsupported,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "NotSupportedError",
     "PeerDiedError",
     "ProtocolError",
+    "TransportError",
     "unsupported",
 ]

@@ -104,6 +104,12 @@ class BackendUnavailableError(GroupcoordError, RuntimeError):
         super().__init__(f"{backend} is unavailable: {reason}")
 
 
+class TransportError(GroupcoordError, RuntimeError):
+    """The transport (Gloo, NCCL) failed a collective that every rank reached, with
+    no peer dead or late: the message names the group, the operation and the
+    transport's own error."""
+
+
 class ClosedError(GroupcoordError, RuntimeError):
     """The object was shut down or destroyed and cannot be used any more."""
 

@@ -134,3 +134,34 @@ def test_exited_peer_is_named_by_the_survivors_gloo_call(call: str) -> None:
     assert dead == [1], message
     assert "died" in message and ("gone" in message or "MessageQueue" in message), message
     assert took < 10.0, f"{call} took {took:.2f} s to notice"
+
+
+def _every_rank_fails_alike(rank: int, world: int) -> tuple[str, str, bool]:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.errors import TransportError
+
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="alike")
+
+    def refused() -> None:  # what Gloo raises for a call it refuses on every rank
+        raise RuntimeError("[/gloo/allreduce.cc:90] Tensors must all have the same type")
+
+    try:
+        with pytest.raises(TransportError) as caught:
+            group._collective("all_reduce", refused)
+        usable = group.all_reduce(torch.ones(4)).tolist() == [float(world)] * 4
+        return type(caught.value).__name__, str(caught.value), usable
+    finally:
+        group.destroy()
+
+
+def test_a_failure_every_rank_reached_is_not_reported_as_a_dead_peer() -> None:
+    """Every rank posted its arrival, none is dead, the transport's words name no
+    gone peer: the error used to be PeerDiedError "peer rank(s) [] died ... which
+    ranks is unknown (the store did not answer)", both claims untrue."""
+    from coordinator.launch import run_ranks
+
+    for kind, message, usable in run_ranks(_every_rank_fails_alike, 2, timeout=60):
+        assert kind == "TransportError" and usable, (kind, message)
+        assert "alike:0: all_reduce failed on every rank alike, none dead or late" in message
+        assert "Tensors must all have the same type" in message
