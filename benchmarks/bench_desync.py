@@ -6,7 +6,9 @@ in agreement (the common case: the full comparison runs).
 Then what the debug check on the Gloo and NCCL paths (``GROUPCOORD_DEBUG_DESYNC=1``:
 a checksum all-gather before each collective) adds to a 4 KiB ``all_reduce`` of a
 ``GroupCoordinator`` at world 2, with real ranks, on the shared-memory path and
-on Gloo (shared memory off), setting off vs on in the same run.
+on Gloo (shared memory off), setting off vs on in the same run; and to a
+``coordinator.comm`` communicator's over Gloo (a record of the call all-gathered
+first, ``CommCore._agree``).
 
     python benchmarks/bench_desync.py
 """
@@ -42,7 +44,7 @@ def _per_call_ns(world: int, calls: int) -> float:
                 v.calls = me.calls
                 v.stamp(code, 1024)
             me.stamp(code, 1024)
-            me._check_agreement()
+            me._check_agreement(1)  # the phase an extra barrier would follow (none here)
         peers = (time.perf_counter_ns() - start) / calls
         start = time.perf_counter_ns()
         for _ in range(calls):
@@ -77,6 +79,28 @@ def _all_reduce_us(rank: int, world: int, debug: bool, shm: bool) -> float:
     return best
 
 
+def _comm_all_reduce_us(rank: int, world: int, debug: bool) -> float:
+    import torch
+
+    from coordinator.comm import new_comm
+    from shm_broadcast.config import set_config
+
+    set_config(debug_desync=debug, disable_shm_all_reduce=True)
+    comm = new_comm("gloo", "cpu", "bench", timeout=120)
+    tensor = torch.ones(1024)
+    for _ in range(100):
+        comm.all_reduce(tensor)
+    best = float("inf")
+    for _ in range(5):
+        comm.barrier()
+        start = time.perf_counter()
+        for _ in range(300):
+            comm.all_reduce(tensor)
+        best = min(best, (time.perf_counter() - start) / 300 * 1e6)
+    comm.finalize()
+    return best
+
+
 def main() -> int:
     import torch
 
@@ -90,6 +114,15 @@ def main() -> int:
         debug_rows.append(
             {"path": path, "off (us)": off, "debug_desync on (us)": on, "added (us)": on - off}
         )
+    off, on = (max(run_ranks(_comm_all_reduce_us, 2, d, timeout=120)) for d in (False, True))
+    debug_rows.append(
+        {
+            "path": "gloo (a Comm)",
+            "off (us)": off,
+            "debug_desync on (us)": on,
+            "added (us)": on - off,
+        }
+    )
     print("\n# 4 KiB GroupCoordinator.all_reduce, world 2, GROUPCOORD_DEBUG_DESYNC off vs on")
     print_table(debug_rows, ["path", "off (us)", "debug_desync on (us)", "added (us)"])
     return 0

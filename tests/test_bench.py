@@ -158,3 +158,14 @@ def test_the_collectives_benchmark_times_point_to_point_through_comm_too(tmp_pat
     # Comm batch against dist.batch_isend_irecv.
     assert rows["send_recv"]["comm_us"] > 0 and rows["send_recv"]["torch_us"] > 0
     assert rows["ring_exchange"]["ours_us"] > 0 and rows["ring_exchange"]["torch_us"] > 0
+
+
+def test_the_desync_benchmark_measures_the_check_it_names() -> None:
+    """Its in-process timing calls the control lines' check directly: a change of
+    that method's signature broke the benchmark (the twenty-ninth session) with the
+    suite green. One short round of two of its measurements."""
+    from benchmarks.bench_desync import _comm_all_reduce_us, _per_call_ns
+    from coordinator.launch import run_ranks
+
+    assert _per_call_ns(2, 200) > 0
+    assert min(run_ranks(_comm_all_reduce_us, 2, True, timeout=120)) > 0

@@ -67,6 +67,12 @@ def _window_ring(rank: int, world_size: int) -> str:
 
     with pytest.raises(GroupcoordValueError, match="runs past"):
         win.put(torch.ones(3), right, target_disp=6)
+    for sizes in ([-2], [-1, -1], [2.0]):  # torch's own errors before
+        with pytest.raises(GroupcoordValueError, match="sizes must be ints"):
+            win.get_tensor(right, sizes, torch.float32)
+    with pytest.raises(GroupcoordValueError, match="in whole rows of 3"):
+        win.get_tensor(right, [-1, 3], torch.float32)  # 8 elements are not rows of 3
+    assert win.get_tensor(right, [-1, 2], torch.float32, 2).shape == (3, 2)
     with pytest.raises(GroupcoordTypeError, match="dtype"):
         win.put(torch.ones(1, dtype=torch.int64), right)
     with pytest.raises(GroupcoordValueError, match="dst_rank"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import math
 import operator
 import os
 import time
@@ -268,16 +269,34 @@ class Window:
         if not isinstance(dtype, torch.dtype):
             raise GroupcoordTypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         shape = tuple(sizes) if sizes is not None else (-1,)
+        if (
+            any(isinstance(s, bool) or not isinstance(s, int) or s < -1 for s in shape)
+            or shape.count(-1) > 1
+            or isinstance(offset, bool)
+            or not isinstance(offset, int)
+        ):
+            raise GroupcoordValueError(
+                f"sizes={list(shape)} offset={offset!r}: sizes must be ints >= 0 (one may be "
+                "-1, the rest of the window) and offset an int"
+            )
         item = torch.empty(0, dtype=dtype).element_size()
-        count = 1
-        for s in shape:
-            count *= s
+        window = self._maps[rank].info.data_nbytes
         start = offset * item
-        end = start + count * item if count >= 0 else self._maps[rank].info.data_nbytes
-        if offset < 0 or end > self._maps[rank].info.data_nbytes:
+        known = math.prod(s for s in shape if s != -1)  # elements of the given sizes
+        if -1 in shape:  # the rest of the window, in whole rows of the others
+            rest = max(window - start, 0) // item
+            if known == 0 or rest % known:
+                raise GroupcoordValueError(
+                    f"sizes={list(shape)} dtype={dtype} offset={offset}: the -1 must take the "
+                    f"rest of rank {rank}'s window ({rest} elements) in whole rows of {known}"
+                )
+            shape = tuple(rest // known if s == -1 else s for s in shape)
+            known = rest
+        end = start + known * item
+        if offset < 0 or end > window:
             raise GroupcoordValueError(
                 f"sizes={list(shape)} dtype={dtype} offset={offset} runs past rank {rank}'s "
-                f"window of {self._maps[rank].info.data_nbytes} bytes"
+                f"window of {window} bytes"
             )
         return self._maps[rank].data[start:end].view(dtype).view(shape)
 
