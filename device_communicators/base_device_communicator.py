@@ -284,6 +284,14 @@ class DeviceCommunicatorBase:
                 f"input_ has {input_.shape[dim]} along dim {dim}, not divisible by the "
                 f"group's world size {self.world_size}"
             )
+        small = self.small_calls
+        if small is not None:
+            # A call the lean path takes must go its way on this rank too: it sums the
+            # tensor as laid out, the general way the rows moved to the front, and a
+            # rank of each (one whose input required grad) summed mismatched elements.
+            done = small.reduce_scatter(input_, dim)
+            if done is not None:
+                return done
         chunk = input_.shape[dim] // self.world_size
         return self._reduce_scatter_sizes(input_, dim, [chunk] * self.world_size)
 

@@ -58,8 +58,12 @@ def tensor(
     same type, and same index unless CPU; contiguous when asked, as in-place
     transports need), detached when it requires grad: a collective is not
     differentiable, and autograd recording its copies into shared memory made the
-    path's cached views require grad (every later reduction raised). The detached
-    tensor shares ``value``'s memory, so in-place calls still fill ``value``."""
+    path's cached views require grad (every later reduction raised). An
+    ``nn.Parameter`` (or subclass: an engine's weights) is detached too, to the
+    plain tensor the other ranks may pass: the lean path takes only plain tensors,
+    and a rank that left it for a Parameter made another call than its peers. The
+    detached tensor shares ``value``'s memory, so in-place calls still fill
+    ``value``."""
     traced_tensor(value, argument)
     if value.is_conj() or value.is_neg():
         # Its memory holds other values than it reads as: every path that moves
@@ -76,7 +80,7 @@ def tensor(
         )
     if contiguous and not value.is_contiguous():
         raise GroupcoordValueError(f"{argument} must be contiguous (call .contiguous() first)")
-    return value.detach() if value.requires_grad else value
+    return value.detach() if value.requires_grad or isinstance(value, _Parameter) else value
 
 
 def _on_device(value: torch.Tensor, device: torch.device) -> bool:
@@ -136,6 +140,7 @@ def rank(
 
 
 _REDUCE_OP_TYPES = (dist.ReduceOp, dist.ReduceOp.RedOpType)
+_Parameter = torch.nn.Parameter
 _BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
 
 

@@ -295,3 +295,61 @@ def test_small_broadcasts_take_the_lean_path_any_dtype_and_meet_the_general_one(
     world: int,
 ) -> None:
     assert run_ranks(_lean_broadcasts, world, timeout=60) == [True] * world
+
+
+def _odd_input_kinds(rank: int, world: int, kind: str) -> list[str]:
+    """Rank 0's input requires grad or is an ``nn.Parameter`` (which the lean path
+    leaves to the general one); the other ranks' are plain: the same answers."""
+    group = _group(rank, world, "lean-kinds")
+    wrong = []
+
+    def odd(t: torch.Tensor) -> torch.Tensor:
+        if rank != 0:
+            return t
+        if kind == "requires grad":
+            return t.clone().requires_grad_(True)
+        return torch.nn.Parameter(t.clone(), requires_grad=False)
+
+    calls = {  # name: (the call on this rank's tensor, the right answer from the total)
+        "reduce_scatter dim 1": (
+            lambda t: group.reduce_scatter(odd(t), 1),
+            lambda total, parts: total.chunk(world, 1)[rank],
+        ),
+        "reduce_scatter dim 0": (
+            lambda t: group.reduce_scatter(odd(t.t().contiguous()), 0),
+            lambda total, parts: total.t().chunk(world, 0)[rank],
+        ),
+        "all_gather dim 1": (
+            lambda t: group.all_gather(odd(t), 1),
+            lambda total, parts: torch.cat(parts, 1),
+        ),
+        "all_gatherv dim 1": (
+            lambda t: group.all_gatherv(odd(t), 1),
+            lambda total, parts: torch.cat(parts, 1),
+        ),
+        "all_reduce": (lambda t: group.all_reduce(odd(t)), lambda total, parts: total),
+    }
+    try:
+        for rows, cols in ((4, 8), (256, 512)):  # lean-sized, and over its 256 KiB
+            x = torch.arange(rows * cols * world, dtype=torch.float32).view(rows, cols * world)
+            parts = [x * (r + 1) for r in range(world)]
+            total = x * sum(range(1, world + 1))
+            for name, (call, want) in calls.items():
+                got = call(parts[rank])
+                assert isinstance(got, torch.Tensor)
+                if not torch.equal(got.detach(), want(total, parts)):
+                    wrong.append(f"{name} {tuple(x.shape)}")
+        return wrong
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("kind", ["requires grad", "parameter"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_whose_input_the_lean_path_leaves_gets_the_same_answers(
+    world: int, kind: str
+) -> None:
+    # Rank 0 took the general path, which laid a reduce-scatter along dim 1 out in
+    # shared memory another way than the lean path of the others: every rank summed
+    # mismatched elements, silently.
+    assert run_ranks(_odd_input_kinds, world, kind, timeout=90) == [[]] * world
