@@ -30,7 +30,7 @@ from .all_reduce_backends import AllReduceBackend
 from .base_device_communicator import DeviceCommunicatorBase
 from .errors import GroupcoordTypeError
 from .shm_all_reduce import ShmAllReduce
-from .shm_phases import split_code
+from .shm_phases import layout_code, split_code
 from .transports import NOT_OFFERED, TorchTransport, Transport
 
 
@@ -199,7 +199,11 @@ class ShmTransport(Transport):
         moved = input_.movedim(dim, 0) if dim else input_
         inner = math.prod(moved.shape[1:])
         flat = moved.contiguous().view(-1)
-        part = self.shm.reduce_range(flat, start * inner, (start + length) * inner, split=split)
+        # The ranks' shapes and dims must agree: the elements are summed by place.
+        layout = layout_code(input_.shape, dim)
+        part = self.shm.reduce_range(
+            flat, start * inner, (start + length) * inner, split=split, layout=layout
+        )
         part = part.view(length, *moved.shape[1:])
         return part.movedim(0, dim).contiguous() if dim else part
 

@@ -51,7 +51,7 @@ from .peer_reads import (
     PeerReads,
     WayTurn,
 )
-from .shm_phases import LINE, PhaseLines, check_all_to_all_counts
+from .shm_phases import LINE, PhaseLines, check_all_to_all_counts, layout_code
 from .shm_reduce import (
     CLONE_MAX_BYTES,
     ONE_SHOT_MAX_BYTES,
@@ -223,6 +223,7 @@ class ShmAllReduce(ShmBase):
         out: torch.Tensor | None = None,
         split: int = 0,
         called: str | None = None,
+        layout: int = 0,
     ) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the all-reduce of 1-D ``flat`` (a reduce-scatter).
 
@@ -233,7 +234,8 @@ class ShmAllReduce(ShmBase):
         a code of how the caller cut the rows among the ranks (``split_code``; 0
         for equal parts), in the call's fingerprint: ranks that cut differently
         raise ``DesyncError`` instead of each reducing rows of its own choosing.
-        ``called``: as for :meth:`all_reduce`.
+        ``called``: as for :meth:`all_reduce`. ``layout``: the shape ``flat`` was made
+        of (``shm_phases.layout_code``; 0: none to check).
         """
         # Checked before the call is stamped: a refused call leaves the ranks in step.
         if flat.dim() != 1 or not 0 <= lo <= hi <= flat.numel():
@@ -250,7 +252,13 @@ class ShmAllReduce(ShmBase):
             "reduce_scatter", n * size, readable and self.peer_reads is not None
         )
         lines = self._start(
-            "reduce_scatter", self.refusal(flat, op), flat, called or op, root=split, direct=direct
+            "reduce_scatter",
+            self.refusal(flat, op),
+            flat,
+            called or op,
+            root=split,
+            direct=direct,
+            layout=layout,
         )
         got = self._reduce_range(lines, flat, lo, hi, op, out, direct, turn)
         if turn is not None:
@@ -322,36 +330,41 @@ class ShmAllReduce(ShmBase):
         return None
 
     @one_at_a_time
-    def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, *, out: torch.Tensor | None = None, flat: bool = False
+    ) -> torch.Tensor:
         """Every rank's equally shaped ``tensor`` stacked: shape ``(world, *tensor.shape)``,
-        new or written into contiguous ``out`` of as many elements and ``tensor``'s dtype."""
-        result = self._gather(tensor, out, None)
+        new or written into contiguous ``out`` of as many elements and ``tensor``'s dtype.
+        The ranks' shapes are checked (``shm_phases.layout_code``) unless ``flat``: a
+        caller whose ranks need only equal element counts (a ``Comm``)."""
+        result = self._gather(tensor, out, None, flat)
         assert result is not None  # every rank receives
         return result
 
     @one_at_a_time
     def gather(
-        self, tensor: torch.Tensor, dst: int, *, out: torch.Tensor | None = None
+        self, tensor: torch.Tensor, dst: int, *, out: torch.Tensor | None = None, flat: bool = False
     ) -> torch.Tensor | None:
         """:meth:`all_gather`'s result on in-group rank ``dst`` only (None elsewhere:
         the other ranks copy nothing out); checked as a gather to ``dst``."""
         self._check_index(dst, "dst")
-        return self._gather(tensor, out, dst)
+        return self._gather(tensor, out, dst, flat)
 
     def _gather(
-        self, tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None
+        self, tensor: torch.Tensor, out: torch.Tensor | None, dst: int | None, flat: bool
     ) -> torch.Tensor | None:
         if out is not None:
             _check_out(out, tensor.dtype, self.world_size * tensor.numel())
         reason = self.copy_refusal(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         readable = nbytes > LEAN_MAX_BYTES and self.peer_reads is not None
+        layout = 0 if flat else layout_code(tensor.shape)
         if dst is None:
             direct, turn = self._timed_way("all_gather", nbytes, readable)
-            lines = self._start("all_gather", reason, tensor, direct=direct)
+            lines = self._start("all_gather", reason, tensor, direct=direct, layout=layout)
         else:  # a gather: the rules alone
             direct, turn = readable, None
-            lines = self._start("gather", reason, tensor, root=dst, direct=direct)
+            lines = self._start("gather", reason, tensor, root=dst, direct=direct, layout=layout)
         receives = dst is None or dst == self.rank_in_group
         one_piece = not direct and 0 < nbytes <= self.max_bytes
         # A small one-piece result is cloned out of the slots below (one op).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -63,6 +63,18 @@ VARYING_COUNTS = 1 << 48
 # way per call): ranks whose ways ever differed raise, never read garbage.
 READ_DIRECTLY = 1 << 49
 
+# A call whose result reads every rank's tensor in this rank's shape (a
+# ``GroupCoordinator`` all-gather, gather or reduce-scatter, whose contract is
+# "equally shaped"): a 13-bit checksum of the shape laid out in the slots (and of the
+# dim a reduce-scatter moved to the front) above the other fields, so ranks whose
+# shapes differ but whose element counts match raise instead of returning each
+# other's elements in the wrong places. 0 for a 1-D layout (the count says it all)
+# and for a flat call (a ``Comm``'s: torch's semantics need only the counts).
+LAYOUT_SHIFT = 50
+_LAYOUT_BITS = 0x1FFF
+LAYOUT_MASK = _LAYOUT_BITS << LAYOUT_SHIFT
+_LAYOUT_CODES: dict[tuple[tuple[int, ...], int], int] = {}
+
 OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
     "all_to_all", "scatter", "all_to_all_v",
@@ -97,6 +109,20 @@ def _make_code(operation: str, dtype: torch.dtype | None, reduce_op: object, roo
         | (op_code << 16)
         | (root & 0xFFFF)
     )
+
+
+def layout_code(shape: Sequence[int], dim: int = 0) -> int:
+    """The fingerprint's layout field for a tensor of ``shape`` laid out in the slots
+    as it is (``dim`` 0) or with ``dim`` moved to the front (see ``LAYOUT_SHIFT``)."""
+    if len(shape) <= 1 and dim == 0:
+        return 0
+    key = (tuple(shape), dim)
+    code = _LAYOUT_CODES.get(key)
+    if code is None:
+        code = (zlib.crc32(repr(key).encode()) % _LAYOUT_BITS + 1) << LAYOUT_SHIFT
+        if len(_LAYOUT_CODES) < 4096:
+            _LAYOUT_CODES[key] = code
+    return code
 
 
 def varying_gather_code(dtype: torch.dtype, dst: int, layout: str) -> int:
@@ -147,8 +173,9 @@ def _describe_stamp(stamp: tuple[int, int], near: int) -> str:
 
 
 def describe_call(code: int, count: int) -> str:
-    """E.g. ``all_reduce(float32[4096], SUM)``, ``broadcast(uint8[100], src=1)`` or
-    ``all_gather(float32[300000]) read directly``."""
+    """E.g. ``all_reduce(float32[4096], SUM)``, ``broadcast(uint8[100], src=1)``,
+    ``all_gather(float32[32], shape #01c4)`` or ``all_gather(float32[300000]) read
+    directly``."""
     operation = OPERATIONS[(code >> 40) & 0xFF]
     wire = (code >> 32) & 0xFF  # the dtype's code in the wire table, plus one
     dtype = WIRE_DTYPES[wire - 1] if wire else "none"
@@ -166,6 +193,9 @@ def describe_call(code: int, count: int) -> str:
         extra = f", src={root}"
     elif operation == "gather":
         extra = f", dst={root}"
+    layout = (code >> LAYOUT_SHIFT) & _LAYOUT_BITS
+    if layout:
+        extra += f", shape #{layout:04x}"
     way = " read directly" if code & READ_DIRECTLY else ""
     if code & VARYING_COUNTS:  # a gather's parts' layout (dim, other dims) as a checksum
         return f"{operation}({dtype}[{count}]{extra}){way} of parts laid out #{op_code:04x}"

@@ -234,10 +234,13 @@ class ShmBase(AllReduceBackend):
         op: ReduceOp.RedOpType | str | None = None,
         root: int = 0,
         direct: bool = False,
+        layout: int = 0,
     ) -> PhaseLines:
         """Refuse, or stamp the call's fingerprint (checked against every rank's at the
         call's first barrier: desync detection, always on). A barrier has no tensor;
-        ``direct``: a call that reads the peers' memory (the way is chosen per call)."""
+        ``direct``: a call that reads the peers' memory (the way is chosen per call);
+        ``layout``: the shape's field (``shm_phases.layout_code``) of a call that
+        reads the ranks' tensors in this rank's shape."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._failure is not None:
@@ -248,7 +251,7 @@ class ShmBase(AllReduceBackend):
         if tensor is None:
             lines.stamp(call_code(operation, None, None, 0), 0)
         else:
-            code = call_code(operation, tensor.dtype, op, root)
+            code = call_code(operation, tensor.dtype, op, root) | layout
             lines.stamp(code | READ_DIRECTLY if direct else code, tensor.numel())
         return lines
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -38,7 +39,7 @@ from torch.distributed import ReduceOp
 from shm_broadcast.host_memory import empty_output
 
 from .errors import ClosedError, DesyncError, GroupcoordTimeoutError, PeerDiedError
-from .shm_phases import PhaseLines, call_code, varying_gather_code
+from .shm_phases import LAYOUT_MASK, PhaseLines, call_code, layout_code, varying_gather_code
 from .shm_reduce import (
     CLONE_MAX_BYTES,
     ONE_SHOT_MAX_BYTES,
@@ -136,8 +137,11 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 
 # Plans by (dtype, shape, dim) for each kind of call (all_reduce: dim 0; a broadcast
-# or reduce: its root); None: such calls take the general path.
-_SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE, _GATHER_TO, _GATHER_V = 0, 1, 2, 3, 4, 5, 6
+# or reduce: its root); None: such calls take the general path. The _FLAT kinds are
+# the gathers and reduce-scatter of a caller whose ranks need only equal element
+# counts (a Comm's), fingerprinted without the shape.
+_SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE, _GATHER_TO = 0, 1, 2, 3, 4, 5
+_FLAT_GATHER, _FLAT_SCATTER, _FLAT_GATHER_TO, _GATHER_V = 6, 7, 8, 9
 _Plans = dict[tuple, "_Plan | None"]
 
 
@@ -154,6 +158,18 @@ class VaryingParts(NamedTuple):
 _UNSEEN: Any = object()
 
 
+def _flat(maker: Callable[[torch.Tensor, int], _Plan | None]) -> Callable[..., _Plan | None]:
+    """``maker`` of plans fingerprinted without the shape (the _FLAT kinds)."""
+
+    def make(tensor: torch.Tensor, dim: int) -> _Plan | None:
+        plan = maker(tensor, dim)
+        if plan is not None:
+            plan.code &= ~LAYOUT_MASK
+        return plan
+
+    return make
+
+
 class SmallCalls:
     """The lean path of small calls for one ``ShmAllReduce`` (see the module docstring).
 
@@ -165,14 +181,15 @@ class SmallCalls:
     def __init__(self, owner: _Owner) -> None:
         self.owner = owner
         self.slots: SlotSegment | None = None
-        self._plans: tuple[_Plans, ...] = ({}, {}, {}, {}, {}, {}, {})
+        self._plans: tuple[_Plans, ...] = tuple({} for _ in range(10))
         self._makers = (
             self._sum_plan, self._gather_plan, self._scatter_plan, self._copy_plan,
             self._reduce_plan, self._gather_to_plan,
+            _flat(self._gather_plan), _flat(self._scatter_plan), _flat(self._gather_to_plan),
         )  # fmt: skip
         self._runs = (
             self._run_sum, self._run_gather, self._run_sum, self._run_broadcast, self._run_sum,
-            self._run_gather,
+            self._run_gather, self._run_gather, self._run_sum, self._run_gather,
         )  # fmt: skip
 
     def attach(self, slots: SlotSegment | None) -> None:
@@ -184,7 +201,8 @@ class SmallCalls:
     # ---- the calls -------------------------------------------------------------------
     # ``out``: write the result there instead of a new tensor; it must have the
     # result's shape and dtype (else None). The input is copied in before anything
-    # is written, so ``out`` may be the input itself.
+    # is written, so ``out`` may be the input itself. ``flat``: the ranks' tensors
+    # need only as many elements, not the same shape (a Comm's calls, torch's rule).
 
     def all_reduce(
         self, tensor: torch.Tensor, out: torch.Tensor | None = None
@@ -193,16 +211,16 @@ class SmallCalls:
         return self._call(_SUM, tensor, 0, out)
 
     def all_gather(
-        self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
+        self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None, flat: bool = False
     ) -> torch.Tensor | None:
         """Every rank's tensor concatenated along ``dim`` (rank-major)."""
-        return self._call(_GATHER, tensor, dim, out)
+        return self._call(_FLAT_GATHER if flat else _GATHER, tensor, dim, out)
 
     def reduce_scatter(
-        self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None
+        self, tensor: torch.Tensor, dim: int, out: torch.Tensor | None = None, flat: bool = False
     ) -> torch.Tensor | None:
         """The SUM over the group of this rank's equal slice along ``dim``."""
-        return self._call(_SCATTER, tensor, dim, out)
+        return self._call(_FLAT_SCATTER if flat else _SCATTER, tensor, dim, out)
 
     def reduce(
         self, tensor: torch.Tensor, dst: int, out: torch.Tensor | None = None
@@ -212,11 +230,11 @@ class SmallCalls:
         return self._call(_REDUCE, tensor, dst, out)
 
     def gather(
-        self, tensor: torch.Tensor, dst: int, out: torch.Tensor | None = None
+        self, tensor: torch.Tensor, dst: int, out: torch.Tensor | None = None, flat: bool = False
     ) -> torch.Tensor | None:
         """:meth:`all_gather` along dim 0 on in-group rank ``dst``, fingerprinted as a
         gather to ``dst``; the other ranks copy nothing out and get ``tensor`` back."""
-        return self._call(_GATHER_TO, tensor, dst, out)
+        return self._call(_FLAT_GATHER_TO if flat else _GATHER_TO, tensor, dst, out)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor | None:
         """In-group rank ``src``'s ``tensor`` on every rank, in place (any dtype)."""
@@ -468,7 +486,7 @@ class SmallCalls:
         if plan is None or not 0 <= dst < slots.world_size:
             return None
         plan.operation = operation
-        plan.code = call_code(operation, dtype, op, dst)
+        plan.code = call_code(operation, dtype, op, dst) | (plan.code & LAYOUT_MASK)
         plan.root = dst
         return plan
 
@@ -520,7 +538,7 @@ class SmallCalls:
         in_blocks = joined >= TORCH_GRAIN and shape[:dim].numel() == 1
         reads = tuple([slots.shaped(s, r, dtype, shape) for r in range(world)] for s in (0, 1))
         out_shape = torch.Size([n * world if i == dim else n for i, n in enumerate(shape)])
-        code = call_code("all_gather", dtype, None, 0)
+        code = call_code("all_gather", dtype, None, 0) | layout_code(shape)
         rank = self.owner.rank_in_group
         op_numel = 0 if in_blocks else joined
         plan = _Plan(
@@ -549,7 +567,8 @@ class SmallCalls:
             ]
             for s in (0, 1)
         )
-        code = call_code("reduce_scatter", dtype, ReduceOp.SUM, 0)
+        # Laid out as it is (the general path's layout of dim 0), whatever ``dim``.
+        code = call_code("reduce_scatter", dtype, ReduceOp.SUM, 0) | layout_code(shape)
         # The sum covers this rank's 1/world of the tensor.
         op_numel = tensor.numel() // world
         return _Plan(

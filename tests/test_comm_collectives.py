@@ -629,3 +629,40 @@ def test_outputs_that_overlap_their_inputs_get_the_right_values(world: int, shm:
     values on shared memory at world 3 and broke the call on Gloo: the input is now
     copied first, on every path."""
     assert run_ranks(_overlapping, world, shm, timeout=90) == [[]] * world
+
+
+def _flat_shapes(rank: int, world: int) -> list[str]:
+    comm = new_comm("gloo", "cpu", "flat", timeout=30)
+    wrong = []
+    try:
+        for rows, cols in ((4, 6), (600, 300)):  # the lean path, and past it
+            n = rows * cols * world
+            # As many elements on every rank, in another shape on rank 0 (torch's rule for
+            # these calls): the shared-memory path does not check shapes here.
+            shape = (cols * world, rows) if rank == 0 else (rows, cols * world)
+            mine = (torch.arange(n, dtype=torch.float32) + 1000 * rank).view(shape)
+            flat = [torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(world)]
+            # Rank 0 goes the general way (a per-call timeout), the others the lean one.
+            timeout = 30 if rank == 0 else None
+            out = torch.empty(world * n)
+            comm.all_gather_single(out, mine, timeout=timeout)
+            if not torch.equal(out, torch.cat(flat)):
+                wrong.append(f"all_gather_single {shape}")
+            part = torch.empty(n // world)
+            comm.reduce_scatter_single(part, mine, timeout=timeout)
+            if not torch.equal(part, sum(flat).chunk(world)[rank]):
+                wrong.append(f"reduce_scatter_single {shape}")
+            out = torch.full((world * n,), -1.0)
+            comm.gather_single(out, mine, 0, timeout=timeout)
+            if rank == 0 and not torch.equal(out, torch.cat(flat)):
+                wrong.append(f"gather_single {shape}")
+        return wrong
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_comms_calls_need_only_equal_counts_not_shapes(world: int) -> None:
+    # GroupCoordinator's all_gather and reduce_scatter check the ranks' shapes
+    # (tests/test_desync.py, case "shape"); a Comm follows torch, which does not.
+    assert run_ranks(_flat_shapes, world, timeout=120) == [[]] * world

@@ -12,6 +12,13 @@ import torch
 from torch.distributed import ReduceOp
 
 from coordinator.launch import init_gloo, run_ranks
+from device_communicators.shm_phases import LAYOUT_SHIFT, layout_code
+
+
+def _shape(shape: tuple[int, ...], dim: int = 0) -> str:
+    """How the fingerprint names a call's shape (a checksum)."""
+    return f"shape #{layout_code(shape, dim) >> LAYOUT_SHIFT:04x}"
+
 
 # (name, what rank 0 does, what the other ranks do, both sides as the error names them)
 CASES = {
@@ -113,6 +120,40 @@ CASES = {
         ),
         ("scatter(float32[8], src=0)", "scatter(float32[8], src=1)"),
     ),
+    # As many elements in another shape: each rank read the others' in its own.
+    "shape": (
+        lambda g: g.all_gather(torch.ones(4, 8), dim=1),
+        lambda g: g.all_gather(torch.ones(8, 4), dim=1),
+        (
+            f"all_gather(float32[32], {_shape((4, 8))})",
+            f"all_gather(float32[32], {_shape((8, 4))})",
+        ),
+    ),
+    "large shape": (  # 512 KiB: the general path
+        lambda g: g.all_gather(torch.ones(256, 512), dim=1),
+        lambda g: g.all_gather(torch.ones(512, 256), dim=1),
+        (
+            f"all_gather(float32[131072], {_shape((256, 512))})",
+            f"all_gather(float32[131072], {_shape((512, 256))})",
+        ),
+    ),
+    "reduce_scatter shape": (
+        lambda g: g.reduce_scatter(torch.ones(4, 8), dim=0),
+        lambda g: g.reduce_scatter(torch.ones(8, 4), dim=0),
+        (
+            f"reduce_scatter(float32[32], SUM, {_shape((4, 8))})",
+            f"reduce_scatter(float32[32], SUM, {_shape((8, 4))})",
+        ),
+    ),
+    # The general path sums rows moved to the front: another dim is another layout.
+    "large reduce_scatter dim": (
+        lambda g: g.reduce_scatter(torch.ones(512, 256), dim=0),
+        lambda g: g.reduce_scatter(torch.ones(512, 256), dim=1),
+        (
+            f"reduce_scatter(float32[131072], SUM, {_shape((512, 256))})",
+            f"reduce_scatter(float32[131072], SUM, {_shape((512, 256), 1)})",
+        ),
+    ),
     "gather or all_gather": (
         lambda g: g.device_communicator.shm_all_reduce.gather(torch.ones(16), 0),
         lambda g: g.device_communicator.shm_all_reduce.all_gather(torch.ones(16)),
@@ -139,6 +180,7 @@ GLOO_DEBUG_SIDES = {
     "operation": ("all_reduce(float32[64])", "all_gather(float32[64], dim=0)"),
     "dtype": ("broadcast(float32[32], src=0)", "broadcast(int32[32], src=0)"),
     "root": ("broadcast(float32[8], src=0)", "broadcast(float32[8], src=1)"),
+    "shape": ("all_gather(float32[4, 8], dim=1)", "all_gather(float32[8, 4], dim=1)"),
 }
 
 
@@ -267,7 +309,10 @@ def test_ranks_that_cut_a_reduce_scatterv_differently_all_raise(world):
     for rank, got in enumerate(run_ranks(_split_mismatch, world, timeout=60)):
         raised = got["raised"]
         assert raised, f"rank {rank} reduced rows of its own choosing"
-        codes = re.findall(r"reduce_scatter\(float32\[32\], SUM, sizes #([0-9a-f]{4})\)", raised)
+        codes = re.findall(
+            r"reduce_scatter\(float32\[32\], SUM, sizes #([0-9a-f]{4}), shape #[0-9a-f]{4}\)",
+            raised,
+        )
         assert len(codes) == 2 and codes[0] != codes[1], raised
         assert got["equal_ok"]
 

@@ -77,9 +77,9 @@ class CommOps(Reductions):
 
         def fast(shm: ShmAllReduce) -> None:
             if stacked is not None:
-                shm.all_gather(tensor, out=stacked)
+                shm.all_gather(tensor, out=stacked, flat=True)
                 return
-            for output, part in zip(outputs, shm.all_gather(tensor).unbind(0)):
+            for output, part in zip(outputs, shm.all_gather(tensor, flat=True).unbind(0)):
                 output.copy_(part)
 
         return self._run(
@@ -116,7 +116,10 @@ class CommOps(Reductions):
         """Gather every rank's ``input`` into ``output``, concatenated in rank order."""
         if async_op is False and hints is None and timeout is None:
             done = self._lean(
-                "all_gather_single", lambda small: small.all_gather(input, 0, output), input, output
+                "all_gather_single",
+                lambda small: small.all_gather(input, 0, output, flat=True),
+                input,
+                output,
             )
             if done is not None:
                 return done
@@ -192,7 +195,7 @@ class CommOps(Reductions):
                 return
             # Every rank pads to the same longest part: the true one where it is known.
             padded, stacked = stage(max(counts if done is None else done.lengths))
-            shm.all_gather(padded, out=stacked)
+            shm.all_gather(padded, out=stacked, flat=True)
             finish()
 
         return self._run(
@@ -403,9 +406,9 @@ class CommOps(Reductions):
 
         def fast(shm: ShmAllReduce) -> None:
             if stacked is not None:
-                shm.gather(tensor, root, out=stacked)
+                shm.gather(tensor, root, out=stacked, flat=True)
                 return
-            got = shm.gather(tensor, root)
+            got = shm.gather(tensor, root, flat=True)
             if got is not None:
                 for output, part in zip(outputs, got.unbind(0)):
                     output.copy_(part)
@@ -434,7 +437,9 @@ class CommOps(Reductions):
         elements, rank-major) on ``root``; ``output`` is ignored elsewhere."""
         if async_op is False and hints is None and timeout is None:
             into = output if self._rank == root else None
-            done = self._lean("gather", lambda small: small.gather(input, root, into), input)
+            done = self._lean(
+                "gather", lambda small: small.gather(input, root, into, flat=True), input
+            )
             if done is not None:
                 return done
         input = self._tensor(input, "input")

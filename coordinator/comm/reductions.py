@@ -196,7 +196,7 @@ class Reductions(CommCore):
         if op is ReduceOp.SUM and async_op is False and hints is None and timeout is None:
             done = self._lean(
                 "reduce_scatter_single",
-                lambda small: small.reduce_scatter(input, 0, output),
+                lambda small: small.reduce_scatter(input, 0, output, flat=True),
                 input,
                 output,
             )
