@@ -197,22 +197,30 @@ class DeviceCommunicatorBase:
         discovered: on the shared-memory path in each tensor's own barrier
         (``SmallCalls.gather_v``, which also moves parts that fit a slot, and checks
         given ``sizes`` against the parts), else with one small all-gather (on Gloo
-        even when ``sizes`` are given). Given ``sizes`` are checked against the parts'
-        true lengths on CPU and raise ``GroupcoordValueError`` on the ranks whose
-        entries are wrong, the group staying usable; on NCCL they are trusted. The
-        result is exact (no padding). A list of tensors gathers each and returns a
-        list.
+        even when ``sizes`` are given). Given ``sizes`` are checked: their form and
+        this rank's own entry before anything is sent (bad input), the other ranks'
+        entries against the parts' true lengths on CPU once every tensor has moved,
+        raising ``GroupcoordValueError`` on the ranks whose entries are wrong, the
+        group staying usable; on NCCL those are trusted. The result is exact (no
+        padding). A list of tensors gathers each and returns a list.
         """
         small = self.small_calls
         if small is not None and type(input_) is torch.Tensor:
             # The lean way: gather_v takes a tensor it can move as it is (else None, and
-            # the checks below say what is wrong); the other ranks' ``sizes`` entries
-            # are checked once the call has told the lengths.
-            if sizes is not None:
+            # the checks below say what is wrong). The common ``sizes`` pass a look at
+            # this rank's own entry; anything else gets the full check, which raises.
+            if sizes is not None and not (
+                type(sizes) is list
+                and len(sizes) == self.world_size
+                and -input_.dim() <= dim < input_.dim()
+                and sizes[self.rank_in_group] == input_.shape[dim]
+            ):
                 self._check_own_size(input_, checks.dim(input_, dim), dim, sizes)
             done = small.gather_v(input_, dim)
             if done is not None:
-                return self._all_gatherv_done(input_, dim, sizes, done)
+                joined = self._gathered(input_, dim, done)
+                self._check_gatherv(dim, sizes, done.lengths)
+                return joined
         given = input_ if isinstance(input_, list) else [input_]
         if not given:
             raise GroupcoordValueError("input_: all_gatherv needs at least one tensor")
@@ -224,7 +232,12 @@ class DeviceCommunicatorBase:
         if sizes is not None:
             for t, d in zip(tensors, dims):
                 self._check_own_size(t, d, dim, sizes)
-        out = [self._all_gatherv_one(small, t, d, sizes) for t, d in zip(tensors, dims)]
+        moved = [self._all_gatherv_one(small, t, d, sizes) for t, d in zip(tensors, dims)]
+        # The other ranks' entries, once every tensor moved: a rank with a wrong one
+        # that stopped half-way through the list left its peers in the next gather.
+        for (_, lengths), d in zip(moved, dims):
+            self._check_gatherv(d, sizes, lengths)
+        out = [t for t, _ in moved]
         return out if isinstance(input_, list) else out[0]
 
     def _check_own_size(self, tensor: torch.Tensor, d: int, dim: int, sizes: list[int]) -> None:
@@ -239,38 +252,34 @@ class DeviceCommunicatorBase:
 
     def _all_gatherv_one(
         self, small: SmallCalls | None, tensor: torch.Tensor, dim: int, sizes: list[int] | None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One tensor's all_gatherv and the lengths its parts had (unchecked)."""
         done = None if small is None else small.gather_v(tensor, dim)
         if done is not None:
-            return self._all_gatherv_done(tensor, dim, sizes, done)
+            return self._gathered(tensor, dim, done), done.lengths
         if sizes is not None and not tensor.is_cpu:
             # A device's lengths could only be read back through a wait for the
             # device: trusted (GROUPCOORD_DEBUG_DESYNC compares them across ranks).
-            return self._move_parts(tensor, dim, sizes)
+            return self._move_parts(tensor, dim, sizes), sizes
         # Gloo moves the parts padded to the longest: ranks whose sizes named another
         # longest posted buffers of other sizes, and Gloo's transport aborted the
         # process. The true lengths come first (one small all-gather).
         (lengths,) = self._discover_sizes([tensor], [dim])
-        return self._check_gatherv(self._move_parts(tensor, dim, lengths), dim, sizes, lengths)
+        return self._move_parts(tensor, dim, lengths), lengths
 
-    def _all_gatherv_done(
-        self, tensor: torch.Tensor, dim: int, sizes: list[int] | None, done: VaryingParts
-    ) -> torch.Tensor:
+    def _gathered(self, tensor: torch.Tensor, dim: int, done: VaryingParts) -> torch.Tensor:
         """The result of an all_gatherv whose lengths the shared-memory call told every
         rank: moved in it, or now by those lengths."""
         out = done.result if done.moved else self._move_parts(tensor, dim, done.lengths)
         assert out is not None  # every rank receives
-        return self._check_gatherv(out, dim, sizes, done.lengths)
+        return out
 
-    def _check_gatherv(
-        self, out: torch.Tensor, dim: int, sizes: list[int] | None, lengths: list[int]
-    ) -> torch.Tensor:
-        """``out``, unless the caller's ``sizes`` are not the parts' true ``lengths``: the
-        other ranks' entries were not checkable before the call, so this raises once the
-        ranks are in step, on the ranks whose entries are wrong."""
+    def _check_gatherv(self, dim: int, sizes: Any, lengths: list[int]) -> None:
+        """Raise when the caller's ``sizes`` are not the parts' true ``lengths``: the
+        other ranks' entries were not checkable before the call, so this raises once
+        the ranks are in step, on the ranks whose entries are wrong."""
         if sizes is not None and list(sizes) != lengths:
             check_lengths(f"sizes={list(sizes)}", sizes, lengths, f" along dim {dim}")
-        return out
 
     def _move_parts(self, tensor: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:
         return self.transports.select("all_gatherv", tensor).all_gatherv_exact(tensor, dim, lengths)

@@ -80,7 +80,9 @@ def tensor(
         )
     if contiguous and not value.is_contiguous():
         raise GroupcoordValueError(f"{argument} must be contiguous (call .contiguous() first)")
-    return value.detach() if value.requires_grad or isinstance(value, _Parameter) else value
+    if value.requires_grad or (type(value) is not _Tensor and isinstance(value, _Parameter)):
+        return value.detach()  # (Parameter's isinstance is Python: plain tensors skip it)
+    return value
 
 
 def _on_device(value: torch.Tensor, device: torch.device) -> bool:
@@ -141,6 +143,7 @@ def rank(
 
 _REDUCE_OP_TYPES = (dist.ReduceOp, dist.ReduceOp.RedOpType)
 _Parameter = torch.nn.Parameter
+_Tensor = torch.Tensor
 _BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
 
 

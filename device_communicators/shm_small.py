@@ -240,7 +240,13 @@ class SmallCalls:
         """In-group rank ``src``'s ``tensor`` on every rank, in place (any dtype)."""
         return self._call(_BROADCAST, tensor, src, None)
 
-    def gather_v(self, tensor: torch.Tensor, dim: int, dst: int = -1) -> VaryingParts | None:
+    def gather_v(
+        self,
+        tensor: torch.Tensor,
+        dim: int,
+        dst: int = -1,
+        into: list[torch.Tensor] | None = None,
+    ) -> VaryingParts | None:
         """Every rank's ``tensor`` joined along ``dim`` on in-group rank ``dst`` (-1:
         on every rank), where the lengths along ``dim`` may differ by rank
         (``GroupCoordinator.gather`` and ``all_gatherv``), in one barrier: each rank's
@@ -252,7 +258,12 @@ class SmallCalls:
         Else every rank's length and, when every part fit its slot, the result (None
         on a gather's other ranks); when one did not, ``moved`` is False and the
         caller moves the parts another way, the lengths known on every rank.
+        ``into`` (a 1-D ``tensor`` only): contiguous CPU tensors of its dtype, one per
+        rank, that receive the parts that fit their slots instead (one ``memmove``
+        each, no torch op; the result is None), copied only when each has as many
+        elements as its part: the caller checks them against the lengths.
         """
+        assert into is None or tensor.dim() == 1
         if type(tensor) is not torch.Tensor or type(dim) is not int or type(dst) is not int:
             return None
         with self.owner.call_lock:
@@ -269,9 +280,11 @@ class SmallCalls:
                 return None
             if not _as_is(tensor):
                 return None  # the general path says why not, or detaches it
-            return self._run_gather_v(plan, tensor)
+            return self._run_gather_v(plan, tensor, into)
 
-    def _run_gather_v(self, plan: _Plan, tensor: torch.Tensor) -> VaryingParts:
+    def _run_gather_v(
+        self, plan: _Plan, tensor: torch.Tensor, into: list[torch.Tensor] | None
+    ) -> VaryingParts:
         slots, owner = self.slots, self.owner
         assert slots is not None and owner._lines is not None
         limit = min(LEAN_MAX_BYTES, slots.max_bytes)
@@ -284,6 +297,11 @@ class SmallCalls:
                 f"{plan.dim} (lengths along it may differ by rank, the other dims may not)"
             ) from exc
         counts = owner._lines.counts()
+        if into is not None and all(n * size <= limit for n in counts):
+            if counts == [t.numel() for t in into]:  # (a 1-D part's length is its count)
+                for r, t in enumerate(into):
+                    _memmove(t.data_ptr(), slots.address(s, r), counts[r] * size)
+            return VaryingParts(True, None, counts)
         same = plan.same
         if same is not None and counts == same[0]:  # every part as long as this one
             lengths = list(same[1])

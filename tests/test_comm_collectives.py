@@ -554,6 +554,18 @@ def _gather_v_counts_disagree(rank: int, world: int, shm: bool) -> list[str]:
             else:
                 assert rank == 0, "an output_list that disagrees with the inputs was accepted"
                 assert all(torch.equal(o, p) for o, p in zip(outs, parts))
+    # Equal parts past a slot (gathered as they are, no padding on shared memory).
+    parts = [torch.full((70_000,), float(r)) for r in range(world)]
+    for wrong in (0, -1):
+        outs = [torch.empty(70_000 + (wrong if r == 0 and rank != 0 else 0)) for r in range(world)]
+        try:
+            comm.all_gather_v(outs, parts[rank])
+        except GroupcoordValueError as exc:
+            assert rank != 0 and wrong, exc
+            seen.append(str(exc))
+        else:
+            assert rank == 0 or not wrong, "an output_list that disagrees was accepted"
+            assert all(torch.equal(o, p) for o, p in zip(outs, parts))
     t = torch.full((4,), 1.0)
     comm.all_reduce(t, ReduceOp.SUM)  # still in step, still usable
     assert t.tolist() == [float(world)] * 4
@@ -575,7 +587,7 @@ def test_all_gather_v_whose_output_list_disagrees_with_the_inputs_raises(
             [base + wrong] + [base + r for r in range(1, world)]
             for base in (2, 70_000, 3, 5)
             for wrong in (-1, world + 2)
-        ]
+        ] + [[70_000 - 1] + [70_000] * (world - 1)]
         for message, counts in zip(messages, want, strict=True):
             assert f"output_list holds {counts} elements by rank" in message, message
 

@@ -746,3 +746,42 @@ def test_all_gatherv_on_gloo_checks_given_sizes_against_the_parts(world: int) ->
             said[0] += wrong
             want = f"sizes={said} but the ranks' parts have {true} along dim {dim}"
             assert want in message, message
+
+
+def _anothers_entry_wrong(rank: int, world: int, shm: bool) -> list[str]:
+    comm = make_comm(rank, world, "gvo", shm=shm)
+    seen = []
+    try:
+        for rows in (2, 30_000):  # a part that fits a slot, and one that does not
+            parts = [data(r, (rows + r, 3)) for r in range(world)]
+            said = [rows + r for r in range(world)]
+            if rank == 1:
+                said[0] += 1  # rank 0's entry, wrong on rank 1 alone
+            try:
+                got = comm.all_gatherv([parts[rank], parts[rank] + 1], 0, said)
+            except GroupcoordValueError as exc:
+                assert rank == 1, exc
+                seen.append(str(exc))
+            else:
+                assert rank != 1, "a wrong entry for another rank was accepted"
+                assert torch.equal(got[0], torch.cat(parts))
+                assert torch.equal(got[1], torch.cat(parts) + 1)
+            # Every rank moved both tensors: the group is in step.
+            assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        return seen
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gatherv_of_a_list_checks_the_sizes_once_every_tensor_moved(
+    world: int, shm: bool
+) -> None:
+    # The rank with the wrong entry raised after the list's first tensor, and its
+    # peers went on to gather the second: their next call met its next one.
+    seen = run_ranks(_anothers_entry_wrong, world, shm, timeout=120)
+    assert all(not s for r, s in enumerate(seen) if r != 1), seen
+    assert len(seen[1]) == 2, seen[1]
+    for message in seen[1]:
+        assert "but the ranks' parts have" in message and "along dim 0" in message, message

@@ -224,6 +224,15 @@ def _comm_lean(rank: int, world: int) -> bool:
         assert shm.generation == before + 1
         assert root.tolist() == [i + world - 1 for i in range(5)]
         assert part.tolist() == [world * (2.0 * rank + i) for i in range(2)]
+        # all_gather_v: parts of other lengths, one barrier, straight into the outputs.
+        outs = [torch.full((r + 1,), -1.0) for r in range(world)]
+        before = shm.generation
+        assert comm.all_gather_v(outs, torch.full((rank + 1,), float(rank))).wait()
+        assert shm.generation == before + 1
+        assert [t.tolist() for t in outs] == [[float(r)] * (r + 1) for r in range(world)]
+        lazy = [torch.zeros(r + 1, dtype=torch.complex64).conj() for r in range(world)]
+        with pytest.raises(ValueError, match="conjugate"):
+            comm.all_gather_v(lazy, torch.ones(rank + 1, dtype=torch.complex64))
         # Not for the lean path: other ops, other shapes, bad arguments (still refused).
         y = torch.full((4,), rank + 1.0)
         comm.all_reduce(y, ReduceOp.MAX)

@@ -308,9 +308,7 @@ class CommCore:
         self._p2p.run(work, kind, tensor, peer, async_op)
         return work
 
-    def _lean(
-        self, op: str, call: Callable[[SmallCalls], torch.Tensor | None], *tensors: Any
-    ) -> Work | None:
+    def _lean(self, op: str, call: Callable[[SmallCalls], object], *tensors: Any) -> Work | None:
         """A small synchronous call on the shared-memory back end's lean path
         (``device_communicators.shm_small``): ``call(small_calls)`` writes the result
         in place. None: not such a call (``tensors`` not dense, the lane busy, the

@@ -15,6 +15,7 @@ from device_communicators import c10d_calls, checks
 from device_communicators.padded_parts import check_lengths, pad_with_length, unpad_with_lengths
 from device_communicators.shm_all_reduce import ShmAllReduce
 from device_communicators.shm_phases import check_all_to_all_counts
+from shm_broadcast.host_memory import empty_output
 
 from ..errors import (
     GroupcoordValueError,
@@ -149,6 +150,15 @@ class CommOps(Reductions):
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """All-gather where rank ``i`` contributes ``output_list[i].numel()`` elements."""
+        if async_op is False and hints is None and timeout is None and type(output_list) is list:
+            done = self._lean(
+                "all_gather_v",
+                lambda small: self._lean_gather_v(output_list, input),
+                input,
+                *output_list,
+            )
+            if done is not None:
+                return done
         input = self._tensor(input, "input")
         outputs = self._tensors(output_list, "output_list", self._size)
         checks.same_dtype(input, outputs, "output_list")
@@ -161,42 +171,15 @@ class CommOps(Reductions):
         # inputs raises once the ranks are in step instead of cutting (or padding)
         # that part. The shared-memory path learns the counts in its first barrier
         # (SmallCalls.gather_v), and parts that fit a slot move in it.
-        counts = [t.numel() for t in outputs]
-        said = f"output_list holds {counts} elements by rank"
-        staged: list[Any] = []  # (every rank's padded part, longest), made when needed
-
-        def stage(longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """This rank's input padded to ``longest``, and the result it is gathered into."""
-            padded = pad_with_length(input.reshape(-1), longest)
-            stacked = torch.empty(self._size, padded.numel(), dtype=torch.uint8)
-            staged[:] = [stacked, longest]
-            return padded, stacked
-
-        def finish() -> None:
-            stacked, longest = staged
-            parts, lengths = unpad_with_lengths(stacked, longest, torch.Size(), input.dtype)
-            check_lengths(said, counts, lengths)
-            for out, part, n in zip(outputs, parts, counts):
-                out.view(-1).copy_(part[:n])
+        staged: list[Any] = []  # (every rank's padded part, longest), made when launched
 
         def launch(td: datetime.timedelta) -> list[Any]:
             call = ("all_gather", input.dtype, None, 0, input.numel())
             lengths = self._agree(call, td, [input.numel()])
-            padded, stacked = stage(max(n for (n,) in lengths))
+            longest = max(n for (n,) in lengths)
+            padded, stacked = self._padded_parts(input, longest)
+            staged[:] = [stacked, longest]
             return [c10d_calls.all_gather(self._pg, list(stacked.unbind(0)), padded, td)]
-
-        def fast(shm: ShmAllReduce) -> None:
-            done = shm.small.gather_v(input.reshape(-1), 0)
-            if done is not None and done.moved:
-                check_lengths(said, counts, done.lengths)  # raised once the ranks are in step
-                assert done.result is not None  # every rank receives
-                for out, part in zip(outputs, done.result.split(counts)):
-                    out.view(-1).copy_(part)
-                return
-            # Every rank pads to the same longest part: the true one where it is known.
-            padded, stacked = stage(max(counts if done is None else done.lengths))
-            shm.all_gather(padded, out=stacked, flat=True)
-            finish()
 
         return self._run(
             "all_gather_v",
@@ -205,9 +188,79 @@ class CommOps(Reductions):
             async_op,
             hints,
             launch,
-            finish,
-            fast=fast if self._shm_takes(input, "all_gather") else None,
+            lambda: self._unpad_into(outputs, input.dtype, *staged),
+            fast=(
+                (lambda shm: self._shm_gather_v(shm, outputs, input))
+                if self._shm_takes(input, "all_gather")
+                else None
+            ),
         )
+
+    def _lean_gather_v(self, outputs: list[torch.Tensor], input: torch.Tensor) -> bool | None:
+        """A synchronous ``all_gather_v`` on the caller's thread (``_lean``: plain dense
+        tensors, the lane idle); None, with nothing run, for arguments the general
+        path checks (and raises for)."""
+        lane = self._lane
+        assert lane is not None  # _lean runs this only with a lane
+        if (
+            len(outputs) != self._size
+            or not input.is_cpu
+            or outputs[self._rank].numel() != input.numel()
+            or any(
+                t.dtype != input.dtype or not t.is_cpu or t.is_conj() or t.is_neg() for t in outputs
+            )
+            or not self._shm_takes(input, "all_gather")
+        ):
+            return None
+        self._shm_gather_v(lane.shm, outputs, input)
+        return True
+
+    def _shm_gather_v(
+        self, shm: ShmAllReduce, outputs: list[torch.Tensor], input: torch.Tensor
+    ) -> None:
+        """``all_gather_v`` on the shared-memory back end: the counts (and parts that fit
+        a slot) in one barrier, larger parts padded to the true longest after it."""
+        counts = [t.numel() for t in outputs]
+        # Parts that fit their slots go straight into the (contiguous) outputs.
+        done = shm.small.gather_v(input.reshape(-1), 0, into=outputs)
+        if done is not None and done.moved:
+            self._check_counts(counts, done.lengths)  # raised once the ranks are in step
+            return
+        if done is not None and done.lengths.count(input.numel()) == self._size:
+            # Equal parts (the common call): gathered as they are, no padding.
+            stacked = empty_output((self._size, input.numel()), input.dtype)
+            shm.all_gather(input.reshape(-1), out=stacked, flat=True)
+            self._check_counts(counts, done.lengths)
+            for out, part in zip(outputs, stacked.unbind(0)):
+                out.view(-1).copy_(part)
+            return
+        # Every rank pads to the same longest part: the true one where it is known.
+        longest = max(counts if done is None else done.lengths)
+        padded, stacked = self._padded_parts(input, longest)
+        shm.all_gather(padded, out=stacked, flat=True)
+        self._unpad_into(outputs, input.dtype, stacked, longest)
+
+    def _padded_parts(self, input: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's input padded to ``longest`` (its count in front), and the bytes
+        every rank's such part is gathered into."""
+        padded = pad_with_length(input.reshape(-1), longest)
+        return padded, torch.empty(self._size, padded.numel(), dtype=torch.uint8)
+
+    def _unpad_into(
+        self,
+        outputs: list[torch.Tensor],
+        dtype: torch.dtype,
+        stacked: torch.Tensor,
+        longest: int,
+    ) -> None:
+        parts, lengths = unpad_with_lengths(stacked, longest, torch.Size(), dtype)
+        self._check_counts([t.numel() for t in outputs], lengths)
+        for out, part, n in zip(outputs, parts, lengths):
+            out.view(-1).copy_(part[:n])
+
+    @staticmethod
+    def _check_counts(counts: list[int], lengths: list[int]) -> None:
+        check_lengths(f"output_list holds {counts} elements by rank", counts, lengths)
 
     def _alltoall_base(
         self,
