@@ -224,6 +224,9 @@ def _comm_lean(rank: int, world: int) -> bool:
         assert shm.generation == before + 1
         assert root.tolist() == [i + world - 1 for i in range(5)]
         assert part.tolist() == [world * (2.0 * rank + i) for i in range(2)]
+        before = shm.generation
+        work = comm.barrier()  # on the caller's thread, one arrival
+        assert work.status is WorkStatus.COMPLETED and shm.generation == before + 1
         # all_gather_v: parts of other lengths, one barrier, straight into the outputs.
         outs = [torch.full((r + 1,), -1.0) for r in range(world)]
         before = shm.generation
