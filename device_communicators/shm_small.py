@@ -258,10 +258,10 @@ class SmallCalls:
         Else every rank's length and, when every part fit its slot, the result (None
         on a gather's other ranks); when one did not, ``moved`` is False and the
         caller moves the parts another way, the lengths known on every rank.
-        ``into`` (an all-gather of a 1-D ``tensor`` only): contiguous CPU tensors of its dtype, one per
-        rank, that receive the parts that fit their slots instead (one ``memmove``
-        each, no torch op; the result is None), copied only when each has as many
-        elements as its part: the caller checks them against the lengths.
+        ``into`` (an all-gather of a 1-D ``tensor`` only): contiguous CPU tensors of
+        its dtype, one per rank, that receive the parts that fit their slots instead
+        (one ``memmove`` each, no torch op; the result is None), copied only when each
+        has as many elements as its part: the caller checks them against the lengths.
         """
         assert into is None or (tensor.dim() == 1 and dst == -1)
         if type(tensor) is not torch.Tensor or type(dim) is not int or type(dst) is not int:
