@@ -33,7 +33,7 @@ from . import c10d_calls, checks
 from .all2all import create_all2all_manager
 from .all2all_base import All2AllManagerBase, Cache, register_communicator
 from .all_reduce_backends import AllReduceBackend, AllReduceChain, TorchDistributedAllReduce
-from .errors import GroupcoordTypeError, GroupcoordValueError, NotSupportedError
+from .errors import DesyncError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .padded_parts import check_lengths
 from .shm_reduce import OneTorchThread
 from .shm_small import SmallCalls, VaryingParts
@@ -195,14 +195,15 @@ class DeviceCommunicatorBase:
 
         ``sizes[i]`` is rank i's length along ``dim``; when None the lengths are
         discovered: on the shared-memory path in each tensor's own barrier
-        (``SmallCalls.gather_v``, which also moves parts that fit a slot, and checks
-        given ``sizes`` against the parts), else with one small all-gather (on Gloo
-        even when ``sizes`` are given). Given ``sizes`` are checked: their form and
-        this rank's own entry before anything is sent (bad input), the other ranks'
-        entries against the parts' true lengths on CPU once every tensor has moved,
-        raising ``GroupcoordValueError`` on the ranks whose entries are wrong, the
-        group staying usable; on NCCL those are trusted. The result is exact (no
-        padding). A list of tensors gathers each and returns a list.
+        (``SmallCalls.gather_v``, which also moves parts that fit a slot), else with
+        one small all-gather (on Gloo even when ``sizes`` are given). Given ``sizes``
+        are checked: their form and this rank's own entry before anything is sent
+        (bad input); on CPU they travel with the lengths (a checksum in the
+        shared-memory stamp, in the small all-gather's fingerprint on Gloo), so ranks
+        whose ``sizes`` differ all raise ``DesyncError`` before anything moves, the
+        group staying usable, and once every tensor has moved they are compared with
+        the parts' true lengths too; on NCCL they are trusted. The result is exact
+        (no padding). A list of tensors gathers each and returns a list.
         """
         small = self.small_calls
         if small is not None and type(input_) is torch.Tensor:
@@ -216,7 +217,7 @@ class DeviceCommunicatorBase:
                 and sizes[self.rank_in_group] == input_.shape[dim]
             ):
                 self._check_own_size(input_, checks.dim(input_, dim), dim, sizes)
-            done = small.gather_v(input_, dim)
+            done = small.gather_v(input_, dim, sizes=sizes)
             if done is not None:
                 joined = self._gathered(input_, dim, done)
                 self._check_gatherv(dim, sizes, done.lengths)
@@ -254,7 +255,7 @@ class DeviceCommunicatorBase:
         self, small: SmallCalls | None, tensor: torch.Tensor, dim: int, sizes: list[int] | None
     ) -> tuple[torch.Tensor, list[int]]:
         """One tensor's all_gatherv and the lengths its parts had (unchecked)."""
-        done = None if small is None else small.gather_v(tensor, dim)
+        done = None if small is None else small.gather_v(tensor, dim, sizes=sizes)
         if done is not None:
             return self._gathered(tensor, dim, done), done.lengths
         if sizes is not None and not tensor.is_cpu:
@@ -264,7 +265,7 @@ class DeviceCommunicatorBase:
         # Gloo moves the parts padded to the longest: ranks whose sizes named another
         # longest posted buffers of other sizes, and Gloo's transport aborted the
         # process. The true lengths come first (one small all-gather).
-        (lengths,) = self._discover_sizes([tensor], [dim])
+        (lengths,) = self._discover_sizes([tensor], [dim], sizes)
         return self._move_parts(tensor, dim, lengths), lengths
 
     def _gathered(self, tensor: torch.Tensor, dim: int, done: VaryingParts) -> torch.Tensor:
@@ -275,9 +276,9 @@ class DeviceCommunicatorBase:
         return out
 
     def _check_gatherv(self, dim: int, sizes: Any, lengths: list[int]) -> None:
-        """Raise when the caller's ``sizes`` are not the parts' true ``lengths``: the
-        other ranks' entries were not checkable before the call, so this raises once
-        the ranks are in step, on the ranks whose entries are wrong."""
+        """Raise when the caller's ``sizes`` are not the parts' true ``lengths``. Ranks
+        whose ``sizes`` differ raised in the call already (they travel with it as a
+        checksum), so this catches only sizes whose checksums collided."""
         if sizes is not None and list(sizes) != lengths:
             check_lengths(f"sizes={list(sizes)}", sizes, lengths, f" along dim {dim}")
 
@@ -548,29 +549,38 @@ class DeviceCommunicatorBase:
         """Each torch call's own deadline: this group's."""
         return datetime.timedelta(seconds=self.timeout_s)
 
-    def _discover_sizes(self, tensors: list[torch.Tensor], dims: list[int]) -> list[list[int]]:
+    def _discover_sizes(
+        self, tensors: list[torch.Tensor], dims: list[int], sizes: list[int] | None = None
+    ) -> list[list[int]]:
         """Each tensor's length along its dim on every rank, in one small all-gather.
 
-        A fingerprint of the dtype and of the other dims travels along, so ranks
-        whose tensors cannot be concatenated all raise the same clear error.
+        A fingerprint of the dtype, of the other dims and of the ``sizes`` the caller
+        gave (if any) travels along, so ranks whose tensors cannot be concatenated,
+        or whose ``sizes`` differ, all raise the same clear error.
         """
         rows = []
         for t, d in zip(tensors, dims):
             others = [s for i, s in enumerate(t.shape) if i != d]
             # crc32, not hash(): str hashes differ between processes (PYTHONHASHSEED).
-            fingerprint = zlib.crc32(f"{t.dtype}|{t.dim()}|{others}".encode())
+            fingerprint = zlib.crc32(f"{t.dtype}|{t.dim()}|{others}|{sizes}".encode())
             rows.append([t.shape[d], fingerprint])
         mine = torch.tensor(rows, dtype=torch.int64)
         table = self._all_gather_control(mine).tolist()  # [rank][tensor][length, fingerprint]
         out = []
         for i, t in enumerate(tensors):
-            prints = {table[r][i][1] for r in range(self.world_size)}
-            if len(prints) != 1:
-                raise GroupcoordValueError(
-                    f"input_ ranks disagree on dtype or on the dims other than {dims[i]} "
-                    f"(this rank: {t.dtype}, shape {tuple(t.shape)}); cannot concatenate"
+            lengths = [table[r][i][0] for r in range(self.world_size)]
+            mine = table[self.rank_in_group][i][1]
+            others = [r for r in range(self.world_size) if table[r][i][1] != mine]
+            if others:
+                given = "" if sizes is None else f", sizes={list(sizes)}"
+                raise DesyncError(
+                    f"input_: ranks {[self.ranks[r] for r in others]} disagree with rank "
+                    f"{self.ranks[self.rank_in_group]} on the dtype, the dims other than "
+                    f"{dims[i]} or the sizes given (this rank: {t.dtype}, shape "
+                    f"{tuple(t.shape)}{given}; the parts' lengths along dim {dims[i]}: "
+                    f"{lengths}); cannot concatenate"
                 )
-            out.append([table[r][i][0] for r in range(self.world_size)])
+            out.append(lengths)
         return out
 
     def _gather_padded(

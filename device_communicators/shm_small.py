@@ -39,7 +39,14 @@ from torch.distributed import ReduceOp
 from shm_broadcast.host_memory import empty_output
 
 from .errors import ClosedError, DesyncError, GroupcoordTimeoutError, PeerDiedError
-from .shm_phases import LAYOUT_MASK, PhaseLines, call_code, layout_code, varying_gather_code
+from .shm_phases import (
+    LAYOUT_MASK,
+    PhaseLines,
+    call_code,
+    layout_code,
+    sizes_checksum,
+    varying_gather_code,
+)
 from .shm_reduce import (
     CLONE_MAX_BYTES,
     ONE_SHOT_MAX_BYTES,
@@ -246,6 +253,7 @@ class SmallCalls:
         dim: int,
         dst: int = -1,
         into: list[torch.Tensor] | None = None,
+        sizes: list[int] | None = None,
     ) -> VaryingParts | None:
         """Every rank's ``tensor`` joined along ``dim`` on in-group rank ``dst`` (-1:
         on every rank), where the lengths along ``dim`` may differ by rank
@@ -262,8 +270,13 @@ class SmallCalls:
         its dtype, one per rank, that receive the parts that fit their slots instead
         (one ``memmove`` each, no torch op; the result is None), copied only when each
         has as many elements as its part: the caller checks them against the lengths.
+        ``sizes`` (an all-gather's): the lengths the caller expects, this rank's own
+        entry already checked; stamped as a checksum, so ranks whose ``sizes`` differ
+        all raise ``DesyncError`` before anything moves, not only the ranks whose
+        entries the parts' true lengths contradict.
         """
         assert into is None or (tensor.dim() == 1 and dst == -1)
+        assert sizes is None or dst == -1
         if type(tensor) is not torch.Tensor or type(dim) is not int or type(dst) is not int:
             return None
         with self.owner.call_lock:
@@ -280,17 +293,27 @@ class SmallCalls:
                 return None
             if not _as_is(tensor):
                 return None  # the general path says why not, or detaches it
-            return self._run_gather_v(plan, tensor, into)
+            return self._run_gather_v(plan, tensor, into, sizes)
 
     def _run_gather_v(
-        self, plan: _Plan, tensor: torch.Tensor, into: list[torch.Tensor] | None
+        self,
+        plan: _Plan,
+        tensor: torch.Tensor,
+        into: list[torch.Tensor] | None,
+        sizes: list[int] | None,
     ) -> VaryingParts:
         slots, owner = self.slots, self.owner
         assert slots is not None and owner._lines is not None
         limit = min(LEAN_MAX_BYTES, slots.max_bytes)
         size = tensor.element_size()
         try:
-            s = self._exchange(plan, tensor, plan.operation, copy_in=plan.nbytes <= limit)
+            s = self._exchange(
+                plan,
+                tensor,
+                plan.operation,
+                copy_in=plan.nbytes <= limit,
+                expected=0 if sizes is None else sizes_checksum(sizes),
+            )
         except DesyncError as exc:
             raise DesyncError(
                 f"{exc}; this rank's part: shape {tuple(tensor.shape)} joined along dim "
@@ -418,10 +441,16 @@ class SmallCalls:
     # ---- one call ---------------------------------------------------------------------
 
     def _exchange(
-        self, plan: _Plan, tensor: torch.Tensor, operation: str, copy_in: bool = True
+        self,
+        plan: _Plan,
+        tensor: torch.Tensor,
+        operation: str,
+        copy_in: bool = True,
+        expected: int = 0,
     ) -> int:
-        """Stamp, copy in (unless a broadcast's receiver), publish, wait for every
-        rank: the set now readable."""
+        """Stamp (the plan's code, with ``expected`` in its root field), copy in
+        (unless a broadcast's receiver), publish, wait for every rank: the set now
+        readable."""
         owner = self.owner
         if owner._failure is not None:
             raise ClosedError(
@@ -430,7 +459,7 @@ class SmallCalls:
         lines = owner._lines
         assert lines is not None  # slots attached means mapped
         lines.operation = operation
-        lines.stamp(plan.code, plan.count)
+        lines.stamp(plan.code | expected, plan.count)
         gen = owner.generation + 1
         owner.generation = lines.generation = gen
         s = gen & 1

@@ -13,6 +13,7 @@ import torch
 from coordinator.comm import Comm, ReduceOp, Work, WorkStatus, new_comm
 from coordinator.errors import (
     ClosedError,
+    DesyncError,
     GroupcoordTimeoutError,
     GroupcoordTypeError,
     GroupcoordValueError,
@@ -326,8 +327,6 @@ def test_dropping_a_comm_right_after_async_waits_is_safe() -> None:
 
 
 def _shared_memory_path(rank: int, world_size: int) -> str:
-    from shm_broadcast.errors import DesyncError
-
     comm = new_comm("gloo", "cpu", "shm-path", timeout=20)
     # Rank 0 issues asynchronously, the others synchronously: one path for both,
     # in issue order, or the calls would pair up with the wrong transport.
@@ -520,7 +519,7 @@ def test_all_to_all_v_with_splits_that_disagree_raises_on_every_rank(shm: bool) 
         assert "rank 1 sends 0 elements to rank 0, which expects 1 from it" in messages[2]
         # Both sides named (on shared memory the all-to-all's first step is its
         # counts' exchange, an int64 table).
-        assert "rank 0 called all_gather(float32[6])" in messages[3], messages[3]
+        assert "rank 0 called all_gather(float32[6]" in messages[3], messages[3]
         assert "rank 1 called all_to_all_v(" in messages[3], messages[3]
         assert after == [1.0] * 4
 
@@ -543,28 +542,28 @@ def _gather_v_counts_disagree(rank: int, world: int, shm: bool) -> list[str]:
         # unchanged, so padded parts still matched and they dropped its last element.
         # Then more than the longest part: on Gloo each rank padded to its own
         # longest entry, and Gloo aborted the process on the size it did not expect.
+        # Then only rank 0 raised, and rank 0 returned: now the output_lists travel
+        # with the call, and every rank raises before anything moves.
         for wrong in (-1, world + 2):
             outs = [torch.empty(base + r + (wrong if r == 0 and rank != 0 else 0), dtype=dtype)
                     for r in range(world)]  # fmt: skip
             try:
                 comm.all_gather_v(outs, parts[rank])
-            except GroupcoordValueError as exc:
-                assert rank != 0, exc
+            except DesyncError as exc:
                 seen.append(str(exc))
             else:
-                assert rank == 0, "an output_list that disagrees with the inputs was accepted"
-                assert all(torch.equal(o, p) for o, p in zip(outs, parts))
+                raise AssertionError("output_lists that disagree were accepted")
     # Equal parts past a slot (gathered as they are, no padding on shared memory).
     parts = [torch.full((70_000,), float(r)) for r in range(world)]
     for wrong in (0, -1):
         outs = [torch.empty(70_000 + (wrong if r == 0 and rank != 0 else 0)) for r in range(world)]
         try:
             comm.all_gather_v(outs, parts[rank])
-        except GroupcoordValueError as exc:
-            assert rank != 0 and wrong, exc
+        except DesyncError as exc:
+            assert wrong, exc
             seen.append(str(exc))
         else:
-            assert rank == 0 or not wrong, "an output_list that disagrees was accepted"
+            assert not wrong, "output_lists that disagree were accepted"
             assert all(torch.equal(o, p) for o, p in zip(outs, parts))
     t = torch.full((4,), 1.0)
     comm.all_reduce(t, ReduceOp.SUM)  # still in step, still usable
@@ -575,21 +574,26 @@ def _gather_v_counts_disagree(rank: int, world: int, shm: bool) -> list[str]:
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_all_gather_v_whose_output_list_disagrees_with_the_inputs_raises(
+def test_all_gather_v_whose_output_lists_disagree_raises_on_every_rank(
     world: int, shm: bool
 ) -> None:
-    """On shared memory the first barrier tells every rank the true counts; on Gloo
-    each padded part carries its count: either way a wrong entry raises."""
+    """The counts each rank's output_list expects travel with the call (a checksum in
+    the shared-memory stamp, the counts themselves in Gloo's agreement): ranks whose
+    output_lists differ all raise ``DesyncError`` naming them, and stay in step."""
     results = run_ranks(_gather_v_counts_disagree, world, shm, timeout=90)
-    assert results[0] == []
-    for messages in results[1:]:
-        want = [
-            [base + wrong] + [base + r for r in range(1, world)]
-            for base in (2, 70_000, 3, 5)
-            for wrong in (-1, world + 2)
-        ] + [[70_000 - 1] + [70_000] * (world - 1)]
-        for message, counts in zip(messages, want, strict=True):
-            assert f"output_list holds {counts} elements by rank" in message, message
+    want = [
+        [base + wrong] + [base + r for r in range(1, world)]
+        for base in (2, 70_000, 3, 5)
+        for wrong in (-1, world + 2)
+    ] + [[70_000 - 1] + [70_000] * (world - 1)]
+    for rank, messages in enumerate(results):
+        assert len(messages) == len(want), messages
+        for message, counts in zip(messages, want):
+            if shm:  # both sides' calls, each with its expected counts' checksum
+                assert "sizes #" in message and "out of step" in message, message
+                assert f"rank {rank} called all_gather(" in message, message
+            else:
+                assert f"rank 1's output_list holds {counts} elements by rank" in message
 
 
 def _overlapping(rank: int, world: int, shm: bool) -> list[str]:

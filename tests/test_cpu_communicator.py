@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coordinator.launch import init_gloo, run_ranks
-from device_communicators.errors import GroupcoordTypeError, GroupcoordValueError
+from device_communicators.errors import DesyncError, GroupcoordTypeError, GroupcoordValueError
 
 
 def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -211,8 +211,6 @@ def test_every_collective_matches_the_local_reference(world: int, path: str) -> 
 
 def _bad_then_good(rank: int, world: int) -> list[str]:
     from torch.distributed import ReduceOp
-
-    from device_communicators.errors import GroupcoordTypeError, GroupcoordValueError
 
     comm = make_comm(rank, world)
     x = torch.ones(4, 2 * world)
@@ -593,8 +591,6 @@ def test_a_dropped_communicator_is_freed_without_the_garbage_collector() -> None
 
 
 def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
-    from device_communicators.errors import DesyncError
-
     comm = make_comm(rank, world, "gv")
     shm = comm.shm_all_reduce
     dst = world - 1
@@ -632,19 +628,19 @@ def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
         # Ranks but 0 say rank 0's part is one row shorter than it is: an entry no
         # rank could check before, and the longest part unchanged, so the padded
         # parts still matched and those ranks cut rank 0's part short, silently.
-        # Past a slot too (the parts then move after the check, every rank in step).
+        # Past a slot too. The sizes travel with the call (a checksum in the stamp):
+        # every rank raises, naming both calls, before anything moves.
         for rows in (2, 30_000):
             sizes = [rows + r for r in range(world)]
             if rank:
                 sizes[0] -= 1
             parts = [data(r, (rows + r, 3)) for r in range(world)]
             try:
-                got = comm.all_gatherv(parts[rank], 0, sizes)
-            except GroupcoordValueError as exc:
-                assert rank and f"sizes={sizes} but the ranks' parts have" in str(exc), exc
+                comm.all_gatherv(parts[rank], 0, sizes)
+            except DesyncError as exc:
+                assert "sizes #" in str(exc) and "all_gather(float32" in str(exc), exc
             else:
-                assert rank == 0, "a wrong size for another rank was accepted"
-                assert torch.equal(got, torch.cat(parts))
+                raise AssertionError("sizes that differ by rank were accepted")
         # A non-contiguous part, and bool.
         parts = [data(r, (5, 2 + r)).t() for r in range(world)]
         got = comm.gather(parts[rank], dst=0, dim=0)
@@ -711,18 +707,17 @@ def _all_gatherv_sizes_on_gloo(rank: int, world: int) -> list[str]:
             assert torch.equal(comm.all_gatherv(parts[rank], dim), torch.cat(parts, dim))
             # Then they say rank 0's part is the longest: the longest changes, and the
             # ranks' padded parts had other sizes, which Gloo aborted the process on.
+            # The sizes travel with the lengths: every rank raises before the parts move.
             for wrong in (-1, world):
                 said = [rows + r for r in range(world)]
                 if rank:
                     said[0] += wrong
                 try:
-                    got = comm.all_gatherv(parts[rank], dim, said)
-                except GroupcoordValueError as exc:
-                    assert rank, exc
+                    comm.all_gatherv(parts[rank], dim, said)
+                except DesyncError as exc:
                     seen.append(str(exc))
                 else:
-                    assert rank == 0, "a wrong size for another rank was accepted"
-                    assert torch.equal(got, torch.cat(parts, dim))
+                    raise AssertionError("sizes that differ by rank were accepted")
         assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
         return seen
     finally:
@@ -731,21 +726,22 @@ def _all_gatherv_sizes_on_gloo(rank: int, world: int) -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gatherv_on_gloo_checks_given_sizes_against_the_parts(world: int) -> None:
-    """Without shared memory, a wrong ``sizes`` entry for another rank raises on the
-    ranks that passed it (the true lengths are exchanged first); the others get the
-    right result and the group stays usable."""
+    """Without shared memory, ``sizes`` that differ by rank travel with the true
+    lengths (exchanged first): every rank raises ``DesyncError`` naming the ranks
+    that differ, this rank's sizes and the true lengths, and the group stays usable."""
     results = run_ranks(_all_gatherv_sizes_on_gloo, world, timeout=120)
-    assert results[0] == []
-    for messages in results[1:]:
+    for rank, messages in enumerate(results):
         assert len(messages) == 8, messages
         cases = [(rows, dim, wrong) for rows, dim in ((2, 0), (30_000, 0), (3, 1), (2, 1))
                  for wrong in (-1, world)]  # fmt: skip
         for message, (rows, dim, wrong) in zip(messages, cases):
             true = [rows + r for r in range(world)]
             said = list(true)
-            said[0] += wrong
-            want = f"sizes={said} but the ranks' parts have {true} along dim {dim}"
-            assert want in message, message
+            if rank:
+                said[0] += wrong
+            others = [0] if rank else list(range(1, world))
+            assert f"ranks {others} disagree with rank {rank}" in message, message
+            assert f"sizes={said}; the parts' lengths along dim {dim % 2}: {true}" in message
 
 
 def _anothers_entry_wrong(rank: int, world: int, shm: bool) -> list[str]:
@@ -758,15 +754,12 @@ def _anothers_entry_wrong(rank: int, world: int, shm: bool) -> list[str]:
             if rank == 1:
                 said[0] += 1  # rank 0's entry, wrong on rank 1 alone
             try:
-                got = comm.all_gatherv([parts[rank], parts[rank] + 1], 0, said)
-            except GroupcoordValueError as exc:
-                assert rank == 1, exc
+                comm.all_gatherv([parts[rank], parts[rank] + 1], 0, said)
+            except DesyncError as exc:
                 seen.append(str(exc))
             else:
-                assert rank != 1, "a wrong entry for another rank was accepted"
-                assert torch.equal(got[0], torch.cat(parts))
-                assert torch.equal(got[1], torch.cat(parts) + 1)
-            # Every rank moved both tensors: the group is in step.
+                raise AssertionError("sizes that differ by rank were accepted")
+            # Every rank stopped at the same tensor: the group is in step.
             assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
         return seen
     finally:
@@ -775,13 +768,14 @@ def _anothers_entry_wrong(rank: int, world: int, shm: bool) -> list[str]:
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_all_gatherv_of_a_list_checks_the_sizes_once_every_tensor_moved(
+def test_all_gatherv_of_a_list_whose_sizes_differ_raises_on_every_rank_in_step(
     world: int, shm: bool
 ) -> None:
     # The rank with the wrong entry raised after the list's first tensor, and its
-    # peers went on to gather the second: their next call met its next one.
+    # peers went on to gather the second: their next call met its next one. Then
+    # only that rank raised. Now the sizes travel with the first tensor's call.
     seen = run_ranks(_anothers_entry_wrong, world, shm, timeout=120)
-    assert all(not s for r, s in enumerate(seen) if r != 1), seen
-    assert len(seen[1]) == 2, seen[1]
-    for message in seen[1]:
-        assert "but the ranks' parts have" in message and "along dim 0" in message, message
+    for messages in seen:
+        assert len(messages) == 2, messages
+        for message in messages:
+            assert ("sizes #" if shm else "the sizes given") in message, message

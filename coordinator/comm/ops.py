@@ -17,9 +17,7 @@ from device_communicators.shm_all_reduce import ShmAllReduce
 from device_communicators.shm_phases import check_all_to_all_counts
 from shm_broadcast.host_memory import empty_output
 
-from ..errors import (
-    GroupcoordValueError,
-)
+from ..errors import DesyncError, GroupcoordValueError
 from .reductions import Reductions
 from .work import Work
 
@@ -166,17 +164,26 @@ class CommOps(Reductions):
             outputs[self._rank], input.numel(), f"output_list[{self._rank}]", "this rank's input"
         )
         # Gloo's allgather needs equal sizes: the ranks first learn every rank's
-        # true count, then every part travels padded to the longest with that count
-        # in front (padded_parts), so a rank whose output_list disagrees with the
-        # inputs raises once the ranks are in step instead of cutting (or padding)
-        # that part. The shared-memory path learns the counts in its first barrier
-        # (SmallCalls.gather_v), and parts that fit a slot move in it.
+        # true count and the counts its output_list expects, so ranks whose
+        # output_lists differ all raise before anything moves; then every part
+        # travels padded to the longest with its count in front (padded_parts). The
+        # shared-memory path learns the counts in its first barrier, whose stamps
+        # carry the expected counts (SmallCalls.gather_v), and parts that fit a slot
+        # move in it.
         staged: list[Any] = []  # (every rank's padded part, longest), made when launched
+        counts = [t.numel() for t in outputs]
 
         def launch(td: datetime.timedelta) -> list[Any]:
             call = ("all_gather", input.dtype, None, 0, input.numel())
-            lengths = self._agree(call, td, [input.numel()])
-            longest = max(n for (n,) in lengths)
+            rows = self._agree(call, td, [input.numel(), *counts])
+            lengths = [row[0] for row in rows]
+            for r, row in enumerate(rows):  # every rank saw the same table: all raise
+                if row[1:] != lengths:
+                    raise DesyncError(
+                        f"communicator {self._name!r}: all_gather_v: rank {r}'s output_list "
+                        f"holds {row[1:]} elements by rank, the ranks' parts have {lengths}"
+                    )
+            longest = max(lengths)
             padded, stacked = self._padded_parts(input, longest)
             staged[:] = [stacked, longest]
             return [c10d_calls.all_gather(self._pg, list(stacked.unbind(0)), padded, td)]
@@ -222,9 +229,9 @@ class CommOps(Reductions):
         a slot) in one barrier, larger parts padded to the true longest after it."""
         counts = [t.numel() for t in outputs]
         # Parts that fit their slots go straight into the (contiguous) outputs.
-        done = shm.small.gather_v(input.reshape(-1), 0, into=outputs)
+        done = shm.small.gather_v(input.reshape(-1), 0, into=outputs, sizes=counts)
         if done is not None and done.moved:
-            self._check_counts(counts, done.lengths)  # raised once the ranks are in step
+            self._check_counts(counts, done.lengths)  # (the stamps compared them by checksum)
             return
         if done is not None and done.lengths.count(input.numel()) == self._size:
             # Equal parts (the common call): gathered as they are, no padding.
