@@ -99,13 +99,7 @@ class GroupCoordinator(GroupMessaging):
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's equally shaped ``input_`` concatenated along ``dim``."""
         if self.world_size > 1 and not torch.compiler.is_compiling():
-            small = self._lean()
-            if small is not None:
-                out = small.all_gather(input_, dim)
-                if out is not None:
-                    self._collective_seq += 1
-                    return out
-            return self._all_gather_eager(input_, dim)  # the communicator checks the arguments
+            return self._all_gather_now(input_, dim)
         dim = checks.dim(checks.traced_tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
@@ -132,6 +126,9 @@ class GroupCoordinator(GroupMessaging):
             if isinstance(input_, list):
                 return [self._traced_all_gatherv(t, dim, sizes) for t in input_]
             return self._traced_all_gatherv(input_, dim, sizes)
+        small = self._lean()
+        if small is not None and small.equal_parts(input_, dim, sizes):
+            return self._all_gather_now(input_, dim)  # equal parts: an all-gather (see there)
         return self._all_gatherv_eager(input_, dim, sizes)
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -187,6 +184,17 @@ class GroupCoordinator(GroupMessaging):
             self._collective_seq += 1
             return input_
         return self._broadcast_eager(input_, src)
+
+    def _all_gather_now(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
+        """An eager all-gather: the lean path when it takes the call, else the
+        communicator (which checks the arguments)."""
+        small = self._lean()
+        if small is not None:
+            out = small.all_gather(input_, dim)
+            if out is not None:
+                self._collective_seq += 1
+                return out
+        return self._all_gather_eager(input_, dim)
 
     def _lean(self) -> SmallCalls | None:
         """The communicator's lean path for small calls, unless ``debug_desync`` wants

@@ -206,6 +206,9 @@ class DeviceCommunicatorBase:
         (no padding). A list of tensors gathers each and returns a list.
         """
         small = self.small_calls
+        if small is not None and small.equal_parts(input_, dim, sizes):
+            joined = small.all_gather(input_, dim)
+            return joined if joined is not None else self.all_gather(input_, dim)
         if small is not None and type(input_) is torch.Tensor:
             # The lean way: gather_v takes a tensor it can move as it is (else None, and
             # the checks below say what is wrong). The common ``sizes`` pass a look at

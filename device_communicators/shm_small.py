@@ -31,7 +31,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeGuard
 
 import torch
 from torch.distributed import ReduceOp
@@ -204,6 +204,26 @@ class SmallCalls:
         self.slots = slots
         for plans in self._plans:
             plans.clear()
+
+    def equal_parts(self, tensor: Any, dim: Any, sizes: Any) -> TypeGuard[torch.Tensor]:
+        """Whether an ``all_gatherv(tensor, dim, sizes)`` is an all-gather this path
+        carries: ``sizes`` given, every entry this rank's length along ``dim``, the
+        path up. It then runs as one, checked as one (the stamp holds the count and
+        the shape), at about half the varying call's cost (4 KiB at world 2: 31 ->
+        21 us). The answer rests on what every rank's call shares (the sizes, the
+        path being up), never on what may differ by rank (a tensor the lean path
+        declines takes the general all-gather, stamped alike), so the ranks of a
+        valid call always meet; ranks whose sizes differ raise ``DesyncError``."""
+        return (
+            type(sizes) is list
+            and self.slots is not None
+            and len(sizes) == self.slots.world_size
+            and type(tensor) is torch.Tensor
+            and type(dim) is int
+            and -tensor.dim() <= dim < tensor.dim()
+            and sizes.count(tensor.shape[dim]) == len(sizes)
+            and not tensor.is_quantized
+        )
 
     # ---- the calls -------------------------------------------------------------------
     # ``out``: write the result there instead of a new tensor; it must have the

@@ -779,3 +779,62 @@ def test_all_gatherv_of_a_list_whose_sizes_differ_raises_on_every_rank_in_step(
         assert len(messages) == 2, messages
         for message in messages:
             assert ("sizes #" if shm else "the sizes given") in message, message
+
+
+def _equal_parts(rank: int, world: int) -> list[str]:
+    from coordinator.group_coordinator import GroupCoordinator
+
+    comm = make_comm(rank, world, "gve")
+    group = GroupCoordinator(
+        [list(range(world))],
+        rank,
+        "gloo",
+        True,
+        use_message_queue_broadcaster=False,
+        group_name="gve-g",
+    )
+    shm = comm.shm_all_reduce
+    seen = []
+    try:
+        # Equal sizes: an all-gather. A part the lean path takes (two rows) and one
+        # past it, along dims 0 and 1; then with rank 0's tensor requiring grad,
+        # which the lean path declines on that rank alone: the ranks still meet.
+        for rows in (2, 30_000):
+            for dim, shape_of in ((0, lambda n: (n, 3)), (1, lambda n: (3, n))):
+                parts = [data(r, shape_of(rows)) for r in range(world)]
+                want = torch.cat(parts, dim)
+                before = shm.generation
+                assert torch.equal(comm.all_gatherv(parts[rank], dim, [rows] * world), want)
+                if rows == 2:
+                    assert shm.generation - before == 1  # one barrier, no length exchange
+                mine = parts[rank].clone().requires_grad_(rank == 0)
+                assert torch.equal(comm.all_gatherv(mine, dim, [rows] * world), want)
+                got = group.all_gatherv(mine, dim, [rows] * world)
+                assert torch.equal(got, want)
+        # The last rank brings a row more and says so; the others say every part has
+        # two rows (an all-gather on their side, a varying one on its): every rank
+        # raises, naming both calls, and the group goes on.
+        rows = [2] * world
+        rows[-1] = 3
+        mine = data(rank, (rows[rank], 3))
+        for run in (comm.all_gatherv, group.all_gatherv):
+            try:
+                run(mine, 0, rows if rank == world - 1 else [2] * world)
+            except DesyncError as exc:
+                seen.append(str(exc))
+            else:
+                raise AssertionError("sizes that differ by rank were accepted")
+        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        return seen
+    finally:
+        group.destroy()
+        comm.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gatherv_of_equal_parts_runs_as_an_all_gather(world: int) -> None:
+    for messages in run_ranks(_equal_parts, world, timeout=120):
+        assert len(messages) == 2, messages
+        for message in messages:
+            assert "all_gather(float32[6], shape #" in message, message
+            assert "parts laid out" in message, message  # the other side's varying call
