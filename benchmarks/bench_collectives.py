@@ -1,6 +1,7 @@
 """GroupCoordinator collectives vs plain torch.distributed over Gloo, same ranks, same run.
 
-Ops: all_reduce, all_gather, reduce_scatter, broadcast (one tensor from rank
+Ops: all_reduce, all_gather, reduce_scatter, reduce_scatterv (uneven cuts;
+torch's side an all-reduce, then this rank's rows), broadcast (one tensor from rank
 0, in place), broadcast_tensor_dict (8 tensors plus plain values), broadcast_object
 (a dict holding ``size`` bytes; Gloo's side ``broadcast_object_list``, which pickles;
 ours goes through the group's message queue unless ``--no-mq``), send/recv_tensor_dict and send_recv (one tensor: ``send``
@@ -73,6 +74,7 @@ OPS = [
     "all_gather",
     "all_gatherv",
     "reduce_scatter",
+    "reduce_scatterv",
     "broadcast",
     "broadcast_tensor_dict",
     "broadcast_object",
@@ -227,6 +229,29 @@ def _pair(
             (lambda: group.reduce_scatter(x, dim=0)),
             (lambda: dist.reduce_scatter_single(out, x, group=plain)),
             (lambda: comm.reduce_scatter_single(out, x)),
+        )
+    if op == "reduce_scatterv":
+        # Uneven cuts (rank 0 keeps half a share less, the last rank half a share
+        # more; equal ones make a plain reduce_scatter). The torch side is what an
+        # engine writes without groupcoord: an all-reduce, then its own rows.
+        share = x.numel() // world
+        sizes = [share] * world
+        sizes[0] -= share // 2
+        sizes[-1] += share // 2
+        start = sum(sizes[:rank])
+        buf = x.clone()
+        out = torch.empty(sizes[rank])
+        inputs = list(x.split(sizes))
+        return (
+            (lambda: group.reduce_scatterv(x, 0, sizes)),
+            (
+                lambda: (
+                    buf.copy_(x),
+                    dist.all_reduce(buf, group=plain),
+                    buf.narrow(0, start, sizes[rank]).clone(),
+                )
+            ),
+            (lambda: comm.reduce_scatter_v(out, inputs)),
         )
     if op == "broadcast":
         buf = x.clone()

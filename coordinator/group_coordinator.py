@@ -157,8 +157,8 @@ class GroupCoordinator(GroupMessaging):
             return torch.ops.groupcoord.reduce_scatterv(
                 input_, dim, list(sizes), self.rank_in_group, self.unique_name
             )
-        if torch.compiler.is_compiling():
-            return self.reduce_scatter(input_, dim)
+        if torch.compiler.is_compiling() or checks.equal_split(sizes, input_, dim, self.world_size):
+            return self.reduce_scatter(input_, dim)  # equal parts: the plain call
         return self._reduce_scatterv_eager(input_, dim, sizes)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:

@@ -208,6 +208,23 @@ def sizes(value: Any, argument: str, size: int) -> list[int]:
     return list(value)
 
 
+def equal_split(sizes: Any, tensor: torch.Tensor, dim: Any, world: int) -> bool:
+    """Whether a ``reduce_scatterv``'s ``sizes`` cut ``tensor`` along ``dim`` into
+    ``world`` equal parts (None: the equal cut), which makes it a ``reduce_scatter``:
+    the same fingerprint (an equal cut stamps none) and its lean path."""
+    if sizes is None:
+        return True
+    return (
+        type(sizes) is list
+        and len(sizes) == world
+        and type(dim) is int
+        and -tensor.dim() <= dim < tensor.dim()
+        and type(sizes[0]) is int
+        and sizes.count(sizes[0]) == world
+        and sizes[0] * world == tensor.shape[dim]
+    )
+
+
 def split_sizes(value: Any, argument: str, size: int, total: int, of: str) -> list[int]:
     """:func:`sizes` that also add up to ``total``, the length of ``of`` being split."""
     out = sizes(value, argument, size)

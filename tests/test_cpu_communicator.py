@@ -838,3 +838,60 @@ def test_all_gatherv_of_equal_parts_runs_as_an_all_gather(world: int) -> None:
         for message in messages:
             assert "all_gather(float32[6], shape #" in message, message
             assert "parts laid out" in message, message  # the other side's varying call
+
+
+def _equal_cuts(rank: int, world: int) -> list[str]:
+    from coordinator.group_coordinator import GroupCoordinator
+
+    comm = make_comm(rank, world, "rse")
+    group = GroupCoordinator(
+        [list(range(world))],
+        rank,
+        "gloo",
+        True,
+        use_message_queue_broadcaster=False,
+        group_name="rse-g",
+    )
+    shm = comm.shm_all_reduce
+    seen = []
+    try:
+        # Equal sizes (or none): the plain reduce_scatter, lean path included, for
+        # a lean-sized input and one past it, along dims 0 and 1, and with rank 0's
+        # input requiring grad (the lean path declines it on that rank alone).
+        for rows in (2, 30_000):
+            for dim in (0, 1):
+                shape = (world * rows, 3) if dim == 0 else (3, world * rows)
+                parts = [data(r, shape) for r in range(world)]
+                want = sum(parts).narrow(dim, rank * rows, rows)  # type: ignore[union-attr]
+                for sizes in ([rows] * world, None):
+                    before = shm.generation
+                    got = comm.reduce_scatterv(parts[rank], dim, sizes)
+                    torch.testing.assert_close(got, want)
+                    if rows == 2:
+                        assert shm.generation - before == 1  # the lean path's one barrier
+                    mine = parts[rank].clone().requires_grad_(rank == 0)
+                    torch.testing.assert_close(group.reduce_scatterv(mine, dim, sizes), want)
+        # Rank 0 cuts equally, the others do not: every rank raises, naming both.
+        total = 2 * world
+        uneven = [1] * (world - 1) + [total - (world - 1)]
+        x = data(rank, (total, 3))
+        for run in (comm.reduce_scatterv, group.reduce_scatterv):
+            try:
+                run(x, 0, [2] * world if rank == 0 else uneven)
+            except DesyncError as exc:
+                seen.append(str(exc))
+            else:
+                raise AssertionError("cuts that differ by rank were accepted")
+        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        return seen
+    finally:
+        group.destroy()
+        comm.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatterv_of_equal_sizes_runs_as_a_reduce_scatter(world: int) -> None:
+    for messages in run_ranks(_equal_cuts, world, timeout=120):
+        assert len(messages) == 2, messages
+        for message in messages:
+            assert "reduce_scatter(float32[" in message and "sizes #" in message, message

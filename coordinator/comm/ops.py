@@ -15,6 +15,7 @@ from device_communicators import c10d_calls, checks
 from device_communicators.padded_parts import check_lengths, pad_with_length, unpad_with_lengths
 from device_communicators.shm_all_reduce import ShmAllReduce
 from device_communicators.shm_phases import check_all_to_all_counts
+from device_communicators.shm_reduce import OneTorchThread
 from shm_broadcast.host_memory import empty_output
 
 from ..errors import DesyncError, GroupcoordValueError
@@ -78,8 +79,10 @@ class CommOps(Reductions):
             if stacked is not None:
                 shm.all_gather(tensor, out=stacked, flat=True)
                 return
-            for output, part in zip(outputs, shm.all_gather(tensor, flat=True).unbind(0)):
-                output.copy_(part)
+            every = shm.all_gather(tensor, flat=True)
+            with OneTorchThread(every.nbytes):  # as the back end's own copies
+                for output, part in zip(outputs, every.unbind(0)):
+                    output.copy_(part)
 
         return self._run(
             op,
@@ -238,8 +241,9 @@ class CommOps(Reductions):
             stacked = empty_output((self._size, input.numel()), input.dtype)
             shm.all_gather(input.reshape(-1), out=stacked, flat=True)
             self._check_counts(counts, done.lengths)
-            for out, part in zip(outputs, stacked.unbind(0)):
-                out.view(-1).copy_(part)
+            with OneTorchThread(stacked.nbytes):  # as the back end's own copies
+                for out, part in zip(outputs, stacked.unbind(0)):
+                    out.view(-1).copy_(part)
             return
         # Every rank pads to the same longest part: the true one where it is known.
         longest = max(counts if done is None else done.lengths)
@@ -262,8 +266,9 @@ class CommOps(Reductions):
     ) -> None:
         parts, lengths = unpad_with_lengths(stacked, longest, torch.Size(), dtype)
         self._check_counts([t.numel() for t in outputs], lengths)
-        for out, part, n in zip(outputs, parts, lengths):
-            out.view(-1).copy_(part[:n])
+        with OneTorchThread(stacked.nbytes):  # as the back end's own copies
+            for out, part, n in zip(outputs, parts, lengths):
+                out.view(-1).copy_(part[:n])
 
     @staticmethod
     def _check_counts(counts: list[int], lengths: list[int]) -> None:
@@ -316,14 +321,17 @@ class CommOps(Reductions):
         outputs = self._tensors(output_tensor_list, "output_tensor_list", self._size)
         checks.same_dtype(inputs[0], inputs[1:], "input_tensor_list")
         checks.same_dtype(inputs[0], outputs, "output_tensor_list")
-        staged_in = torch.cat([t.view(-1) for t in inputs])
+        # The staging copies on one torch thread, as the back end's own.
+        with OneTorchThread(sum(t.nbytes for t in inputs)):
+            staged_in = torch.cat([t.view(-1) for t in inputs])
         staged_out = torch.empty(sum(t.numel() for t in outputs), dtype=inputs[0].dtype)
 
         def finish() -> None:
             offset = 0
-            for t in outputs:
-                t.view(-1).copy_(staged_out[offset : offset + t.numel()])
-                offset += t.numel()
+            with OneTorchThread(staged_out.nbytes):
+                for t in outputs:
+                    t.view(-1).copy_(staged_out[offset : offset + t.numel()])
+                    offset += t.numel()
 
         out_counts, in_counts = [t.numel() for t in outputs], [t.numel() for t in inputs]
 
@@ -479,8 +487,9 @@ class CommOps(Reductions):
                 return
             got = shm.gather(tensor, root, flat=True)
             if got is not None:
-                for output, part in zip(outputs, got.unbind(0)):
-                    output.copy_(part)
+                with OneTorchThread(got.nbytes):  # as the back end's own copies
+                    for output, part in zip(outputs, got.unbind(0)):
+                        output.copy_(part)
 
         return self._run(
             "gather",
