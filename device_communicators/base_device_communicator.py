@@ -323,6 +323,13 @@ class DeviceCommunicatorBase:
             raise GroupcoordValueError(
                 f"sizes sum to {sum(cut)} but input_ has {input_.shape[dim]} along dim {dim}"
             )
+        small = self.small_calls
+        if small is not None:
+            # As in reduce_scatter: a call the lean path takes goes its way on every
+            # rank (it lays the tensor out as it is, the general way moves dim first).
+            done = small.reduce_scatter_v(input_, dim, cut)
+            if done is not None:
+                return done
         return self._reduce_scatter_sizes(input_, dim, cut)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:

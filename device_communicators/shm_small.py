@@ -45,6 +45,7 @@ from .shm_phases import (
     call_code,
     layout_code,
     sizes_checksum,
+    split_code,
     varying_gather_code,
 )
 from .shm_reduce import (
@@ -144,11 +145,12 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 
 # Plans by (dtype, shape, dim) for each kind of call (all_reduce: dim 0; a broadcast
-# or reduce: its root); None: such calls take the general path. The _FLAT kinds are
+# or reduce: its root; a reduce_scatterv: (dim, *sizes)); None: such calls take the
+# general path. The _FLAT kinds are
 # the gathers and reduce-scatter of a caller whose ranks need only equal element
 # counts (a Comm's), fingerprinted without the shape.
 _SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE, _GATHER_TO = 0, 1, 2, 3, 4, 5
-_FLAT_GATHER, _FLAT_SCATTER, _FLAT_GATHER_TO, _GATHER_V = 6, 7, 8, 9
+_FLAT_GATHER, _FLAT_SCATTER, _FLAT_GATHER_TO, _GATHER_V, _SCATTER_V = 6, 7, 8, 9, 10
 _Plans = dict[tuple, "_Plan | None"]
 
 
@@ -163,6 +165,11 @@ class VaryingParts(NamedTuple):
 
 
 _UNSEEN: Any = object()
+
+
+def _never(*args: Any) -> Any:
+    """The maker and runner in the slot of a kind that keeps its own (gather_v)."""
+    raise AssertionError("gather_v does not go through _call")
 
 
 def _flat(maker: Callable[[torch.Tensor, int], _Plan | None]) -> Callable[..., _Plan | None]:
@@ -188,15 +195,17 @@ class SmallCalls:
     def __init__(self, owner: _Owner) -> None:
         self.owner = owner
         self.slots: SlotSegment | None = None
-        self._plans: tuple[_Plans, ...] = tuple({} for _ in range(10))
-        self._makers = (
+        self._plans: tuple[_Plans, ...] = tuple({} for _ in range(11))
+        self._makers: tuple[Callable[..., _Plan | None], ...] = (
             self._sum_plan, self._gather_plan, self._scatter_plan, self._copy_plan,
             self._reduce_plan, self._gather_to_plan,
             _flat(self._gather_plan), _flat(self._scatter_plan), _flat(self._gather_to_plan),
+            _never, self._scatter_v_plan,  # (gather_v keeps its own plans)
         )  # fmt: skip
         self._runs = (
             self._run_sum, self._run_gather, self._run_sum, self._run_broadcast, self._run_sum,
             self._run_gather, self._run_gather, self._run_sum, self._run_gather,
+            _never, self._run_sum,
         )  # fmt: skip
 
     def attach(self, slots: SlotSegment | None) -> None:
@@ -248,6 +257,15 @@ class SmallCalls:
     ) -> torch.Tensor | None:
         """The SUM over the group of this rank's equal slice along ``dim``."""
         return self._call(_FLAT_SCATTER if flat else _SCATTER, tensor, dim, out)
+
+    def reduce_scatter_v(
+        self, tensor: torch.Tensor, dim: int, sizes: list[int]
+    ) -> torch.Tensor | None:
+        """The SUM over the group of this rank's ``sizes[rank]`` rows along ``dim``
+        (``sizes``: checked, summing to the rows), fingerprinted with the cut."""
+        if type(dim) is not int or type(sizes) is not list:
+            return None
+        return self._call(_SCATTER_V, tensor, (dim, *sizes), None)
 
     def reduce(
         self, tensor: torch.Tensor, dst: int, out: torch.Tensor | None = None
@@ -375,7 +393,7 @@ class SmallCalls:
             return VaryingParts(True, torch.cat(parts, plan.dim), lengths)
 
     def _call(
-        self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
+        self, kind: int, tensor: torch.Tensor, dim: int | tuple[int, ...], out: torch.Tensor | None
     ) -> torch.Tensor | None:
         with self.owner.call_lock:
             plan = self._plan_for(kind, tensor, dim, out)
@@ -428,10 +446,10 @@ class SmallCalls:
         return tensor
 
     def _plan_for(
-        self, kind: int, tensor: torch.Tensor, dim: int, out: torch.Tensor | None
+        self, kind: int, tensor: torch.Tensor, dim: int | tuple[int, ...], out: torch.Tensor | None
     ) -> _Plan | None:
         """The plan of this call, made on first sight; None: not a call the path takes."""
-        if type(tensor) is not torch.Tensor or type(dim) is not int:
+        if type(tensor) is not torch.Tensor or (type(dim) is not int and kind != _SCATTER_V):
             return None
         plans = self._plans[kind]
         key = (tensor.dtype, tensor.shape, dim)
@@ -616,28 +634,39 @@ class SmallCalls:
                            [slots.address(1, r) for r in range(world)])  # fmt: skip
         return plan
 
-    def _scatter_plan(self, tensor: torch.Tensor, dim: int) -> _Plan | None:
+    def _scatter_v_plan(self, tensor: torch.Tensor, spec: tuple[int, ...]) -> _Plan | None:
+        """A reduce_scatterv's: ``spec`` is (dim, *sizes)."""
+        dim, *sizes = spec
+        return self._scatter_plan(tensor, dim, sizes)
+
+    def _scatter_plan(
+        self, tensor: torch.Tensor, dim: int, sizes: list[int] | None = None
+    ) -> _Plan | None:
+        """A reduce-scatter's: equal parts, or the cut ``sizes`` (a reduce_scatterv's,
+        stamped as ``split_code``, as the general path stamps it)."""
         if not self._fits(tensor) or not -tensor.dim() <= dim < tensor.dim():
             return None
         slots = self.slots
         assert slots is not None
         dtype, shape, world = tensor.dtype, tensor.shape, slots.world_size
         dim %= tensor.dim()
-        if shape[dim] % world:
-            return None
-        chunk = shape[dim] // world
+        if sizes is None:
+            if shape[dim] % world:
+                return None
+            sizes = [shape[dim] // world] * world
+        elif len(sizes) != world or sum(sizes) != shape[dim]:
+            return None  # the caller checked them; the general path says why not
         rank = self.owner.rank_in_group
+        start, length = sum(sizes[:rank]), sizes[rank]
         reads = tuple(
-            [
-                slots.shaped(s, r, dtype, shape).narrow(dim, rank * chunk, chunk)
-                for r in range(world)
-            ]
+            [slots.shaped(s, r, dtype, shape).narrow(dim, start, length) for r in range(world)]
             for s in (0, 1)
         )
         # Laid out as it is (the general path's layout of dim 0), whatever ``dim``.
-        code = call_code("reduce_scatter", dtype, ReduceOp.SUM, 0) | layout_code(shape)
-        # The sum covers this rank's 1/world of the tensor.
-        op_numel = tensor.numel() // world
+        split = split_code(sizes)
+        code = call_code("reduce_scatter", dtype, ReduceOp.SUM, split) | layout_code(shape)
+        # The sum covers this rank's rows of the tensor.
+        op_numel = reads[0][0].numel()
         return _Plan(
             "reduce_scatter",
             code,

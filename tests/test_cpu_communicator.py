@@ -871,6 +871,23 @@ def _equal_cuts(rank: int, world: int) -> list[str]:
                         assert shm.generation - before == 1  # the lean path's one barrier
                     mine = parts[rank].clone().requires_grad_(rank == 0)
                     torch.testing.assert_close(group.reduce_scatterv(mine, dim, sizes), want)
+        # Uneven cuts (one share empty) take the lean path too, by their cut: one
+        # barrier for a small input, and still with rank 0's input requiring grad.
+        for dim in (0, 1):
+            cut = [3 * r for r in range(world)]  # rank 0 keeps no rows
+            shape = (sum(cut), 5) if dim == 0 else (5, sum(cut))
+            parts = [data(r, shape) for r in range(world)]
+            want = sum(parts).narrow(dim, sum(cut[:rank]), cut[rank])  # type: ignore[union-attr]
+            before = shm.generation
+            torch.testing.assert_close(comm.reduce_scatterv(parts[rank], dim, cut), want)
+            assert shm.generation - before == 1
+            mine = parts[rank].clone().requires_grad_(rank == 0)
+            torch.testing.assert_close(group.reduce_scatterv(mine, dim, cut), want)
+            big = [20_000 * (r + 1) for r in range(world)]  # past the lean path
+            x = data(rank, (sum(big), 2) if dim == 0 else (2, sum(big)))
+            got = comm.reduce_scatterv(x, dim, big)
+            want = comm.all_reduce(x.clone()).narrow(dim, sum(big[:rank]), big[rank])
+            torch.testing.assert_close(got, want)
         # Rank 0 cuts equally, the others do not: every rank raises, naming both.
         total = 2 * world
         uneven = [1] * (world - 1) + [total - (world - 1)]
@@ -890,7 +907,9 @@ def _equal_cuts(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_reduce_scatterv_of_equal_sizes_runs_as_a_reduce_scatter(world: int) -> None:
+def test_reduce_scatterv_of_equal_sizes_runs_as_a_reduce_scatter_and_uneven_ones_lean(
+    world: int,
+) -> None:
     for messages in run_ranks(_equal_cuts, world, timeout=120):
         assert len(messages) == 2, messages
         for message in messages:
