@@ -207,8 +207,7 @@ class DeviceCommunicatorBase:
         """
         small = self.small_calls
         if small is not None and small.equal_parts(input_, dim, sizes):
-            joined = small.all_gather(input_, dim)
-            return joined if joined is not None else self.all_gather(input_, dim)
+            return self._as_all_gather(small, input_, dim)
         if small is not None and type(input_) is torch.Tensor:
             # The lean way: gather_v takes a tensor it can move as it is (else None, and
             # the checks below say what is wrong). The common ``sizes`` pass a look at
@@ -258,6 +257,9 @@ class DeviceCommunicatorBase:
         self, small: SmallCalls | None, tensor: torch.Tensor, dim: int, sizes: list[int] | None
     ) -> tuple[torch.Tensor, list[int]]:
         """One tensor's all_gatherv and the lengths its parts had (unchecked)."""
+        if small is not None and small.equal_parts(tensor, dim, sizes):
+            assert sizes is not None  # equal_parts says so
+            return self._as_all_gather(small, tensor, dim), list(sizes)
         done = None if small is None else small.gather_v(tensor, dim, sizes=sizes)
         if done is not None:
             return self._gathered(tensor, dim, done), done.lengths
@@ -270,6 +272,12 @@ class DeviceCommunicatorBase:
         # process. The true lengths come first (one small all-gather).
         (lengths,) = self._discover_sizes([tensor], [dim], sizes)
         return self._move_parts(tensor, dim, lengths), lengths
+
+    def _as_all_gather(self, small: SmallCalls, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """An all_gatherv of equal parts (``SmallCalls.equal_parts``) as the all-gather
+        it is: the lean path, else the general all-gather (stamped alike)."""
+        joined = small.all_gather(tensor, dim)
+        return joined if joined is not None else self.all_gather(tensor, dim)
 
     def _gathered(self, tensor: torch.Tensor, dim: int, done: VaryingParts) -> torch.Tensor:
         """The result of an all_gatherv whose lengths the shared-memory call told every

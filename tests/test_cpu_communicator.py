@@ -811,6 +811,8 @@ def _equal_parts(rank: int, world: int) -> list[str]:
                 assert torch.equal(comm.all_gatherv(mine, dim, [rows] * world), want)
                 got = group.all_gatherv(mine, dim, [rows] * world)
                 assert torch.equal(got, want)
+                both = comm.all_gatherv([parts[rank], mine + 1], dim, [rows] * world)
+                assert torch.equal(both[0], want) and torch.equal(both[1], want + 1)
         # The last rank brings a row more and says so; the others say every part has
         # two rows (an all-gather on their side, a varying one on its): every rank
         # raises, naming both calls, and the group goes on.
