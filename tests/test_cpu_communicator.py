@@ -6,6 +6,8 @@ ranks' inputs locally and checks the collective against that reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -781,21 +783,41 @@ def test_all_gatherv_of_a_list_whose_sizes_differ_raises_on_every_rank_in_step(
             assert ("sizes #" if shm else "the sizes given") in message, message
 
 
-def _equal_parts(rank: int, world: int) -> list[str]:
+def _with_comm_and_group(rank: int, world: int, name: str, body: Any, mismatch: Any) -> list[str]:
+    """``body(comm, group)`` on a CpuCommunicator and a GroupCoordinator of the same
+    ranks; then ``mismatch(run)`` for each one's method (ranks that disagree), which
+    must raise ``DesyncError`` on every rank: their messages. The group goes on."""
     from coordinator.group_coordinator import GroupCoordinator
 
-    comm = make_comm(rank, world, "gve")
+    comm = make_comm(rank, world, name)
     group = GroupCoordinator(
         [list(range(world))],
         rank,
         "gloo",
         True,
         use_message_queue_broadcaster=False,
-        group_name="gve-g",
+        group_name=f"{name}-g",
     )
-    shm = comm.shm_all_reduce
     seen = []
     try:
+        body(comm, group)
+        for which in (comm, group):
+            try:
+                mismatch(which)
+            except DesyncError as exc:
+                seen.append(str(exc))
+            else:
+                raise AssertionError("calls that differ by rank were accepted")
+        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        return seen
+    finally:
+        group.destroy()
+        comm.destroy()
+
+
+def _equal_parts(rank: int, world: int) -> list[str]:
+    def body(comm: Any, group: Any) -> None:
+        shm = comm.shm_all_reduce
         # Equal sizes: an all-gather. A part the lean path takes (two rows) and one
         # past it, along dims 0 and 1; then with rank 0's tensor requiring grad,
         # which the lean path declines on that rank alone: the ranks still meet.
@@ -813,24 +835,16 @@ def _equal_parts(rank: int, world: int) -> list[str]:
                 assert torch.equal(got, want)
                 both = comm.all_gatherv([parts[rank], mine + 1], dim, [rows] * world)
                 assert torch.equal(both[0], want) and torch.equal(both[1], want + 1)
-        # The last rank brings a row more and says so; the others say every part has
-        # two rows (an all-gather on their side, a varying one on its): every rank
-        # raises, naming both calls, and the group goes on.
-        rows = [2] * world
-        rows[-1] = 3
-        mine = data(rank, (rows[rank], 3))
-        for run in (comm.all_gatherv, group.all_gatherv):
-            try:
-                run(mine, 0, rows if rank == world - 1 else [2] * world)
-            except DesyncError as exc:
-                seen.append(str(exc))
-            else:
-                raise AssertionError("sizes that differ by rank were accepted")
-        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
-        return seen
-    finally:
-        group.destroy()
-        comm.destroy()
+
+    # The last rank brings a row more and says so; the others say every part has
+    # two rows (an all-gather on their side, a varying one on its).
+    rows = [2] * world
+    rows[-1] = 3
+    mine = data(rank, (rows[rank], 3))
+    said = rows if rank == world - 1 else [2] * world
+    return _with_comm_and_group(
+        rank, world, "gve", body, lambda which: which.all_gatherv(mine, 0, said)
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -843,20 +857,8 @@ def test_all_gatherv_of_equal_parts_runs_as_an_all_gather(world: int) -> None:
 
 
 def _equal_cuts(rank: int, world: int) -> list[str]:
-    from coordinator.group_coordinator import GroupCoordinator
-
-    comm = make_comm(rank, world, "rse")
-    group = GroupCoordinator(
-        [list(range(world))],
-        rank,
-        "gloo",
-        True,
-        use_message_queue_broadcaster=False,
-        group_name="rse-g",
-    )
-    shm = comm.shm_all_reduce
-    seen = []
-    try:
+    def body(comm: Any, group: Any) -> None:
+        shm = comm.shm_all_reduce
         # Equal sizes (or none): the plain reduce_scatter, lean path included, for
         # a lean-sized input and one past it, along dims 0 and 1, and with rank 0's
         # input requiring grad (the lean path declines it on that rank alone).
@@ -890,22 +892,15 @@ def _equal_cuts(rank: int, world: int) -> list[str]:
             got = comm.reduce_scatterv(x, dim, big)
             want = comm.all_reduce(x.clone()).narrow(dim, sum(big[:rank]), big[rank])
             torch.testing.assert_close(got, want)
-        # Rank 0 cuts equally, the others do not: every rank raises, naming both.
-        total = 2 * world
-        uneven = [1] * (world - 1) + [total - (world - 1)]
-        x = data(rank, (total, 3))
-        for run in (comm.reduce_scatterv, group.reduce_scatterv):
-            try:
-                run(x, 0, [2] * world if rank == 0 else uneven)
-            except DesyncError as exc:
-                seen.append(str(exc))
-            else:
-                raise AssertionError("cuts that differ by rank were accepted")
-        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
-        return seen
-    finally:
-        group.destroy()
-        comm.destroy()
+
+    # Rank 0 cuts equally, the others do not.
+    total = 2 * world
+    uneven = [1] * (world - 1) + [total - (world - 1)]
+    x = data(rank, (total, 3))
+    said = [2] * world if rank == 0 else uneven
+    return _with_comm_and_group(
+        rank, world, "rse", body, lambda which: which.reduce_scatterv(x, 0, said)
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
