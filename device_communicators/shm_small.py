@@ -146,9 +146,8 @@ def _takes(plan: _Plan, out: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 # Plans by (dtype, shape, dim) for each kind of call (all_reduce: dim 0; a broadcast
 # or reduce: its root; a reduce_scatterv: (dim, *sizes)); None: such calls take the
-# general path. The _FLAT kinds are
-# the gathers and reduce-scatter of a caller whose ranks need only equal element
-# counts (a Comm's), fingerprinted without the shape.
+# general path. The _FLAT kinds are the gathers and reduce-scatter of a caller whose
+# ranks need only equal element counts (a Comm's), fingerprinted without the shape.
 _SUM, _GATHER, _SCATTER, _BROADCAST, _REDUCE, _GATHER_TO = 0, 1, 2, 3, 4, 5
 _FLAT_GATHER, _FLAT_SCATTER, _FLAT_GATHER_TO, _GATHER_V, _SCATTER_V = 6, 7, 8, 9, 10
 _Plans = dict[tuple, "_Plan | None"]
