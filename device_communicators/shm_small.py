@@ -258,13 +258,13 @@ class SmallCalls:
         return self._call(_FLAT_SCATTER if flat else _SCATTER, tensor, dim, out)
 
     def reduce_scatter_v(
-        self, tensor: torch.Tensor, dim: int, sizes: list[int]
+        self, tensor: torch.Tensor, dim: int, sizes: list[int], out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """The SUM over the group of this rank's ``sizes[rank]`` rows along ``dim``
         (``sizes``: checked, summing to the rows), fingerprinted with the cut."""
         if type(dim) is not int or type(sizes) is not list:
             return None
-        return self._call(_SCATTER_V, tensor, (dim, *sizes), None)
+        return self._call(_SCATTER_V, tensor, (dim, *sizes), out)
 
     def reduce(
         self, tensor: torch.Tensor, dst: int, out: torch.Tensor | None = None

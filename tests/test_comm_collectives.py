@@ -345,6 +345,13 @@ def _shared_memory_path(rank: int, world_size: int) -> str:
     mean_rank = (world_size - 1) / 2
     assert [v[0].item() for v in values] == [mean_rank + i for i in range(3)]
     assert gathered.view(world_size, 5)[:, 0].tolist() == [10 * r for r in range(world_size)]
+    # A reduce_scatter_v issued asynchronously on rank 0 (the lane, the general way)
+    # meets the others' synchronous one (the lean path): both stamped alike.
+    cut = [r + 1 for r in range(world_size)]
+    got = torch.empty(cut[rank])
+    parts = [torch.full((n,), float(rank + 1)) for n in cut]
+    comm.reduce_scatter_v(got, parts, async_op=rank == 0).wait()
+    assert got.tolist() == [world_size * (world_size + 1) / 2] * cut[rank]
     # The path is the shared-memory back end: its desync check names both sides,
     # which Gloo would not (it would return a wrong sum or hang).
     mine = torch.ones(4096 if rank == 0 else 8192)

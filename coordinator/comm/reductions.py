@@ -16,6 +16,7 @@ from device_communicators import c10d_calls, checks
 from device_communicators.shm_all_reduce import ShmAllReduce
 from device_communicators.shm_phases import split_code
 from device_communicators.shm_reduce import OneTorchThread
+from device_communicators.shm_small import SmallCalls
 
 from .core import CommCore
 from .reduce_ops import ReduceOp
@@ -239,6 +240,23 @@ class Reductions(CommCore):
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """Reduce-scatter where rank ``i`` receives ``input_list[i]``-sized results."""
+        if (
+            op is ReduceOp.SUM
+            and async_op is False
+            and hints is None
+            and timeout is None
+            and type(input_list) is list
+        ):
+            # On the caller's thread, as the small calls: the parts joined, then the
+            # lean reduce-scatter of that cut (4 KiB at world 2: 199 -> 94 us).
+            done = self._lean(
+                "reduce_scatter_v",
+                lambda small: self._lean_scatter_v(small, output, input_list),
+                output,
+                *input_list,
+            )
+            if done is not None:
+                return done
         output = self._tensor(output, "output")
         inputs = self._tensors(input_list, "input_list", self._size)
         checks.same_dtype(output, inputs, "input_list")
@@ -260,6 +278,25 @@ class Reductions(CommCore):
             total=sum(t.numel() for t in flat),
             split=split_code([t.numel() for t in flat]),  # ranks that cut differently raise
         )
+
+    def _lean_scatter_v(
+        self, small: SmallCalls, output: torch.Tensor, inputs: list[torch.Tensor]
+    ) -> bool | None:
+        """A synchronous SUM ``reduce_scatter_v`` on the lean path (a 1-D cut of the
+        joined parts, stamped as the general path stamps it); None, with nothing run,
+        for arguments the general path checks (and raises for)."""
+        counts = [t.numel() for t in inputs]
+        if (
+            len(inputs) != self._size
+            or counts[self._rank] != output.numel()
+            or any(t.dtype != output.dtype or not t.is_cpu for t in inputs)
+            or not output.is_cpu
+            or not self._shm_takes(output, ReduceOp.SUM)
+        ):
+            return None
+        joined = torch.cat([t.view(-1) for t in inputs])
+        flat_out = output if output.dim() == 1 else output.view(-1)
+        return small.reduce_scatter_v(joined, 0, counts, out=flat_out) is not None or None
 
     def barrier(
         self,
