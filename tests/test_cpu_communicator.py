@@ -22,6 +22,17 @@ def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     return torch.randint(-50, 50, shape, generator=gen, dtype=dtype)
 
 
+def desync_message(
+    call: Any, *args: Any, what: str = "calls that differ by rank were accepted", **kwargs: Any
+) -> str:
+    """``call(*args, **kwargs)``, which must raise ``DesyncError``: its message."""
+    try:
+        call(*args, **kwargs)
+    except DesyncError as exc:
+        return str(exc)
+    raise AssertionError(what)
+
+
 def make_comm(rank: int, world: int, name: str = "test", shm: bool = True):
     import torch.distributed as dist
 
@@ -637,12 +648,8 @@ def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
             if rank:
                 sizes[0] -= 1
             parts = [data(r, (rows + r, 3)) for r in range(world)]
-            try:
-                comm.all_gatherv(parts[rank], 0, sizes)
-            except DesyncError as exc:
-                assert "sizes #" in str(exc) and "all_gather(float32" in str(exc), exc
-            else:
-                raise AssertionError("sizes that differ by rank were accepted")
+            message = desync_message(comm.all_gatherv, parts[rank], 0, sizes)
+            assert "sizes #" in message and "all_gather(float32" in message, message
         # A non-contiguous part, and bool.
         parts = [data(r, (5, 2 + r)).t() for r in range(world)]
         got = comm.gather(parts[rank], dst=0, dim=0)
@@ -651,20 +658,23 @@ def _gathers_of_varying_lengths(rank: int, world: int) -> list[str]:
         got = comm.gather(flags[rank], dst=0, dim=0)
         assert rank != 0 or torch.equal(got, torch.cat(flags))
         # Other dims that differ: every rank raises, naming both sides, and goes on.
-        try:
-            comm.gather(torch.ones(2, 3 + (rank > 0)), dst=0, dim=0)
-        except DesyncError as exc:
-            message = str(exc)
-        else:
-            raise AssertionError("parts whose other dims differ were joined")
+        message = desync_message(
+            comm.gather,
+            torch.ones(2, 3 + (rank > 0)),
+            dst=0,
+            dim=0,
+            what="parts whose other dims differ were joined",
+        )
         # Layouts whose 16-bit checksums collide ("2|0|[291]", "2|0|[5000]"): the
         # counts, which no part of the other layout could hold, still tell them apart.
-        try:
-            comm.gather(torch.ones(1, 291 if rank == 0 else 5000), dst=0, dim=0)
-        except DesyncError as exc:
-            assert "the other dims differ by rank" in str(exc), exc
-        else:
-            raise AssertionError("parts whose layouts' checksums collide were joined")
+        collided = desync_message(
+            comm.gather,
+            torch.ones(1, 291 if rank == 0 else 5000),
+            dst=0,
+            dim=0,
+            what="parts whose layouts' checksums collide were joined",
+        )
+        assert "the other dims differ by rank" in collided, collided
         assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
         return [str(b) for b in barriers] + [message]
     finally:
@@ -714,12 +724,7 @@ def _all_gatherv_sizes_on_gloo(rank: int, world: int) -> list[str]:
                 said = [rows + r for r in range(world)]
                 if rank:
                     said[0] += wrong
-                try:
-                    comm.all_gatherv(parts[rank], dim, said)
-                except DesyncError as exc:
-                    seen.append(str(exc))
-                else:
-                    raise AssertionError("sizes that differ by rank were accepted")
+                seen.append(desync_message(comm.all_gatherv, parts[rank], dim, said))
         assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
         return seen
     finally:
@@ -755,12 +760,8 @@ def _anothers_entry_wrong(rank: int, world: int, shm: bool) -> list[str]:
             said = [rows + r for r in range(world)]
             if rank == 1:
                 said[0] += 1  # rank 0's entry, wrong on rank 1 alone
-            try:
-                comm.all_gatherv([parts[rank], parts[rank] + 1], 0, said)
-            except DesyncError as exc:
-                seen.append(str(exc))
-            else:
-                raise AssertionError("sizes that differ by rank were accepted")
+            both = [parts[rank], parts[rank] + 1]
+            seen.append(desync_message(comm.all_gatherv, both, 0, said))
             # Every rank stopped at the same tensor: the group is in step.
             assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
         return seen
@@ -802,12 +803,7 @@ def _with_comm_and_group(rank: int, world: int, name: str, body: Any, mismatch: 
     try:
         body(comm, group)
         for which in (comm, group):
-            try:
-                mismatch(which)
-            except DesyncError as exc:
-                seen.append(str(exc))
-            else:
-                raise AssertionError("calls that differ by rank were accepted")
+            seen.append(desync_message(mismatch, which))
         assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
         return seen
     finally:
