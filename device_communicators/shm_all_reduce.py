@@ -542,13 +542,16 @@ class ShmAllReduce(ShmBase):
         gets ``out_counts[r]`` elements from rank ``r``, in rank order. Returns
         ``out``, which must not be ``tensor``.
 
-        The ranks first exchange every rank's counts (one barrier, fingerprinted as
-        this call): a pair whose counts disagree raises ``DesyncError`` on every
-        rank, naming it, and the ranks stay in step. Then, past the one-shot size
-        where the kernel allows it, each rank reads its block straight out of every
-        peer's ``tensor``; else in rounds of a slot each, every rank writes the next
-        slot's worth of its ``tensor`` and copies out whatever of its blocks that
-        holds.
+        Every rank posts its counts at the head of its slot, with its ``tensor``
+        after them when that fits (up to the one-shot size), and the ranks meet once,
+        fingerprinted as this call (dtype included). A pair whose counts disagree
+        then raises ``DesyncError`` on every rank, naming it, and the ranks stay in
+        step. When every rank's tensor came along, each copies its blocks out and
+        is done: one barrier. Else (the same answer on every rank: it follows from
+        the counts) past the one-shot size, where the kernel allows it, each rank
+        reads its block straight out of every peer's ``tensor``; or in rounds of a
+        slot each, every rank writes the next slot's worth of its ``tensor`` and
+        copies out whatever of its blocks that holds.
         """
         world, me = self.world_size, self.rank_in_group
         counts = [int(n) for n in (*in_counts, *out_counts)]
@@ -564,36 +567,51 @@ class ShmAllReduce(ShmBase):
         _check_out(out, tensor.dtype, out.numel())
         if out.data_ptr() == tensor.data_ptr() and out.numel():
             raise GroupcoordValueError("all_to_all_v: out must not be the input tensor")
-        mine = torch.tensor(counts, dtype=torch.int64)
-        lines = self._start("all_to_all_v", self.copy_refusal(tensor), mine)
+        lines = self._start("all_to_all_v", self.copy_refusal(tensor), tensor, varying=True)
+        slots = self._slots
+        assert slots is not None  # enabled means mapped
+        size = tensor.element_size()
+        head = align_up(16 * world, LINE)  # the counts; the data starts on a line of its own
+        fits = min(LEAN_MAX_BYTES, self.max_bytes - head)
+        src, dst = tensor.data_ptr(), out.data_ptr()
+        gen = self._next_generation()
+        s = gen & 1
+        slots.post(s, me, counts)
+        if tensor.numel() * size <= fits:
+            ctypes.memmove(slots.address(s, me) + head, src, tensor.numel() * size)
         with self._desync_guard:
-            slots, s = self._one_piece(lines, mine)
-            table = slots.stacked(s, torch.int64, mine.shape).tolist()
+            self._first_arrive(lines, 2 * gen - 1, None)
+        table = [slots.posted_run(s, r, 0, 2 * world) for r in range(world)]
         check_all_to_all_counts(self.what, table)
         sent = [row[:world] for row in table]  # sent[r][q]: elements r sends q
-        size = tensor.element_size()
-        starts = [[sum(row[:q]) * size for q in range(world)] for row in sent]  # bytes
+        starts = [sum(sent[r][:me]) * size for r in range(world)]  # bytes: my block of r's
         into = [sum(counts[world : world + r]) * size for r in range(world)]
-        src, dst = tensor.data_ptr(), out.data_ptr()
-        lines = self._start("all_to_all_v", None, mine)  # the data's own call, in step
+        largest = max(sum(row) for row in sent) * size
+        if largest <= fits:  # every rank's tensor is in its slot
+            for r in range(world):
+                if sent[r][me]:
+                    ctypes.memmove(
+                        dst + into[r], slots.address(s, r) + head + starts[r], sent[r][me] * size
+                    )
+            return out
+        lines = self._start("all_to_all_v", None, tensor, varying=True)  # in step
         reads = self.peer_reads
-        if max(sum(row) for row in sent) * size > LEAN_MAX_BYTES and reads is not None:
-            ctypes.memmove(dst + into[me], src + starts[me][me], sent[me][me] * size)
+        if largest > LEAN_MAX_BYTES and reads is not None:
+            ctypes.memmove(dst + into[me], src + starts[me], sent[me][me] * size)
 
             def read(s: int) -> None:
                 for r in range(world):
                     if r != me and sent[r][me]:
-                        remote = slots.posted(s, r, 0) + starts[r][me]
+                        remote = slots.posted(s, r, 0) + starts[r]
                         reads.read(r, dst + into[r], remote, sent[r][me] * size, "all_to_all_v")
 
             with self._desync_guard:
                 self._read_posted(lines, src, read)
             return out
         step = self.max_bytes
-        rounds = max(1, -(-max(sum(row) for row in sent) * size // step))
         with self._desync_guard:
-            for k in range(rounds):
-                lo, hi = k * step, (k + 1) * step
+            for lo in range(0, largest, step):
+                hi = lo + step
                 gen = self._next_generation()
                 s = gen & 1
                 length = min(hi, sum(sent[me]) * size) - lo
@@ -601,7 +619,7 @@ class ShmAllReduce(ShmBase):
                     ctypes.memmove(slots.address(s, me), src + lo, length)
                 lines.arrive(2 * gen - 1)
                 for r in range(world):
-                    a = starts[r][me]
+                    a = starts[r]
                     b = a + sent[r][me] * size
                     x, y = max(a, lo), min(b, hi)
                     if y > x:
@@ -636,17 +654,11 @@ class ShmAllReduce(ShmBase):
         assert slots is not None  # enabled means mapped
         s, me = gen & 1, self.rank_in_group
         shared = turn.shared() if turn is not None and turn.shares else ()
-        for i, value in enumerate(posts + shared):
-            slots.post(s, me, i, value)
+        slots.post(s, me, posts + shared)
         self._first_arrive(lines, 2 * gen - 1, turn)
         if shared and turn is not None:
             k = len(posts)
-            turn.agree(
-                [
-                    [slots.posted(s, r, i) for i in range(k, k + len(shared))]
-                    for r in range(self.world_size)
-                ]
-            )
+            turn.agree([slots.posted_run(s, r, k, k + len(shared)) for r in range(self.world_size)])
 
     def _read_posted(
         self,

@@ -56,8 +56,9 @@ _COUNT_BITS = 44
 _CALL_MASK = (1 << (63 - _COUNT_BITS)) - 1
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
 # A code with this bit is a call whose ranks may bring different element counts
-# (a gather of parts of different lengths): the counts are not compared, the
-# rest of the code, which then holds a checksum of the parts' layout, is.
+# (a gather of parts of different lengths, an all_to_all_v): the counts are not
+# compared, the rest of the code (a gather's: with a checksum of the parts'
+# layout) is.
 VARYING_COUNTS = 1 << 48
 # A call whose ranks read each other's memory (``peer_reads.TimedWays`` picks the
 # way per call): ranks whose ways ever differed raise, never read garbage.
@@ -212,7 +213,8 @@ def describe_call(code: int, count: int) -> str:
     if layout:
         extra += f", shape #{layout:04x}"
     way = " read directly" if code & READ_DIRECTLY else ""
-    if code & VARYING_COUNTS:  # a gather's parts' layout (dim, other dims) as a checksum
+    if code & VARYING_COUNTS and operation != "all_to_all_v":
+        # A gather's parts' layout (dim, other dims) as a checksum.
         if operation == "all_gather" and root:  # the lengths the caller gave
             extra += f", sizes #{root:04x}"
         return f"{operation}({dtype}[{count}]{extra}){way} of parts laid out #{op_code:04x}"

@@ -32,7 +32,7 @@ from .errors import (
     PeerDiedError,
 )
 from .peer_reads import PeerReadError, PeerReads, TimedWays, WayTurn, agree_on_peer_reads
-from .shm_phases import LINE, READ_DIRECTLY, PhaseLines, call_code
+from .shm_phases import LINE, READ_DIRECTLY, VARYING_COUNTS, PhaseLines, call_code
 from .shm_slots import SlotSegment, align_up, open_slot_segment
 from .shm_small import SmallCalls
 
@@ -235,12 +235,14 @@ class ShmBase(AllReduceBackend):
         root: int = 0,
         direct: bool = False,
         layout: int = 0,
+        varying: bool = False,
     ) -> PhaseLines:
         """Refuse, or stamp the call's fingerprint (checked against every rank's at the
         call's first barrier: desync detection, always on). A barrier has no tensor;
         ``direct``: a call that reads the peers' memory (the way is chosen per call);
         ``layout``: the shape's field (``shm_phases.layout_code``) of a call that
-        reads the ranks' tensors in this rank's shape."""
+        reads the ranks' tensors in this rank's shape; ``varying``: a call whose
+        ranks' element counts may differ (``shm_phases.VARYING_COUNTS``)."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._failure is not None:
@@ -252,6 +254,8 @@ class ShmBase(AllReduceBackend):
             lines.stamp(call_code(operation, None, None, 0), 0)
         else:
             code = call_code(operation, tensor.dtype, op, root) | layout
+            if varying:
+                code |= VARYING_COUNTS
             lines.stamp(code | READ_DIRECTLY if direct else code, tensor.numel())
         return lines
 

@@ -10,7 +10,8 @@ behind; the pages live until the last rank unmaps them.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -84,13 +85,20 @@ class SlotSegment:
         """Where slot ``r`` of set ``s`` starts in this process's mapping."""
         return self._sets[s].data_ptr() + r * self.max_bytes
 
-    def post(self, s: int, r: int, i: int, value: int) -> None:
-        """Store ``value`` as int64 number ``i`` of slot ``r`` of set ``s``."""
-        self._words[(s * self.world_size + r) * self._word_stride + i] = value
+    def post(self, s: int, r: int, values: Sequence[int]) -> None:
+        """Store ``values`` as int64 numbers 0, 1, ... of slot ``r`` of set ``s``."""
+        at = (s * self.world_size + r) * self._word_stride
+        self._words[at : at + len(values)] = array("q", values)
 
     def posted(self, s: int, r: int, i: int) -> int:
         """The value :meth:`post` stored as int64 number ``i`` of slot ``r`` of set ``s``."""
         return self._words[(s * self.world_size + r) * self._word_stride + i]
+
+    def posted_run(self, s: int, r: int, lo: int, hi: int) -> list[int]:
+        """The values :meth:`post` stored as int64 numbers ``lo`` to ``hi`` - 1 of slot
+        ``r`` of set ``s``."""
+        at = (s * self.world_size + r) * self._word_stride
+        return self._words[at + lo : at + hi].tolist()
 
     def view(self, s: int, r: int, dtype: torch.dtype, n: int) -> torch.Tensor:
         """The first ``n`` elements of slot ``r`` of set ``s`` as ``dtype``."""

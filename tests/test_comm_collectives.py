@@ -512,6 +512,17 @@ def _splits_disagree(rank: int, world: int, shm: bool) -> tuple[list[str], list[
         else:
             comm.all_to_all_v_single(out, inp, [1, 1], [1, 1])
     messages.append(str(caught.value))
+    # Splits that agree, dtypes that do not: on shared memory rank 0 returned rank 1's
+    # float64 bytes read as float32s.
+    dtype = torch.float32 if rank == 0 else torch.float64
+    inp, out = torch.ones(2, 3, dtype=dtype), torch.empty(2, 3, dtype=dtype)
+    for call in (
+        lambda: comm.all_to_all_v_single(out, inp, [1, 1], [1, 1]),
+        lambda: comm.all_to_all(list(out.unbind(0)), list(inp.unbind(0))),
+    ):
+        with pytest.raises(DesyncError) as caught:
+            call()
+        messages.append(str(caught.value))
     t = torch.full((4,), float(rank))
     comm.all_reduce(t, ReduceOp.SUM, timeout=30)  # still in step, still usable
     comm.finalize()
@@ -524,10 +535,12 @@ def test_all_to_all_v_with_splits_that_disagree_raises_on_every_rank(shm: bool) 
         for message in messages[:2]:
             assert "rank 1 sends 0 elements to rank 0, which expects 3 from it" in message
         assert "rank 1 sends 0 elements to rank 0, which expects 1 from it" in messages[2]
-        # Both sides named (on shared memory the all-to-all's first step is its
-        # counts' exchange, an int64 table).
+        # Both sides named.
         assert "rank 0 called all_gather(float32[6]" in messages[3], messages[3]
-        assert "rank 1 called all_to_all_v(" in messages[3], messages[3]
+        assert "rank 1 called all_to_all_v(float32[" in messages[3], messages[3]
+        for message in messages[4:]:
+            assert "all_to_all_v(float32[" in message, message
+            assert "all_to_all_v(float64[" in message, message
         assert after == [1.0] * 4
 
 

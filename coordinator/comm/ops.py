@@ -431,10 +431,22 @@ class CommOps(Reductions):
         if checks.overlap(output, input):
             input = input.clone()  # written while the peers still read it
         row = input.shape[1:].numel()  # elements per row (input and output rows match)
+        in_counts, out_counts = [n * row for n in in_splits], [n * row for n in out_splits]
+        takes = self._shm_takes(input, "all_gather")
+        lane = self._lane
+        if takes and lane is not None and async_op is False and hints is None and timeout is None:
+            # On the caller's thread, as all_to_all_single (4 KiB at world 2: 191 -> 88-94 us).
+            done = self._lean(
+                "all_to_all_v_single",
+                lambda small: lane.shm.all_to_all_v(input, output, in_counts, out_counts),
+                input,
+                output,
+            )
+            if done is not None:
+                return done
 
         def fast(shm: ShmAllReduce) -> None:
-            in_counts = [n * row for n in in_splits]
-            shm.all_to_all_v(input, output, in_counts, [n * row for n in out_splits])
+            shm.all_to_all_v(input, output, in_counts, out_counts)
 
         return self._alltoall_base(
             "all_to_all_v_single",
@@ -445,7 +457,7 @@ class CommOps(Reductions):
             async_op,
             hints,
             timeout,
-            fast=fast if self._shm_takes(input, "all_gather") else None,
+            fast=fast if takes else None,
         )
 
     def gather(
