@@ -420,9 +420,13 @@ def _rooted_on_shared_memory(rank: int, world: int, peer_reads: bool) -> list[st
         if rank != root and not bool((out == -1.0).all()):
             wrong.append(f"gather_single {n} wrote a non-root's output")
         parts = [torch.empty(n) for _ in range(w)] if rank == root else None
-        comm.gather(parts, mine, root)
+        comm.gather(parts, mine, root, timeout=30 if rank == 1 else None)  # rank 1: general
         if parts is not None and not torch.equal(torch.cat(parts), everyone):
             wrong.append(f"gather {n}")
+        parts = [torch.full((n,), -1.0) for _ in range(w)]
+        comm.all_gather(parts, mine, timeout=30 if rank == 0 else None)
+        if not torch.equal(torch.cat(parts), everyone):
+            wrong.append(f"all_gather {n}")
         # SUM: a small one takes the lean path, except on rank 0 (a per-call timeout
         # sends it the general way): the two paths meet on one protocol.
         t = mine.clone()

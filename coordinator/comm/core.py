@@ -42,7 +42,7 @@ _Launch = Callable[[datetime.timedelta], Sequence[Any]]
 # ``shm_phases.OPERATIONS``), dtype, reduce operator (its name), root and the
 # element count every rank must bring.
 Call = tuple[str, torch.dtype | None, str | None, int, int]
-_Fast = Callable[[ShmAllReduce], None]
+_Fast = Callable[[ShmAllReduce], object]  # (what it returns is not used)
 
 
 class CommOptions(msgspec.Struct, frozen=True):

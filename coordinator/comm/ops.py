@@ -5,6 +5,7 @@ all_gather take the shared-memory lane when the back end takes the tensor.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -103,9 +104,58 @@ class CommOps(Reductions):
         hints: Mapping[str, str] | None = None,
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
+        if async_op is False and hints is None and timeout is None and type(tensor_list) is list:
+            done = self._lean(
+                "all_gather",
+                lambda small: self._lean_parts(
+                    tensor_list, tensor, lambda: small.all_gather(tensor.view(-1), 0, flat=True)
+                ),
+                tensor,
+                *tensor_list,
+            )
+            if done is not None:
+                return done
         tensor = self._tensor(tensor, "tensor")
         outputs = self._per_rank(tensor_list, "tensor_list", tensor)
         return self._allgather("all_gather", outputs, tensor, async_op, hints, timeout)
+
+    def _lean_parts(
+        self,
+        outputs: list[torch.Tensor] | None,
+        tensor: torch.Tensor,
+        gathered: Callable[[], torch.Tensor | None],
+    ) -> bool | None:
+        """A synchronous ``all_gather`` or ``gather`` into a list on the caller's thread
+        (``_lean``: plain dense tensors, the lane idle): ``gathered()`` runs the lean
+        call (every rank's ``tensor`` in rank order, flat; None: not taken, nothing
+        ran), and each part is copied into its output (None: a gather's other
+        ranks). None, with nothing run, for arguments the general path checks (and
+        raises for): every output must be a CPU tensor of ``tensor``'s dtype and
+        shape that autograd does not track."""
+        if not tensor.is_cpu or not self._shm_takes(tensor, "all_gather"):
+            return None
+        if outputs is not None and (
+            len(outputs) != self._size
+            or any(
+                t.dtype != tensor.dtype
+                or t.shape != tensor.shape
+                or not t.is_cpu
+                or t.requires_grad
+                or t.is_conj()
+                or t.is_neg()
+                for t in outputs
+            )
+        ):
+            return None
+        got = gathered()
+        if got is None:
+            return None
+        if outputs is not None:
+            at, nbytes = got.data_ptr(), tensor.nbytes
+            for t in outputs:
+                ctypes.memmove(t.data_ptr(), at, nbytes)
+                at += nbytes
+        return True
 
     def all_gather_single(
         self,
@@ -285,7 +335,7 @@ class CommOps(Reductions):
         hints: Mapping[str, str] | None,
         timeout: float | datetime.timedelta | None,
         finish: Callable[[], None] | None = None,
-        fast: Callable[[ShmAllReduce], None] | None = None,
+        fast: Callable[[ShmAllReduce], object] | None = None,
     ) -> Work:
         """An all-to-all; with splits (the ``_v`` forms) the ranks first agree on
         every pair's counts (:meth:`_agree`), else on the call when debugging."""
@@ -335,10 +385,18 @@ class CommOps(Reductions):
 
         out_counts, in_counts = [t.numel() for t in outputs], [t.numel() for t in inputs]
 
-        def fast(shm: ShmAllReduce) -> None:
+        def fast(shm: ShmAllReduce) -> bool:
             shm.all_to_all_v(staged_in, staged_out, in_counts, out_counts)
             finish()
+            return True
 
+        takes = self._shm_takes(staged_in, "all_gather")
+        lane = self._lane
+        if takes and lane is not None and async_op is False and hints is None and timeout is None:
+            # On the caller's thread, as all_to_all_v_single.
+            done = self._lean("all_to_all", lambda small: fast(lane.shm), staged_in, staged_out)
+            if done is not None:
+                return done
         return self._alltoall_base(
             "all_to_all",
             staged_out,
@@ -349,7 +407,7 @@ class CommOps(Reductions):
             hints,
             timeout,
             finish,
-            fast=fast if self._shm_takes(staged_in, "all_gather") else None,
+            fast=fast if takes else None,
         )
 
     def all_to_all_single(
@@ -470,6 +528,21 @@ class CommOps(Reductions):
         timeout: float | datetime.timedelta | None = None,
     ) -> Work:
         """Gather every rank's ``input_tensor`` into ``output_tensor_list`` on ``root`` (ignored elsewhere)."""
+        into = output_tensor_list if self._rank == root else None
+        if async_op is False and hints is None and timeout is None and type(root) is int:
+            if self._rank != root or type(into) is list:
+                done = self._lean(
+                    "gather",
+                    lambda small: self._lean_parts(
+                        into,
+                        input_tensor,
+                        lambda: small.gather(input_tensor.view(-1), root, flat=True),
+                    ),
+                    input_tensor,
+                    *(into or ()),
+                )
+                if done is not None:
+                    return done
         input_tensor = self._tensor(input_tensor, "input_tensor")
         root = checks.rank(root, "root", self._size)
         outputs: list[torch.Tensor] = []
