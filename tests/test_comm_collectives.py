@@ -447,7 +447,11 @@ def _rooted_on_shared_memory(rank: int, world: int, peer_reads: bool) -> list[st
         root = (n + 1) % w
         parts = [torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(w)]
         out = torch.full((n,), -1.0)
-        comm.scatter(out, parts if rank == root else None, root, async_op=n == 16).wait()
+        # Asynchronous (small), or synchronous: lean but on rank 0 (a per-call timeout).
+        late = 30 if rank == 0 and n > 16 else None
+        comm.scatter(
+            out, parts if rank == root else None, root, async_op=n == 16, timeout=late
+        ).wait()
         if not torch.equal(out, parts[rank]):
             wrong.append(f"scatter {n}")
     # all_to_all_v_single: rank r sends (r + q) * k rows to rank q (none to itself at

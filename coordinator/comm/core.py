@@ -42,7 +42,7 @@ _Launch = Callable[[datetime.timedelta], Sequence[Any]]
 # ``shm_phases.OPERATIONS``), dtype, reduce operator (its name), root and the
 # element count every rank must bring.
 Call = tuple[str, torch.dtype | None, str | None, int, int]
-_Fast = Callable[[ShmAllReduce], object]  # (what it returns is not used)
+_Fast = Callable[[ShmAllReduce], None]
 
 
 class CommOptions(msgspec.Struct, frozen=True):
@@ -331,6 +331,33 @@ class CommCore:
         if work is None:
             work = self._done[op] = Work.completed(self._name, op, self._others())
         return work
+
+    def _shm_now(
+        self,
+        op: str,
+        fast: _Fast | None,
+        async_op: bool,
+        hints: Mapping[str, str] | None,
+        timeout: float | datetime.timedelta | None,
+        *tensors: Any,
+    ) -> Work | None:
+        """A checked synchronous call (no per-call timeout or hints) that the
+        shared-memory back end takes (``fast``, None where it does not) run on the
+        caller's thread (``_lean``) rather than handed to the lane; None: not such a
+        call, nothing ran, and the caller goes the general way (``_run``)."""
+        lane = self._lane
+        if (
+            fast is None
+            or lane is None
+            or not (async_op is False and hints is None and timeout is None)
+        ):
+            return None
+
+        def run(small: SmallCalls) -> bool:
+            fast(lane.shm)
+            return True
+
+        return self._lean(op, run, *tensors)
 
     def _shm_takes(self, tensor: torch.Tensor, op: ReduceOp | str) -> bool:
         """Whether the communicator's chains pick its shared-memory back end for

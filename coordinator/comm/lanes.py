@@ -34,7 +34,7 @@ from ..errors import GroupcoordTimeoutError, PeerDiedError
 from .work import Work
 
 LaneCall = Callable[[Work], None]
-Run = Callable[[ShmAllReduce], object]  # (what it returns is not used)
+Run = Callable[[ShmAllReduce], None]
 T = TypeVar("T")
 _SETTLE_GRACE_S = 0.5
 
