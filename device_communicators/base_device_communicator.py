@@ -291,7 +291,7 @@ class DeviceCommunicatorBase:
         whose ``sizes`` differ raised in the call already (they travel with it as a
         checksum), so this catches only sizes whose checksums collided."""
         if sizes is not None and list(sizes) != lengths:
-            check_lengths(f"sizes={list(sizes)}", sizes, lengths, f" along dim {dim}")
+            check_lengths("sizes={}", sizes, lengths, f" along dim {dim}")
 
     def _move_parts(self, tensor: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:
         return self.transports.select("all_gatherv", tensor).all_gatherv_exact(tensor, dim, lengths)

@@ -72,7 +72,9 @@ def unpad_with_lengths(
 
 def check_lengths(said: str, given: list[int], lengths: list[int], along: str = "") -> None:
     """Raise ``GroupcoordValueError`` when the lengths this rank was ``given`` (``said``
-    names them as the caller passed them, e.g. ``"sizes=[1, 3, 4]"``) are not the
-    parts' true ``lengths``."""
+    names them as the caller passed them, ``{}`` standing for them, e.g. ``"sizes={}"``)
+    are not the parts' true ``lengths``. Formatted only then: every call checks."""
     if list(given) != list(lengths):
-        raise GroupcoordValueError(f"{said} but the ranks' parts have {list(lengths)}{along}")
+        raise GroupcoordValueError(
+            f"{said.format(list(given))} but the ranks' parts have {list(lengths)}{along}"
+        )

@@ -322,7 +322,7 @@ class CommOps(Reductions):
 
     @staticmethod
     def _check_counts(counts: list[int], lengths: list[int]) -> None:
-        check_lengths(f"output_list holds {counts} elements by rank", counts, lengths)
+        check_lengths("output_list holds {} elements by rank", counts, lengths)
 
     def _alltoall_base(
         self,
