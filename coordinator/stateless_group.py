@@ -28,7 +28,14 @@ from device_communicators import checks
 from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import resolve_timeout
 
-from .errors import ClosedError, GroupcoordTimeoutError, GroupcoordValueError, PeerDiedError
+from .errors import (
+    ClosedError,
+    DesyncError,
+    GroupcoordTimeoutError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+    PeerDiedError,
+)
 
 
 class StatelessProcessGroup:
@@ -152,12 +159,12 @@ class StatelessProcessGroup:
 
     def all_gather_obj(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
-        return self._gather("all_gather_obj", dumps(obj), timeout, decode=True)
+        return self._gather("all_gather_obj", "all_gather_obj()", obj, timeout)
 
     def barrier(self, timeout: float | datetime.timedelta = 30.0) -> None:
         """Return once every rank has called ``barrier`` (vLLM's 30 s default);
         a timeout names the absent ranks."""
-        self._gather("barrier", b"", resolve_timeout(timeout), decode=False)
+        self._gather("barrier", "barrier()", None, resolve_timeout(timeout))
 
     # ---- tensors (through the store, as objects: for small control tensors) -----------
 
@@ -174,19 +181,18 @@ class StatelessProcessGroup:
         return tensor if self.rank == src else _fill(tensor, got, f"broadcast from rank {src}")
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        """Every rank's ``tensor`` reduced (SUM, PRODUCT, MAX, MIN) in rank order; new tensor."""
-        parts = self.all_gather_obj(tensor)
-        reducers: dict[Any, Any] = {
-            dist.ReduceOp.SUM: torch.add,
-            dist.ReduceOp.PRODUCT: torch.mul,
-            dist.ReduceOp.MAX: torch.maximum,
-            dist.ReduceOp.MIN: torch.minimum,
-        }
-        if op not in reducers:
+        """Every rank's ``tensor`` reduced (SUM, PRODUCT, MAX, MIN) in rank order; new
+        tensor. Ranks whose dtypes, shapes or ops differ raise ``DesyncError``."""
+        if not isinstance(tensor, torch.Tensor):
+            raise GroupcoordTypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if op not in _REDUCERS:
             raise GroupcoordValueError(f"op: expected SUM, PRODUCT, MAX or MIN, got {op!r}")
+        name, reduce = _REDUCERS[op]
+        call = f"all_reduce({str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}, {name})"
+        parts = self._gather("all_reduce", call, tensor, None)
         out = parts[0].clone()
         for part in parts[1:]:
-            out = reducers[op](out, part)
+            out = reduce(out, part)
         return out
 
     def close(self, timeout: float | None = None) -> None:
@@ -221,11 +227,18 @@ class StatelessProcessGroup:
             return set()
         return {int(r) for r in store.get("close/left").decode().split(",") if r}
 
-    def _gather(self, operation: str, payload: bytes, timeout: float | None, decode: bool) -> Any:
+    def _gather(self, operation: str, call: str, obj: Any, timeout: float | None) -> list[Any]:
+        """Every rank's ``obj``, in rank order. Each rank posts its ``call`` (what it
+        was asked, e.g. ``all_reduce(float32[4], SUM)``) with its object, and every
+        rank checks every rank's: ranks whose calls differ (a barrier against an
+        all-gather, an all-reduce of other shapes or ops) all raise ``DesyncError``
+        naming both, after the call, so they stay in step (a bare gather of
+        objects answered them with each other's values, or a sum of other shapes)."""
         # A bad timeout is refused before anything is posted (a posted value would
         # meet the peers' next call).
         timeout = self.timeout_s if timeout is None else resolve_timeout(timeout)
         store = self._live_store()
+        payload = dumps((call, obj))
         # The sequence number advances only on success: a call that timed out
         # can be retried and meets the late ranks' first attempt.
         seq = self._gather_seq
@@ -238,12 +251,18 @@ class StatelessProcessGroup:
             missing=lambda: [r for r, k in enumerate(keys) if not store.check([k])],
         )
         self._gather_seq += 1
-        values = []
-        if decode:
-            with self._store_call(operation):
-                values = store.multi_get(keys)
+        with self._store_call(operation):
+            values = store.multi_get(keys)
         self._confirm(f"gather/{seq}", operation, timeout)
-        return [loads(v) for v in values] if decode else None
+        records = [loads(v) for v in values]
+        for r, (theirs, _) in enumerate(records):
+            if theirs != call:
+                raise DesyncError(
+                    f"{self._what()}: rank {self.rank} called {call} as collective #{seq}, "
+                    f"rank {r} called {theirs}: the ranks' calls are out of step (no result "
+                    "returned)"
+                )
+        return [got for _, got in records]
 
     def _confirm(self, key: str, operation: str, timeout: float | None) -> None:
         """Every other rank reports that it has its result; the store host (rank 0)
@@ -326,6 +345,15 @@ class StatelessProcessGroup:
 
     def _check_peer(self, value: int, name: str) -> None:
         checks.rank(value, name, self.world_size, self.rank)
+
+
+# all_reduce's ops: their names (in the call each rank posts) and how they combine.
+_REDUCERS: dict[Any, tuple[str, Any]] = {
+    dist.ReduceOp.SUM: ("SUM", torch.add),
+    dist.ReduceOp.PRODUCT: ("PRODUCT", torch.mul),
+    dist.ReduceOp.MAX: ("MAX", torch.maximum),
+    dist.ReduceOp.MIN: ("MIN", torch.minimum),
+}
 
 
 def _set(store: dist.Store, key: str, value: bytes) -> None:

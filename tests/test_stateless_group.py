@@ -6,8 +6,10 @@ import os
 import time
 
 import pytest
+import torch
+from torch.distributed import ReduceOp
 
-from coordinator.errors import GroupcoordTimeoutError, GroupcoordValueError
+from coordinator.errors import DesyncError, GroupcoordTimeoutError, GroupcoordValueError
 from coordinator.launch import run_ranks, start_ranks
 from coordinator.stateless_group import StatelessProcessGroup
 
@@ -104,6 +106,44 @@ def test_bad_arguments_raise_at_the_call_site_and_the_group_stays_usable() -> No
     assert "dst=2 is not a rank of this group" in errors[1]
     assert "src=-1" in errors[2]
     assert "src=7" in errors[3]
+
+
+def _calls_that_differ(rank: int, world_size: int) -> tuple[list[str], list, list]:
+    group = _join(rank, world_size, timeout=30)
+    last = rank == world_size - 1  # the one rank whose call differs
+    messages = []
+    for call in (
+        # Another shape: the sum broadcast a [1] into the others' [4].
+        lambda: group.all_reduce(torch.ones(1 if last else 4)),
+        # Another dtype: promoted silently; another op: each rank its own result.
+        lambda: group.all_reduce(torch.ones(4, dtype=torch.int64 if last else torch.float32)),
+        lambda: group.all_reduce(torch.ones(4), ReduceOp.MAX if last else ReduceOp.SUM),
+        # Another collective: the all-reduce added the gathered 5 to its tensor.
+        lambda: group.all_gather_obj(5) if last else group.all_reduce(torch.ones(4)),
+        lambda: group.all_gather_obj({"x": 1}) if last else group.barrier(),
+    ):
+        with pytest.raises(DesyncError) as info:
+            call()
+        messages.append(str(info.value))
+    # Still in step and usable.
+    gathered = group.all_gather_obj(rank)
+    total = group.all_reduce(torch.full((2,), float(rank))).tolist()
+    group.close()
+    return messages, gathered, total
+
+
+def test_calls_that_differ_raise_on_every_rank_naming_both() -> None:
+    results = run_ranks(_calls_that_differ, 3, timeout=60)
+    for rank, (messages, gathered, total) in enumerate(results):
+        other = "rank 0" if rank == 2 else "rank 2"
+        assert "all_reduce(float32[1], SUM)" in messages[0] and other in messages[0]
+        assert "all_reduce(float32[4], SUM)" in messages[0]
+        assert "all_reduce(int64[4], SUM)" in messages[1]
+        assert "all_reduce(float32[4], MAX)" in messages[2]
+        assert "all_gather_obj()" in messages[3] and "all_reduce(float32[4], SUM)" in messages[3]
+        assert "all_gather_obj()" in messages[4] and "barrier()" in messages[4]
+        assert gathered == [0, 1, 2]
+        assert total == [3.0, 3.0]
 
 
 def test_create_refuses_a_rank_outside_the_world() -> None:
