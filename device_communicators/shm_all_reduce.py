@@ -450,11 +450,11 @@ class ShmAllReduce(ShmBase):
         reads, at = self.peer_reads, out.data_ptr()
         if nbytes > LEAN_MAX_BYTES and reads is not None:
             addresses = [part.data_ptr() for part in parts] or [0]
-            if me == src:
-                ctypes.memmove(at, addresses[me], nbytes)
 
             def read(s: int) -> None:
-                if me != src:
+                if me == src:  # its own part, while the peers read theirs
+                    ctypes.memmove(at, addresses[me], nbytes)
+                else:
                     reads.read(src, at, slots.posted(s, src, me), nbytes, "scatter")
 
             with self._desync_guard:
