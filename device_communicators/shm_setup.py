@@ -121,8 +121,10 @@ class ShmBase(AllReduceBackend):
         cap = config.shm_all_reduce_max_bytes if max_bytes is None else max_bytes
         if cap <= 0:
             raise GroupcoordValueError(f"max_bytes must be positive, got {cap}")
-        # One slot holds one piece; the configured cap can only make pieces smaller.
-        self.max_bytes = align_up(min(cap, PIPELINE_PIECE_BYTES), LINE)
+        # One slot holds one piece; the configured cap can only make pieces smaller,
+        # never below what a call posts in a slot (an all_to_all_v's counts: two
+        # int64s per rank).
+        self.max_bytes = align_up(max(min(cap, PIPELINE_PIECE_BYTES), 16 * self.world_size), LINE)
         self.timeout_s = resolve_timeout(timeout_s)
         self.peer_check_interval_s = config.peer_check_interval_s
         self.disabled_reason: str | None = None

@@ -492,6 +492,32 @@ def test_rooted_calls_barrier_and_all_to_all_on_shared_memory_at_every_size(
     assert run_ranks(_rooted_on_shared_memory, world, peer_reads, timeout=120) == [[]] * world
 
 
+def _all_to_all_v_in_tiny_slots(rank: int, world: int, cap: int) -> list[int]:
+    from shm_broadcast.config import set_config
+
+    # Slots no larger than a rank's counts (two int64s a rank): they set the
+    # slots' floor, and the data goes through in rounds of a slot each.
+    set_config(shm_all_reduce_max_bytes=cap, disable_peer_reads=True)
+    comm = new_comm("gloo", "cpu", "tiny", timeout=30)
+    wrong = []
+    for k in (0, 1, 300):
+        sends = [(rank + q) * k for q in range(world)]
+        recvs = [(r + rank) * k for r in range(world)]
+        inp = torch.cat([torch.full((n, 3), float(100 * rank + q)) for q, n in enumerate(sends)])
+        out = torch.full((sum(recvs), 3), -1.0)
+        comm.all_to_all_v_single(out, inp, recvs, sends)
+        want = torch.cat([torch.full((n, 3), float(100 * r + rank)) for r, n in enumerate(recvs)])
+        if not torch.equal(out, want):
+            wrong.append(k)
+    comm.finalize()
+    return wrong
+
+
+@pytest.mark.parametrize(("world", "cap"), [(3, 1), (5, 64)])
+def test_all_to_all_v_through_the_smallest_slots(world: int, cap: int) -> None:
+    assert run_ranks(_all_to_all_v_in_tiny_slots, world, cap, timeout=120) == [[]] * world
+
+
 def _splits_disagree(rank: int, world: int, shm: bool) -> tuple[list[str], list[float]]:
     from shm_broadcast.config import set_config
     from shm_broadcast.errors import DesyncError
