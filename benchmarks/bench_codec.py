@@ -10,6 +10,12 @@ tensor, and 256 token ids per request for 16 requests. Times are the best of
 
     python benchmarks/bench_codec.py            # full run
     python benchmarks/bench_codec.py --quick    # a few seconds
+    python benchmarks/bench_codec.py --instructions   # under valgrind, about 1 minute
+
+``--instructions`` counts the CPU instructions of one encode and of one
+read + decode (callgrind, instrumenting only the measured loops): a count
+that does not move with the machine's load, for changes too small to see
+through the noise of a shared 2-core host.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import ctypes
 import dataclasses
 import os
 import pickle
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -117,6 +126,105 @@ def _measure_one(
     return row
 
 
+INSTRUCTION_CALLS = 2_000
+_READY, _DONE = "ready", "done"
+
+
+def _phases(calls: int) -> list[tuple[str, Callable[[], object], int]]:
+    """(name, one call, how many) for the instruction count: nothing (the loop
+    and the hand-over's own cost, subtracted from the others), then each
+    payload's encode and its read + decode."""
+    from shm_broadcast import add_safe_types
+    from shm_broadcast.codec import _codec, encode_message, read_message, write_message
+
+    add_safe_types([EngineStep])
+    codec = _codec(False)
+    phases: list[tuple[str, Callable[[], object], int]] = [("nothing", lambda: None, calls)]
+    for name, obj in _payloads().items():
+        n = calls // 10 if name.startswith("token ids") else calls
+        view = memoryview(bytearray(1 << 20))  # a chunk of the payload's own
+        write_message(encode_message(obj), view, 64)
+        phases.append((f"{name}: encode", lambda obj=obj: encode_message(obj), n))
+        phases.append((f"{name}: read", lambda view=view: read_message(codec, view, 64), n))
+    return phases
+
+
+def _await_handover(folder: str, name: str) -> None:
+    """The measured process's side of a hand-over: leave ``name`` in ``folder``,
+    wait until the parent removes it."""
+    path = os.path.join(folder, name)
+    open(path, "w").close()
+    while os.path.exists(path):
+        time.sleep(0.005)
+
+
+def _instruction_child(folder: str, calls: int) -> None:
+    phases = _phases(calls)
+    with open(os.path.join(folder, "phases"), "w", encoding="utf-8") as fh:
+        fh.writelines(f"{n} {name}\n" for name, _, n in phases)
+    for _, fn, _ in phases:
+        for _ in range(50):  # warm-up (caches, type specialisation)
+            fn()
+    _await_handover(folder, _READY)
+    for _, fn, n in phases:
+        for _ in range(n):
+            fn()
+        _await_handover(folder, _DONE)
+
+
+def count_instructions(calls: int) -> list[dict[str, Any]] | str:
+    """Instructions per call of each phase (the loop's own cost taken off), or why
+    they cannot be counted here."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        return "valgrind (with callgrind_control) is not installed"
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "callgrind.out")
+        child = subprocess.Popen(
+            [
+                "valgrind", "--tool=callgrind", "--instr-atstart=no",
+                f"--callgrind-out-file={out}",
+                sys.executable, os.path.abspath(__file__),
+                "--instructions-child", folder, "--calls", str(calls),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+        def handover(name: str) -> None:
+            path = os.path.join(folder, name)
+            while not os.path.exists(path):
+                if child.poll() is not None:
+                    raise RuntimeError(f"the process under valgrind exited ({child.returncode})")
+                time.sleep(0.05)
+
+        def control(*args: str) -> None:
+            subprocess.run(
+                ["callgrind_control", *args, str(child.pid)], check=True, capture_output=True
+            )
+
+        try:
+            handover(_READY)
+            control("-i", "on")
+            control("-z")
+            os.remove(os.path.join(folder, _READY))
+            counts = []
+            with open(os.path.join(folder, "phases"), encoding="utf-8") as fh:
+                phases = [line.rstrip("\n").split(" ", 1) for line in fh]
+            for dump, (n, name) in enumerate(phases, start=1):
+                handover(_DONE)
+                control("-d")
+                with open(f"{out}.{dump}", encoding="utf-8") as fh:
+                    total = next(int(line.split()[1]) for line in fh if line.startswith("summary:"))
+                counts.append((name, total / int(n)))
+                os.remove(os.path.join(folder, _DONE))
+        finally:
+            if child.poll() is None:  # a hand-over failed: the child would wait for ever
+                child.kill()
+            child.wait()
+    loop = counts[0][1]
+    return [{"phase": name, "instructions": round(per - loop)} for name, per in counts[1:]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -125,15 +233,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", default="bench_results/codec.json", help="where to write the results"
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per call under valgrind instead of timing",
+    )
+    parser.add_argument("--instructions-child", help=argparse.SUPPRESS)
+    parser.add_argument("--calls", type=int, default=INSTRUCTION_CALLS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.instructions_child:
+        _instruction_child(args.instructions_child, args.calls)
+        return 0
+    command = reproduce_command(
+        ["benchmarks/bench_codec.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    if args.instructions:
+        counted = count_instructions(args.calls)
+        if isinstance(counted, str):
+            print(f"cannot count instructions: {counted}")
+            return 2
+        print_table(counted, ["phase", "instructions"])
+        print("\nCPU instructions per call (callgrind), the measuring loop's own taken off.")
+        print(f"reproduce: {command}")
+        return 0
     rows = measure(2_000 if args.quick else 20_000)
     print_table(rows, COLUMNS)
     print(
         "\nus per message, best of 7 rounds; ours = encode + write into a chunk + read and "
         "decode; pickle = dumps + loads (protocol 5, out-of-band buffers); ratio_vs_pickle = pickle / ours."
-    )
-    command = reproduce_command(
-        ["benchmarks/bench_codec.py", *(argv if argv is not None else sys.argv[1:])]
     )
     data = {"benchmark": "codec", "command": command, "environment": environment(), "rows": rows}
     print(f"JSON: {write_json(args.json, data)}")

@@ -39,6 +39,7 @@ DTYPE_CODES: dict[Any, int] = {}  # torch dtype -> its code, filled on first use
 _BY_CODE: list[Any] = []  # code -> torch dtype (None where this torch lacks it)
 _TENSOR_META: dict[int, struct.Struct] = {}  # ndim -> layout of the tensor's header
 _TENSOR_META_BY_SIZE: dict[int, struct.Struct] = {}  # its byte size -> the same
+_META_1D = struct.Struct("<BIQ")  # the common case, packed without building a tuple of dims
 
 
 def dtype_name(dtype: Any) -> str:
@@ -80,6 +81,8 @@ def dtype_code(dtype: Any) -> int:
 
 def tensor_meta(code: int, frame: int, shape: Any) -> bytes:
     """The wire header of a tensor: dtype code, frame index, shape."""
+    if len(shape) == 1:
+        return _META_1D.pack(code, frame, shape[0])
     layout = _TENSOR_META.get(len(shape))
     if layout is None:
         layout = _TENSOR_META[len(shape)] = struct.Struct("<BI" + "Q" * len(shape))
@@ -167,10 +170,17 @@ def decode_tensor(meta: Any, frames: Any, owned: bool) -> Any:
     one copy out of the frame, or none when ``owned`` (the frames are buffers made
     for this message, which the tensor then keeps). The hot path of small-tensor
     messages: one call, no helper on the common 1-D path."""
-    layout = _TENSOR_META_BY_SIZE.get(len(meta))
-    if layout is None:
-        layout = _meta_layout(len(meta))
-    code, idx, *shape = layout.unpack(meta)
+    if len(meta) == _META_1D.size:
+        code, idx, numel = _META_1D.unpack(meta)
+        shape = None
+    else:
+        layout = _TENSOR_META_BY_SIZE.get(len(meta))
+        if layout is None:
+            layout = _meta_layout(len(meta))
+        code, idx, *shape = layout.unpack(meta)
+        numel = 1
+        for dim in shape:
+            numel *= dim
     dtype = _BY_CODE[code] if code < len(_BY_CODE) else None
     if dtype is None:
         dtype = _dtype_of_code(code)
@@ -178,20 +188,14 @@ def decode_tensor(meta: Any, frames: Any, owned: bool) -> Any:
         raise ProtocolError(f"message refers to frame {idx} of {len(frames)}")
     frame = frames[idx]
     nbytes = len(frame)
-    if len(shape) == 1:
-        numel = shape[0]
-    else:
-        numel = 1
-        for dim in shape:
-            numel *= dim
     if numel * dtype.itemsize != nbytes:
         raise ProtocolError(
-            f"tensor {dtype}{shape} needs {numel * dtype.itemsize} bytes, got {nbytes}"
+            f"tensor {dtype}{[numel] if shape is None else shape} needs "
+            f"{numel * dtype.itemsize} bytes, got {nbytes}"
         )
-    import torch
-
+    torch = sys.modules["torch"]  # a dtype was found: torch is loaded (no import statement's cost)
     if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(numel if shape is None else shape, dtype=dtype)
     if owned:
         flat = torch.frombuffer(frame, dtype=dtype)  # the tensor keeps the buffer alive
     elif nbytes >= LARGE_DECODE_BYTES:
@@ -200,7 +204,7 @@ def decode_tensor(meta: Any, frames: Any, owned: bool) -> Any:
         flat = torch.frombuffer(copy, dtype=dtype)  # the tensor keeps the buffer alive
     else:
         flat = torch.frombuffer(bytearray(frame), dtype=dtype)
-    if len(shape) == 1:
+    if shape is None:
         return flat
     return flat.view(shape) if shape else flat.view(())
 

@@ -169,3 +169,27 @@ def test_the_desync_benchmark_measures_the_check_it_names() -> None:
 
     assert _per_call_ns(2, 200) > 0
     assert min(run_ranks(_comm_all_reduce_us, 2, True, timeout=120)) > 0
+
+
+def test_the_codec_benchmark_counts_each_payloads_own_read(monkeypatch, capsys) -> None:
+    import torch
+
+    from benchmarks import bench_codec
+
+    phases = bench_codec._phases(10)
+    assert [name for name, _, _ in phases][:3] == [
+        "nothing",
+        "small object: encode",
+        "small object: read",
+    ]
+    read = {name[: -len(": read")]: fn() for name, fn, _ in phases if name.endswith(": read")}
+    assert read["small object"]["request"] == 12345
+    assert type(read["engine step"]).__name__ == "EngineStep"
+    assert read["engine step"].input_ids is not None
+    assert read["engine step, no tensors"].input_ids is None
+    assert torch.equal(read["tensor 4 KiB"], torch.arange(1024, dtype=torch.float32))
+    assert read["token ids 16 x 256"][3][:2] == [3, 4]
+    # Without valgrind the instruction count says why, and nothing else runs.
+    monkeypatch.setattr(bench_codec.shutil, "which", lambda name: None)
+    assert bench_codec.main(["--instructions"]) == 2
+    assert "valgrind" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import datetime
 import decimal
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import uuid
@@ -380,6 +381,27 @@ def test_forged_frame_reference_is_rejected():
     with pytest.raises(ProtocolError):
         codec.decode(header, [])  # the tensor's frame is missing
     assert loads(good).sum().item() == 4.0
+
+
+@pytest.mark.parametrize(
+    ("layout", "values", "frame", "said"),
+    [
+        ("<BIQ", (11, 0, 5), bytes(32), r"torch.int64\[5\] needs 40 bytes, got 32"),
+        ("<BIQQ", (0, 0, 2, 3), bytes(20), r"torch.float32\[2, 3\] needs 24 bytes, got 20"),
+        ("<BIQ", (250, 0, 1), bytes(8), "dtype code 250"),
+        ("<BIQ", (11, 3, 1), bytes(8), "frame 3 of 1"),
+        ("<BIQx", (11, 0, 1), bytes(8), "tensor header of 14 bytes"),
+    ],
+    ids=["1-D", "2-D", "dtype", "frame", "header"],
+)
+def test_crafted_tensor_headers_raise_protocol_error(layout, values, frame, said):
+    # The 1-D header has a path of its own (no tuple of dims): both are checked alike.
+    from shm_broadcast import framing as wire
+
+    meta = struct.pack(layout, *values)
+    header = msgspec.msgpack.encode(msgspec.msgpack.Ext(wire.EXT_TENSOR, meta))
+    with pytest.raises(ProtocolError, match=said):
+        Codec().decode(header, [memoryview(frame)], owned=True)
 
 
 def test_unimported_struct_module_is_not_imported_by_decode():
