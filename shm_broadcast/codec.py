@@ -128,6 +128,7 @@ class Codec:
                 # An int beyond 64 bits: redo the (rare) slow walk that wraps them.
                 self._frames = []
                 self._frame_lens = []
+                self._keepalive = []
                 self._bigints = True
                 header = self._enc.encode(self._walk(obj))
             return EncodedMessage(header, self._frames, self._frame_lens, self._keepalive)
