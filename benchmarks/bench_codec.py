@@ -25,8 +25,6 @@ import ctypes
 import dataclasses
 import os
 import pickle
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _callgrind import DONE, READY, await_handover, count_instructions, missing_tools  # noqa: E402
 from _common import environment, print_table, reproduce_command, write_json  # noqa: E402
 from bench_mq import EngineStep, _engine_step  # noqa: E402
 
@@ -127,7 +126,6 @@ def _measure_one(
 
 
 INSTRUCTION_CALLS = 2_000
-_READY, _DONE = "ready", "done"
 
 
 def _phases(calls: int) -> list[tuple[str, Callable[[], object], int]]:
@@ -149,15 +147,6 @@ def _phases(calls: int) -> list[tuple[str, Callable[[], object], int]]:
     return phases
 
 
-def _await_handover(folder: str, name: str) -> None:
-    """The measured process's side of a hand-over: leave ``name`` in ``folder``,
-    wait until the parent removes it."""
-    path = os.path.join(folder, name)
-    open(path, "w").close()
-    while os.path.exists(path):
-        time.sleep(0.005)
-
-
 def _instruction_child(folder: str, calls: int) -> None:
     phases = _phases(calls)
     with open(os.path.join(folder, "phases"), "w", encoding="utf-8") as fh:
@@ -165,64 +154,26 @@ def _instruction_child(folder: str, calls: int) -> None:
     for _, fn, _ in phases:
         for _ in range(50):  # warm-up (caches, type specialisation)
             fn()
-    _await_handover(folder, _READY)
+    await_handover(folder, READY)
     for _, fn, n in phases:
         for _ in range(n):
             fn()
-        _await_handover(folder, _DONE)
+        await_handover(folder, DONE)
 
 
-def count_instructions(calls: int) -> list[dict[str, Any]] | str:
+def count_codec_instructions(calls: int) -> list[dict[str, Any]] | str:
     """Instructions per call of each phase (the loop's own cost taken off), or why
     they cannot be counted here."""
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        return "valgrind (with callgrind_control) is not installed"
+    missing = missing_tools()
+    if missing is not None:
+        return missing
     with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "callgrind.out")
-        child = subprocess.Popen(
-            [
-                "valgrind", "--tool=callgrind", "--instr-atstart=no",
-                f"--callgrind-out-file={out}",
-                sys.executable, os.path.abspath(__file__),
-                "--instructions-child", folder, "--calls", str(calls),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-
-        def handover(name: str) -> None:
-            path = os.path.join(folder, name)
-            while not os.path.exists(path):
-                if child.poll() is not None:
-                    raise RuntimeError(f"the process under valgrind exited ({child.returncode})")
-                time.sleep(0.05)
-
-        def control(*args: str) -> None:
-            subprocess.run(
-                ["callgrind_control", *args, str(child.pid)], check=True, capture_output=True
-            )
-
-        try:
-            handover(_READY)
-            control("-i", "on")
-            control("-z")
-            os.remove(os.path.join(folder, _READY))
-            counts = []
-            with open(os.path.join(folder, "phases"), encoding="utf-8") as fh:
-                phases = [line.rstrip("\n").split(" ", 1) for line in fh]
-            for dump, (n, name) in enumerate(phases, start=1):
-                handover(_DONE)
-                control("-d")
-                with open(f"{out}.{dump}", encoding="utf-8") as fh:
-                    total = next(int(line.split()[1]) for line in fh if line.startswith("summary:"))
-                counts.append((name, total / int(n)))
-                os.remove(os.path.join(folder, _DONE))
-        finally:
-            if child.poll() is None:  # a hand-over failed: the child would wait for ever
-                child.kill()
-            child.wait()
-    loop = counts[0][1]
-    return [{"phase": name, "instructions": round(per - loop)} for name, per in counts[1:]]
+        command = [
+            sys.executable, os.path.abspath(__file__),
+            "--instructions-child", folder, "--calls", str(calls),
+        ]  # fmt: skip
+        counted = count_instructions(command, folder)
+    return [{"phase": name, "instructions": n} for name, n in counted]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         ["benchmarks/bench_codec.py", *(argv if argv is not None else sys.argv[1:])]
     )
     if args.instructions:
-        counted = count_instructions(args.calls)
+        counted = count_codec_instructions(args.calls)
         if isinstance(counted, str):
             print(f"cannot count instructions: {counted}")
             return 2

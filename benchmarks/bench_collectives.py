@@ -40,6 +40,14 @@ torch ops competes with the collective. MPI (mpi4py over MPICH's shared-memory t
 ``mpiexec``; the ``bench`` extra installs both) is a third column for
 all_reduce, all_gather, reduce_scatter, broadcast and send_recv: ``mpi_us`` and ``mpi_ratio`` = MPI
 time / ours (> 1: ours is faster); without it the column says why it is empty.
+
+``--instructions`` counts instead of timing: the CPU instructions one
+``GroupCoordinator`` call of each of ``INSTRUCTION_OPS`` (those of ``--ops``;
+4 KiB unless ``--sizes``) executes on rank 0 of a world of 2, rank 0 under
+valgrind's callgrind (``_callgrind.py``) and rank 1 running natively. Rank 0,
+some 50 times slower there, is the last to arrive at every barrier, so its
+count is its own work, without waiting: the per-call cost of the lean path
+that decides small calls, a number the host's load does not move (about 1 minute).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +66,14 @@ from coordinator.launch import free_port, run_ranks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (  # noqa: E402 - after the path set-up above
+from _callgrind import (  # noqa: E402 - after the path set-up above
+    DONE,
+    READY,
+    await_handover,
+    count_instructions,
+    missing_tools,
+)
+from _common import (  # noqa: E402
     environment,
     human_bytes,
     init_gloo_rank,
@@ -491,6 +507,84 @@ def run_world(
     return rows
 
 
+INSTRUCTION_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+INSTRUCTION_CALLS = 2_000
+
+
+def _instruction_rank(rank: int, port: int, folder: str, sizes: list[int], ops: list[str]) -> None:
+    """One rank of ``--instructions``: the same phases on both ranks, rank 0 (under
+    valgrind) handing over to the parent around them (``_callgrind.py``)."""
+    import torch
+
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo_rank(rank, 2, port, timeout_s=600)
+    group = GroupCoordinator(
+        [[0, 1]], rank, "gloo", True, use_message_queue_broadcaster=False, group_name="bench"
+    )
+    if rank == 1 and group._small is not None:
+        # Rank 1 waits ~0.5 ms a call for rank 0 under valgrind: it must not fall
+        # asleep, or rank 0 would count the doorbell's system call in every call.
+        lines = group._small.owner._lines
+        assert lines is not None
+        lines.spin_s = 3600.0
+    calls: dict[str, Callable[[torch.Tensor], object]] = {
+        "all_reduce": group.all_reduce,
+        "all_gather": lambda t: group.all_gather(t, 0),
+        "reduce_scatter": lambda t: group.reduce_scatter(t, 0),
+        "broadcast": lambda t: group.broadcast(t, 0),
+    }
+    phases: list[tuple[str, Callable[[], object], int]] = [
+        ("nothing", lambda: None, INSTRUCTION_CALLS)
+    ]
+    for op in ops:
+        for size in sizes:
+            tensor = torch.ones(size // 4)
+            name = f"{op} {human_bytes(size)}"
+            phases.append((name, lambda f=calls[op], t=tensor: f(t), INSTRUCTION_CALLS))
+    if rank == 0:
+        with open(os.path.join(folder, "phases"), "w", encoding="utf-8") as fh:
+            fh.writelines(f"{n} {name}\n" for name, _, n in phases)
+    for _, fn, _ in phases:
+        for _ in range(100):  # warm-up: plans, caches, type specialisation
+            fn()
+    if rank == 0:
+        await_handover(folder, READY)
+    for _, fn, n in phases:
+        for _ in range(n):
+            fn()
+        if rank == 0:
+            await_handover(folder, DONE)
+    group.destroy()
+
+
+def count_call_instructions(sizes: list[int], ops: list[str]) -> list[dict[str, Any]] | str:
+    """Rank 0's instructions per call of each op and size at world 2 (the loop's own
+    cost taken off), or why they cannot be counted here."""
+    missing = missing_tools()
+    if missing is not None:
+        return missing
+    port = free_port()
+    with tempfile.TemporaryDirectory() as folder:
+
+        def rank_command(rank: int) -> list[str]:
+            return [
+                sys.executable, os.path.abspath(__file__), "--instructions-rank", str(rank),
+                "--instructions-at", f"{port}:{folder}",
+                "--sizes", ",".join(map(str, sizes)), "--ops", ",".join(ops),
+            ]  # fmt: skip
+
+        peer = subprocess.Popen(rank_command(1), stdout=subprocess.DEVNULL)
+        try:
+            counted = count_instructions(rank_command(0), folder, peers=[peer])
+            peer.wait(timeout=120)
+        finally:
+            if peer.poll() is None:
+                peer.kill()
+                peer.wait()
+    return [{"call": name, "instructions": n} for name, n in counted]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -514,18 +608,48 @@ def main(argv: list[str] | None = None) -> int:
         "--interleave", action="store_true", help="an engine step's other work between calls"
     )
     parser.add_argument("--no-mpi", action="store_true", help="leave the MPI column out")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count rank 0's instructions per call under valgrind instead of timing",
+    )
+    parser.add_argument("--instructions-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--instructions-at", help=argparse.SUPPRESS)  # port:folder
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
+    counting = args.instructions or args.instructions_rank is not None
     sizes = (
         [int(s) for s in args.sizes.split(",")]
         if args.sizes
+        else [4 << 10]
+        if counting
         else (QUICK_SIZES if args.quick else FULL_SIZES)
     )
     ops = args.ops.split(",")
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         parser.error(f"--ops: unknown {unknown}; known: {OPS}")
+    if counting:
+        ops = [op for op in ops if op in INSTRUCTION_OPS]
+        if not ops:
+            parser.error(f"--instructions counts {list(INSTRUCTION_OPS)}; --ops names none")
+    if args.instructions_rank is not None:
+        port, folder = args.instructions_at.split(":", 1)
+        _instruction_rank(args.instructions_rank, int(port), folder, sizes, ops)
+        return 0
     command = reproduce_command(None if argv is None else [sys.argv[0], *argv])
+    if args.instructions:
+        counted = count_call_instructions(sizes, ops)
+        if isinstance(counted, str):
+            print(f"cannot count instructions: {counted}")
+            return 2
+        print_table(counted, ["call", "instructions"])
+        print(
+            "\nCPU instructions per GroupCoordinator call on rank 0 of 2 (callgrind), the "
+            "measuring loop's own taken off."
+        )
+        print(f"reproduce: {command}")
+        return 0
     print(f"# {command}", flush=True)
     default_threads = prepare_parent()
     print(f"# threads 'default': torch's default here, {default_threads}", flush=True)

@@ -173,16 +173,18 @@ class GroupCoordinator(GroupMessaging):
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s ``input_`` on every rank, in place (out of place under torch.compile)."""
+        if self.world_size > 1 and not torch.compiler.is_compiling():
+            # The lean path takes only valid arguments; the checks below are for the rest.
+            small = self._lean()
+            if small is not None and small.broadcast(input_, src) is not None:
+                self._collective_seq += 1
+                return input_
         self._check_index(src, "src")
         checks.traced_tensor(input_, "input_")
         if self.world_size == 1:
             return input_
         if torch.compiler.is_compiling():
             return torch.ops.groupcoord.broadcast(input_, src, self.unique_name)
-        small = self._lean()
-        if small is not None and small.broadcast(input_, src) is not None:
-            self._collective_seq += 1
-            return input_
         return self._broadcast_eager(input_, src)
 
     def _all_gather_now(self, input_: torch.Tensor, dim: int) -> torch.Tensor:

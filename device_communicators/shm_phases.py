@@ -324,19 +324,16 @@ class PhaseLines:
         counters[at + 1] = ((calls & _CALL_MASK) << _COUNT_BITS) | count
         self._check_pending = True
 
-    def _check_agreement(self, phase: int) -> None:
-        """After the call's first barrier (``phase``) every rank's stamp is visible
-        (stored before its counter): any rank that called something else fails the
-        call everywhere. Every rank sees a mismatch, so with an ``on_desync`` hook
-        each runs it and then meets the others once more (``phase + 1``, which no
-        call of this generation reaches now), so no rank goes on before every rank's
-        clean-up is done."""
-        self._check_pending = False
+    def _check_agreement(self, phase: int, code: int, word: int) -> None:
+        """A peer's stamp differs from this rank's (``code``, ``word``) after the
+        call's first barrier (``phase``), when every rank's is visible (stored before
+        its counter): unless the call lets the counts differ and only they do, the
+        call fails everywhere. Every rank sees a mismatch, so with an ``on_desync``
+        hook each runs it and then meets the others once more (``phase + 1``, which
+        no call of this generation reaches now), so no rank goes on before every
+        rank's clean-up is done."""
         counters = self._counters
-        parity = self.calls & 1
-        me = self._my_stamp[parity]
-        code, word = counters[me], counters[me + 1]
-        for at in self._peer_stamps[parity]:
+        for at in self._peer_stamps[self.calls & 1]:
             if counters[at] != code or counters[at + 1] != word:
                 if code & VARYING_COUNTS and counters[at] == code:
                     if (counters[at + 1] ^ word) >> _COUNT_BITS == 0:
@@ -387,8 +384,15 @@ class PhaseLines:
             if counters[i] < phase:
                 self._wait_all(phase)
                 break
-        if self._check_pending:
-            self._check_agreement(phase)
+        if self._check_pending:  # the call's first barrier: every rank's stamp is visible
+            self._check_pending = False
+            parity = self.calls & 1
+            me = self._my_stamp[parity]
+            code, word = counters[me], counters[me + 1]
+            for at in self._peer_stamps[parity]:
+                if counters[at] != code or counters[at + 1] != word:
+                    self._check_agreement(phase, code, word)
+                    break
 
     def _wait_all(self, phase: int) -> None:
         if self.all_reached(phase):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+
+import pytest
 
 from coordinator.cli import bench
 
@@ -161,9 +164,9 @@ def test_the_collectives_benchmark_times_point_to_point_through_comm_too(tmp_pat
 
 
 def test_the_desync_benchmark_measures_the_check_it_names() -> None:
-    """Its in-process timing calls the control lines' check directly: a change of
-    that method's signature broke the benchmark (the twenty-ninth session) with the
-    suite green. One short round of two of its measurements."""
+    """Its in-process timing drives the control lines' stamp and barrier directly: a
+    change of the check's signature once broke the benchmark (the twenty-ninth
+    session) with the suite green. One short round of two of its measurements."""
     from benchmarks.bench_desync import _comm_all_reduce_us, _per_call_ns
     from coordinator.launch import run_ranks
 
@@ -190,6 +193,61 @@ def test_the_codec_benchmark_counts_each_payloads_own_read(monkeypatch, capsys) 
     assert torch.equal(read["tensor 4 KiB"], torch.arange(1024, dtype=torch.float32))
     assert read["token ids 16 x 256"][3][:2] == [3, 4]
     # Without valgrind the instruction count says why, and nothing else runs.
-    monkeypatch.setattr(bench_codec.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     assert bench_codec.main(["--instructions"]) == 2
     assert "valgrind" in capsys.readouterr().out
+
+
+def test_the_collectives_instruction_count_runs_both_ranks_phases_in_step(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """``bench_collectives.py --instructions``' ranks, natively (no valgrind here):
+    rank 0 lists the phases and hands over before and after each while rank 1 runs
+    the same calls, so both finish; this test plays the counting parent's part."""
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks import bench_collectives
+    from benchmarks._callgrind import DONE, READY
+    from coordinator.launch import free_port
+
+    at = f"{free_port()}:{tmp_path}"
+    argv = ["--instructions-at", at, "--ops", "all_reduce,broadcast,barrier", "--sizes", "4096,64"]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, bench_collectives.__file__, "--instructions-rank", str(rank), *argv]
+        )
+        for rank in (0, 1)
+    ]
+
+    def handover(name: str) -> None:
+        path = tmp_path / name
+        deadline = time.monotonic() + 90
+        while not path.exists():
+            assert all(r.poll() is None for r in ranks), [r.returncode for r in ranks]
+            assert time.monotonic() < deadline, f"no {name} hand-over"
+            time.sleep(0.01)
+        path.unlink()
+
+    try:
+        handover(READY)
+        phases = (tmp_path / "phases").read_text().splitlines()
+        # barrier is not an op it counts: left out, not an error.
+        assert [line.split(" ", 1)[1] for line in phases] == [
+            "nothing", "all_reduce 4 KiB", "all_reduce 64 B", "broadcast 4 KiB", "broadcast 64 B",
+        ]  # fmt: skip
+        for _ in phases:
+            handover(DONE)
+        assert [r.wait(timeout=60) for r in ranks] == [0, 0]
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+    # Without valgrind the count says why; --ops naming nothing it counts is refused.
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert bench_collectives.main(["--instructions"]) == 2
+    assert "valgrind" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_collectives.main(["--instructions", "--ops", "barrier"])
+    assert "--ops names none" in capsys.readouterr().err

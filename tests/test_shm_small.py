@@ -289,8 +289,15 @@ def _lean_broadcasts(rank: int, world: int) -> bool:
         small = _rank_tensor(rank, (100,), torch.int64)
         got = group.broadcast(small, 0) if rank == 0 else group._broadcast_eager(small, 0)
         assert torch.equal(got, _rank_tensor(0, (100,), torch.int64))
+        # Bad arguments, which the lean path (tried first) leaves to the checks.
         with pytest.raises(ValueError, match="src"):
             group.broadcast(small, world)
+        with pytest.raises(ValueError, match="src"):
+            group.broadcast(small, -1)
+        with pytest.raises(TypeError, match="src"):
+            group.broadcast(small, True)
+        with pytest.raises(TypeError, match="input_"):
+            group.broadcast(small.tolist(), 0)  # type: ignore[arg-type]
         # Ranks that name different roots are told so, naming both, and stay usable.
         with pytest.raises(DesyncError) as caught:
             group.broadcast(torch.ones(8), rank % 2)
