@@ -12,8 +12,9 @@ import torch
 from torch.distributed import ProcessGroup
 
 from device_communicators import c10d_calls, object_bytes
-from shm_broadcast.codec import dumps, encode_message, loads, message_bytes
+from shm_broadcast.codec import EncodedMessage, encode_message, loads, message_bytes, write_message
 from shm_broadcast.group_io import broadcast_bytes
+from shm_broadcast.host_memory import empty_output
 
 from .errors import DesyncError, GroupcoordTypeError
 from .group_base import GroupBase
@@ -58,34 +59,39 @@ class GroupMessaging(GroupBase):
         if self.mq_broadcaster is not None and src == 0:
             got = self._mq_broadcast(obj)
         else:
-            got = loads(
-                self._broadcast_bytes("broadcast_object", dumps(obj) if mine else None, src)
-            )
+            msg = encode_message(obj) if mine else None  # refuses what it cannot carry, first
+            data = self._broadcast_bytes("broadcast_object", msg, src)
+            got = obj if mine else loads(data)
         return got if mine else expect(got, None, self._called("broadcast_object", src), src)
 
     def _broadcast_bytes(
-        self, operation: str, payload: bytes | None, src: int, pg: ProcessGroup | None = None
-    ) -> bytes:
-        """``src``'s ``payload`` on every rank. A CPU group moves it with its own
-        ``broadcast`` (its length, then its bytes, as ``object_bytes`` tensors:
-        through shared memory when the group has it, fingerprinted, so a rank that
-        called another collective, a plain broadcast of the same size included,
-        raises ``DesyncError``); otherwise, or on another ``pg``, Gloo's broadcasts."""
+        self,
+        operation: str,
+        msg: EncodedMessage | None,
+        src: int,
+        pg: ProcessGroup | None = None,
+    ) -> bytes | memoryview:
+        """``src``'s encoded message ``msg`` on every rank, as bytes ``codec.loads``
+        reads. A CPU group moves it with its own ``broadcast`` (its length, then its
+        bytes, as ``object_bytes`` tensors: through shared memory when the group has
+        it, fingerprinted, so a rank that called another collective, a plain
+        broadcast of the same size included, raises ``DesyncError``), written into
+        and read out of a pooled buffer (``host_memory.empty_output``: a 16 MiB
+        object on fresh pages cost two page-faulting copies on the source, 20 of
+        its 30 ms); the view returned holds that buffer until the caller drops it.
+        Otherwise, or on another ``pg``, Gloo's broadcasts."""
         if pg is not None or self.device.type != "cpu":
+            payload = message_bytes(msg) if msg is not None else None
             return self._collective(operation, broadcast_bytes, pg or self.cpu_group, payload, src)
-        mine = self.rank_in_group == src
-        length = object_bytes.lengths([len(payload) if payload is not None else 0])
+        length = object_bytes.lengths([msg.nbytes if msg is not None else 0])
         self.broadcast(length, src)
         n = object_bytes.read_lengths(length)[0]
-        if n == 0:
-            return b""
-        if mine:
-            assert payload is not None  # the source's, checked by its caller
-            self.broadcast(object_bytes.from_bytes(payload), src)
-            return payload
-        data = torch.empty(n, dtype=object_bytes.OBJECT_DTYPE)
-        self.broadcast(data, src)
-        return object_bytes.to_bytes(data)
+        buffer = empty_output((n,), torch.uint8)
+        view = buffer.numpy().data
+        if msg is not None:  # the source (the lengths' broadcast told every rank n)
+            write_message(msg, view, 0, buffer.data_ptr())
+        self.broadcast(buffer.view(object_bytes.OBJECT_DTYPE), src)
+        return view
 
     def _called(self, operation: str, src: int) -> str:
         """How a ``DesyncError`` names this rank's receive of ``operation`` from ``src``."""
@@ -114,8 +120,8 @@ class GroupMessaging(GroupBase):
         if self.world_size == 1:
             return obj_list
         mine = self.rank_in_group == src
-        payload = dumps([OBJECT_LIST, *obj_list]) if mine else None
-        data = self._broadcast_bytes("broadcast_object_list", payload, src, group)
+        msg = encode_message([OBJECT_LIST, *obj_list]) if mine else None
+        data = self._broadcast_bytes("broadcast_object_list", msg, src, group)
         if mine:
             return obj_list
         called = self._called("broadcast_object_list", src)

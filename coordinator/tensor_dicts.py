@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from device_communicators import c10d_calls
-from shm_broadcast.codec import message_bytes
+from shm_broadcast.codec import EncodedMessage, message_bytes
 from shm_broadcast.p2p_channels import P2PChannels
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
@@ -54,8 +54,8 @@ class Group(Protocol):
     def _recv_bytes(self, src: int, operation: str) -> bytes: ...
     def _called(self, operation: str, src: int) -> str: ...
     def _broadcast_bytes(
-        self, operation: str, payload: bytes | None, src: int, pg: ProcessGroup | None = None
-    ) -> bytes: ...
+        self, operation: str, msg: EncodedMessage | None, src: int, pg: ProcessGroup | None = None
+    ) -> bytes | memoryview: ...
 
 
 # CPU tensors up to this size ride inside the dict's message: one message instead
@@ -88,8 +88,7 @@ def broadcast(
             group._mq_broadcast(encode(described))
         else:
             described, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
-            payload = message_bytes(encode(described))
-            group._broadcast_bytes("broadcast_tensor_dict", payload, src, metadata_group)
+            group._broadcast_bytes("broadcast_tensor_dict", encode(described), src, metadata_group)
         if own:
             for t in tensors:
                 group.broadcast(c10d_calls.dense(t), src)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 from ready_flags import mark, wait_for
@@ -323,6 +324,51 @@ def test_an_object_broadcast_through_the_queue_waits_for_a_living_idle_writer() 
     dead peers (tests/test_vllm_dropin.py), not idle ones."""
     waited = run_ranks(_queue_reader_with_an_idle_writer, 2, timeout=60)[1]
     assert waited > 2.5
+
+
+def _large_objects_without_a_queue(rank: int, world_size: int) -> bool:
+    g = world_group(rank, world_size, use_message_queue_broadcaster=False)
+    try:
+
+        def payload(fill: int) -> dict:
+            return {
+                "data": bytes([fill]) * (3 << 20),  # past the pool's 256 KiB: a pooled buffer
+                "t": torch.full((100_000,), float(fill)),
+                "a": np.full(50_000, fill, dtype=np.int32),
+                "ids": list(range(fill, fill + 5)),
+            }
+
+        def whole(got: dict, fill: int) -> bool:
+            return (
+                got["data"] == bytes([fill]) * (3 << 20)
+                and torch.equal(got["t"], torch.full((100_000,), float(fill)))
+                and bool((got["a"] == fill).all())
+                and got["ids"] == list(range(fill, fill + 5))
+            )
+
+        held = []
+        for fill in (1, 2, 3):  # the receivers keep every result while the next arrives
+            mine = payload(fill) if rank == 0 else None
+            got = g.broadcast_object(mine, src=0)
+            assert got is mine if rank == 0 else whole(got, fill), fill  # the source's own object
+            held.append(got)
+        # Nothing a receiver holds aliases the buffer the next message was read into.
+        assert all(whole(got, fill) for got, fill in zip(held, (1, 2, 3)))
+        lst = [payload(7), "x"] if rank == world_size - 1 else [None, None]
+        assert g.broadcast_object_list(lst, src=world_size - 1) is lst
+        assert whole(lst[0], 7) and lst[1] == "x"
+        return True
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_large_objects_without_a_queue_arrive_whole_and_stay_whole(world_size: int) -> None:
+    """A group without a message queue moves an object's bytes with its own
+    broadcast, through pooled buffers on both sides: what a receiver decoded must
+    own its memory (a later message reuses the buffer), and the source gets its own
+    object back, as vLLM's does."""
+    assert run_ranks(_large_objects_without_a_queue, world_size, timeout=90) == [True] * world_size
 
 
 def _single_reader_queues(rank: int, world_size: int) -> list:

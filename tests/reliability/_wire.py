@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from shm_broadcast.codec import FRAME_ALIGN
+from shm_broadcast.codec import FRAME_ALIGN, EncodedMessage
 
 EXT_PICKLE = 12  # the codec's extension code for an opt-in pickle
 
@@ -53,6 +53,11 @@ class CreatesFile:
 
 def pickle_bomb(path: str) -> bytes:
     """A codec message whose only value is a pickle that would create ``path``."""
+    return wire(pickle_bomb_message(path).header)
+
+
+def pickle_bomb_message(path: str) -> EncodedMessage:
+    """:func:`pickle_bomb` as an encoded message (what the group's object broadcasts send)."""
     import pickle
 
-    return wire(ext(EXT_PICKLE, pickle.dumps(CreatesFile(path))))
+    return EncodedMessage(ext(EXT_PICKLE, pickle.dumps(CreatesFile(path))), [], [], [])

@@ -240,7 +240,7 @@ def pickle_through_groups(rank: int, world: int, path: str, port: int) -> Any:
     from coordinator.stateless_group import StatelessProcessGroup
     from shm_broadcast.codec import Codec, loads
 
-    from ._wire import pickle_bomb
+    from ._wire import pickle_bomb, pickle_bomb_message
 
     init_gloo(rank, world)
     bomb = pickle_bomb(path)
@@ -257,8 +257,9 @@ def pickle_through_groups(rank: int, world: int, path: str, port: int) -> Any:
 
     try:
         if rank == 0:
-            g._broadcast_bytes("broadcast_object", bomb, 0)  # as broadcast_object does
-            g._broadcast_bytes("broadcast_object_list", bomb, 0)  # as broadcast_object_list does
+            bomb_message = pickle_bomb_message(path)
+            g._broadcast_bytes("broadcast_object", bomb_message, 0)  # as broadcast_object does
+            g._broadcast_bytes("broadcast_object_list", bomb_message, 0)  # ... and the list form
             # As send_object does to a peer on this node: through the pair's channel ...
             assert g._p2p_channels.open_to(1, "send_object")
             channel = g._p2p_channels._writers[1]
