@@ -12,9 +12,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from device_communicators import c10d_calls, object_bytes
-from shm_broadcast.codec import EncodedMessage, encode_message, loads, message_bytes, write_message
+from shm_broadcast.codec import EncodedMessage, encode_message, loads, message_bytes
 from shm_broadcast.group_io import broadcast_bytes
-from shm_broadcast.host_memory import empty_output
 
 from .errors import DesyncError, GroupcoordTypeError
 from .group_base import GroupBase
@@ -73,24 +72,18 @@ class GroupMessaging(GroupBase):
     ) -> bytes | memoryview:
         """``src``'s encoded message ``msg`` on every rank, as bytes ``codec.loads``
         reads. A CPU group moves it with its own ``broadcast`` (its length, then its
-        bytes, as ``object_bytes`` tensors: through shared memory when the group has
-        it, fingerprinted, so a rank that called another collective, a plain
-        broadcast of the same size included, raises ``DesyncError``), written into
-        and read out of a pooled buffer (``host_memory.empty_output``: a 16 MiB
-        object on fresh pages cost two page-faulting copies on the source, 20 of
-        its 30 ms); the view returned holds that buffer until the caller drops it.
-        Otherwise, or on another ``pg``, Gloo's broadcasts."""
+        bytes in a pooled buffer, ``object_bytes.message_buffer``, as ``object_bytes``
+        tensors: through shared memory when the group has it, fingerprinted, so a
+        rank that called another collective, a plain broadcast of the same size
+        included, raises ``DesyncError``); the view returned holds the buffer until
+        the caller drops it. Otherwise, or on another ``pg``, Gloo's broadcasts."""
         if pg is not None or self.device.type != "cpu":
             payload = message_bytes(msg) if msg is not None else None
             return self._collective(operation, broadcast_bytes, pg or self.cpu_group, payload, src)
         length = object_bytes.lengths([msg.nbytes if msg is not None else 0])
         self.broadcast(length, src)
-        n = object_bytes.read_lengths(length)[0]
-        buffer = empty_output((n,), torch.uint8)
-        view = buffer.numpy().data
-        if msg is not None:  # the source (the lengths' broadcast told every rank n)
-            write_message(msg, view, 0, buffer.data_ptr())
-        self.broadcast(buffer.view(object_bytes.OBJECT_DTYPE), src)
+        tensor, view = object_bytes.message_buffer(object_bytes.read_lengths(length)[0], msg)
+        self.broadcast(tensor, src)
         return view
 
     def _called(self, operation: str, src: int) -> str:

@@ -104,6 +104,30 @@ class _CreatesFile:
         return (pathlib.Path.touch, (pathlib.Path(self.path),))
 
 
+def _large_broadcasts(rank: int, world_size: int) -> bool:
+    comm = new_comm("gloo", "cpu", "objbig", timeout=60)
+    try:
+        held = []
+        for fill in (1, 2, 3):  # past the pool's 256 KiB: each read into a pooled buffer
+            big = {"data": bytes([fill]) * (2 << 20), "t": torch.full((70_000,), float(fill))}
+            objs = [big, fill] if rank == 0 else [None, None]
+            broadcast_object_list(comm, objs, root=0)
+            held.append(objs)
+        # What a receiver decoded owns its memory: later messages reused the buffer.
+        return all(
+            objs[1] == fill
+            and objs[0]["data"] == bytes([fill]) * (2 << 20)
+            and torch.equal(objs[0]["t"], torch.full((70_000,), float(fill)))
+            for objs, fill in zip(held, (1, 2, 3))
+        )
+    finally:
+        comm.finalize()
+
+
+def test_large_object_broadcasts_arrive_whole_and_stay_whole() -> None:
+    assert run_ranks(_large_broadcasts, 2, timeout=90) == [True, True]
+
+
 def _pickle_refused(rank: int, world_size: int, marker: str) -> str:
     comm = new_comm("gloo", "cpu", "pickle", timeout=30)
     evil = _CreatesFile(marker)

@@ -18,9 +18,11 @@ from device_communicators.object_bytes import (
     OBJECT_DTYPE,
     from_bytes,
     lengths,
+    message_buffer,
     read_lengths,
     to_bytes,
 )
+from shm_broadcast.codec import EncodedMessage
 
 from .ops import CommOps
 
@@ -40,21 +42,20 @@ def all_gather_bytes(
     return [to_bytes(t) for t in outs]
 
 
-def broadcast_bytes(
-    comm: CommOps, data: bytes | None, root: int, timeout: float | datetime.timedelta | None
-) -> bytes:
-    mine = comm.get_rank() == root
-    length = lengths([len(data) if mine and data is not None else 0])
+def broadcast_message(
+    comm: CommOps,
+    msg: EncodedMessage | None,
+    root: int,
+    timeout: float | datetime.timedelta | None,
+) -> memoryview:
+    """``root``'s encoded message (None elsewhere) on every rank, as the bytes
+    ``codec.loads`` reads, in a pooled buffer (``object_bytes.message_buffer``)
+    the view holds until it is dropped."""
+    length = lengths([msg.nbytes if msg is not None else 0])
     comm.broadcast(length, root, timeout=timeout)
-    n = read_lengths(length)[0]
-    if mine:
-        assert data is not None
-        payload = from_bytes(data)
-    else:
-        payload = torch.empty(n, dtype=OBJECT_DTYPE)
-    if n:
-        comm.broadcast(payload, root, timeout=timeout)
-    return data if mine and data is not None else to_bytes(payload)
+    tensor, view = message_buffer(read_lengths(length)[0], msg)
+    comm.broadcast(tensor, root, timeout=timeout)
+    return view
 
 
 def send_bytes(

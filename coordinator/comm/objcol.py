@@ -91,9 +91,10 @@ def broadcast_object_list(
     pickle = _pickle_allowed(weights_only)
     root = checks.rank(root, "root", comm.get_size())
     _check_list(object_list, "object_list")
-    data = codec.dumps(list(object_list), allow_pickle=pickle) if comm.get_rank() == root else None
-    received = bytes_io.broadcast_bytes(comm, data, root, timeout)
-    if comm.get_rank() != root:
+    mine = comm.get_rank() == root
+    msg = codec.encode_message(list(object_list), allow_pickle=pickle) if mine else None
+    received = bytes_io.broadcast_message(comm, msg, root, timeout)
+    if not mine:
         _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
 
 
