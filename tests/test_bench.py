@@ -170,7 +170,7 @@ def test_the_desync_benchmark_measures_the_check_it_names() -> None:
     from benchmarks.bench_desync import _comm_all_reduce_us, _per_call_ns
     from coordinator.launch import run_ranks
 
-    assert _per_call_ns(2, 200) > 0
+    assert _per_call_ns(2, 2000) > 0
     assert min(run_ranks(_comm_all_reduce_us, 2, True, timeout=120)) > 0
 
 

@@ -113,18 +113,24 @@ def _large_broadcasts(rank: int, world_size: int) -> bool:
             objs = [big, fill] if rank == 0 else [None, None]
             broadcast_object_list(comm, objs, root=0)
             held.append(objs)
+            sent = [big, fill] if rank == 1 else [None, None]  # and point to point, 1 -> 0
+            if rank == 1:
+                send_object_list(comm, sent, dst=0)
+            else:
+                recv_object_list(comm, sent, src=1)
+            held.append(sent)
         # What a receiver decoded owns its memory: later messages reused the buffer.
         return all(
             objs[1] == fill
             and objs[0]["data"] == bytes([fill]) * (2 << 20)
             and torch.equal(objs[0]["t"], torch.full((70_000,), float(fill)))
-            for objs, fill in zip(held, (1, 2, 3))
+            for objs, fill in zip(held, (1, 1, 2, 2, 3, 3))
         )
     finally:
         comm.finalize()
 
 
-def test_large_object_broadcasts_arrive_whole_and_stay_whole() -> None:
+def test_large_objects_broadcast_or_sent_arrive_whole_and_stay_whole() -> None:
     assert run_ranks(_large_broadcasts, 2, timeout=90) == [True, True]
 
 

@@ -58,23 +58,27 @@ def broadcast_message(
     return view
 
 
-def send_bytes(
-    comm: CommOps, data: bytes, dst: int, timeout: float | datetime.timedelta | None
+def send_message(
+    comm: CommOps,
+    msg: EncodedMessage,
+    dst: int,
+    timeout: float | datetime.timedelta | None,
 ) -> None:
-    comm.send(lengths([len(data)]), dst, timeout=timeout)
-    if data:
-        comm.send(from_bytes(data), dst, timeout=timeout)
+    """Send an encoded message to ``dst``: its length, then its bytes from a pooled
+    buffer (``object_bytes.message_buffer``)."""
+    comm.send(lengths([msg.nbytes]), dst, timeout=timeout)
+    tensor, _ = message_buffer(msg.nbytes, msg)
+    comm.send(tensor, dst, timeout=timeout)
 
 
-def recv_bytes(comm: CommOps, src: int, timeout: float | datetime.timedelta | None) -> bytes:
+def recv_message(comm: CommOps, src: int, timeout: float | datetime.timedelta | None) -> memoryview:
+    """What :func:`send_message` sent from ``src``, as the bytes ``codec.loads``
+    reads, in a pooled buffer the view holds until it is dropped."""
     length = torch.empty(LENGTH_BYTES, dtype=OBJECT_DTYPE)
     comm.recv(length, src, timeout=timeout)
-    n = read_lengths(length)[0]
-    if not n:
-        return b""
-    payload = torch.empty(n, dtype=OBJECT_DTYPE)
-    comm.recv(payload, src, timeout=timeout)
-    return to_bytes(payload)
+    tensor, view = message_buffer(read_lengths(length)[0], None)
+    comm.recv(tensor, src, timeout=timeout)
+    return view
 
 
 def gather_bytes(

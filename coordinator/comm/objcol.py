@@ -111,8 +111,8 @@ def send_object_list(
     pickle = _pickle_allowed(weights_only)
     dst = checks.rank(dst, "dst", comm.get_size(), self_rank=comm.get_rank())
     _check_list(object_list, "object_list")
-    data = codec.dumps(list(object_list), allow_pickle=pickle)
-    bytes_io.send_bytes(comm, data, dst, timeout)
+    msg = codec.encode_message(list(object_list), allow_pickle=pickle)
+    bytes_io.send_message(comm, msg, dst, timeout)
 
 
 def recv_object_list(
@@ -126,7 +126,7 @@ def recv_object_list(
     pickle = _pickle_allowed(weights_only)
     src = checks.rank(src, "src", comm.get_size(), self_rank=comm.get_rank())
     _check_list(object_list, "object_list")
-    received = bytes_io.recv_bytes(comm, src, timeout)
+    received = bytes_io.recv_message(comm, src, timeout)
     _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
 
 
