@@ -8,11 +8,11 @@ turns it on (``callgrind_control``) only around the measured loops, dumps after
 each and returns the instructions per call.
 
 The measured process (the command) keeps to a hand-over protocol through files
-in ``folder``: it writes ``folder/phases`` (one ``"<calls> <name>"`` line per
-phase, the first a phase that does nothing, whose count is the loop's own cost
-and is taken off the others), warms up, calls :func:`await_handover` with
-:data:`READY`, then runs each phase's loop and calls :func:`await_handover`
-with :data:`DONE` after each.
+in ``folder``, which :func:`run_phases` implements: it writes ``folder/phases``
+(one ``"<calls> <name>"`` line per phase, the first a phase that does nothing,
+whose count is the loop's own cost and is taken off the others), warms up,
+calls :func:`await_handover` with :data:`READY`, then runs each phase's loop and
+calls :func:`await_handover` with :data:`DONE` after each.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 READY, DONE = "ready", "done"
 
@@ -40,6 +40,31 @@ def await_handover(folder: str, name: str) -> None:
     open(path, "w").close()
     while os.path.exists(path):
         time.sleep(0.005)
+
+
+def run_phases(
+    folder: str,
+    phases: Sequence[tuple[str, Callable[[], object], int]],
+    *,
+    measured: bool = True,
+    warm_up: int = 50,
+) -> None:
+    """The measured process's side of the protocol: each (name, call, calls) phase,
+    warmed up, then timed between hand-overs. ``measured=False``: a peer that runs
+    the same calls (another rank) without writing or handing over anything."""
+    if measured:
+        with open(os.path.join(folder, "phases"), "w", encoding="utf-8") as fh:
+            fh.writelines(f"{n} {name}\n" for name, _, n in phases)
+    for _, fn, _ in phases:
+        for _ in range(warm_up):  # caches, type specialisation, a collective's plans
+            fn()
+    if measured:
+        await_handover(folder, READY)
+    for _, fn, n in phases:
+        for _ in range(n):
+            fn()
+        if measured:
+            await_handover(folder, DONE)
 
 
 def count_instructions(

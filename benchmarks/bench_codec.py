@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _callgrind import DONE, READY, await_handover, count_instructions, missing_tools  # noqa: E402
+from _callgrind import count_instructions, missing_tools, run_phases  # noqa: E402
 from _common import environment, print_table, reproduce_command, write_json  # noqa: E402
 from bench_mq import EngineStep, _engine_step  # noqa: E402
 
@@ -147,20 +147,6 @@ def _phases(calls: int) -> list[tuple[str, Callable[[], object], int]]:
     return phases
 
 
-def _instruction_child(folder: str, calls: int) -> None:
-    phases = _phases(calls)
-    with open(os.path.join(folder, "phases"), "w", encoding="utf-8") as fh:
-        fh.writelines(f"{n} {name}\n" for name, _, n in phases)
-    for _, fn, _ in phases:
-        for _ in range(50):  # warm-up (caches, type specialisation)
-            fn()
-    await_handover(folder, READY)
-    for _, fn, n in phases:
-        for _ in range(n):
-            fn()
-        await_handover(folder, DONE)
-
-
 def count_codec_instructions(calls: int) -> list[dict[str, Any]] | str:
     """Instructions per call of each phase (the loop's own cost taken off), or why
     they cannot be counted here."""
@@ -193,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=INSTRUCTION_CALLS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.instructions_child:
-        _instruction_child(args.instructions_child, args.calls)
+        run_phases(args.instructions_child, _phases(args.calls))
         return 0
     command = reproduce_command(
         ["benchmarks/bench_codec.py", *(argv if argv is not None else sys.argv[1:])]

@@ -47,7 +47,7 @@ time / ours (> 1: ours is faster); without it the column says why it is empty.
 valgrind's callgrind (``_callgrind.py``) and rank 1 running natively. Rank 0,
 some 50 times slower there, is the last to arrive at every barrier, so its
 count is its own work, without waiting: the per-call cost of the lean path
-that decides small calls, a number the host's load does not move (about 1 minute).
+that decides small calls, a number the host's load does not move (about 30 s).
 """
 
 from __future__ import annotations
@@ -66,14 +66,8 @@ from coordinator.launch import free_port, run_ranks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _callgrind import (  # noqa: E402 - after the path set-up above
-    DONE,
-    READY,
-    await_handover,
-    count_instructions,
-    missing_tools,
-)
-from _common import (  # noqa: E402
+from _callgrind import count_instructions, missing_tools, run_phases  # noqa: E402
+from _common import (  # noqa: E402 - after the path set-up above
     environment,
     human_bytes,
     init_gloo_rank,
@@ -542,19 +536,7 @@ def _instruction_rank(rank: int, port: int, folder: str, sizes: list[int], ops: 
             tensor = torch.ones(size // 4)
             name = f"{op} {human_bytes(size)}"
             phases.append((name, lambda f=calls[op], t=tensor: f(t), INSTRUCTION_CALLS))
-    if rank == 0:
-        with open(os.path.join(folder, "phases"), "w", encoding="utf-8") as fh:
-            fh.writelines(f"{n} {name}\n" for name, _, n in phases)
-    for _, fn, _ in phases:
-        for _ in range(100):  # warm-up: plans, caches, type specialisation
-            fn()
-    if rank == 0:
-        await_handover(folder, READY)
-    for _, fn, n in phases:
-        for _ in range(n):
-            fn()
-        if rank == 0:
-            await_handover(folder, DONE)
+    run_phases(folder, phases, measured=rank == 0, warm_up=100)
     group.destroy()
 
 
