@@ -46,6 +46,7 @@ from shm_broadcast.host_memory import empty_output
 from .errors import GroupcoordValueError
 from .peer_reads import (
     DIRECT_ALL_REDUCE_MIN_BYTES,
+    GATHER_CHUNK_BYTES,
     READ_SCRATCH_BYTES,
     SCATTER_SHARE_MIN_BYTES,
     PeerReads,
@@ -691,22 +692,24 @@ class ShmAllReduce(ShmBase):
         nbytes: int,
         turn: WayTurn | None,
     ) -> None:
-        """All-gather by reading each peer's ``src`` straight into ``out`` (one copy);
-        this rank's part is copied while the peers arrive. Without ``out`` (a gather's
-        other ranks) this rank only offers ``src``."""
+        """All-gather by reading each peer's ``src`` straight into ``out`` (one copy),
+        a chunk of every peer's part, then the same chunk of this rank's own (the
+        peers read it about then: ``GATHER_CHUNK_BYTES``). Without ``out`` (a
+        gather's other ranks) this rank only offers ``src``."""
         slots = self._slots
         assert slots is not None  # enabled means mapped
         me = self.rank_in_group
-        if out is not None:
-            ctypes.memmove(out.data_ptr() + me * nbytes, src.data_ptr(), nbytes)
 
         def read(s: int) -> None:
             if out is None:
                 return
-            at = out.data_ptr()
-            for r in range(self.world_size):
-                if r != me:
-                    reads.read(r, at + r * nbytes, slots.posted(s, r, 0), nbytes, "all_gather")
+            at, own = out.data_ptr(), src.data_ptr()
+            peers = [(r, slots.posted(s, r, 0)) for r in range(self.world_size) if r != me]
+            for a in range(0, nbytes, GATHER_CHUNK_BYTES):
+                n = min(GATHER_CHUNK_BYTES, nbytes - a)
+                for r, remote in peers:
+                    reads.read(r, at + r * nbytes + a, remote + a, n, "all_gather")
+                ctypes.memmove(at + me * nbytes + a, own + a, n)
 
         self._read_posted(lines, src.data_ptr(), read, turn=turn)
 
