@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup, Store
 
-from shm_broadcast.codec import encode_message, loads, message_bytes
+from shm_broadcast.codec import encode_message, loads
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.p2p_channels import P2PChannels
 
@@ -119,9 +119,8 @@ class CpuCommunicator(DeviceCommunicatorBase):
         if self.p2p_channels.open_to(peer, operation):
             self.p2p_channels.send_message(peer, msg, operation)
             return
-        payload = message_bytes(msg)
-        self.send(object_bytes.lengths([len(payload)]), dst)
-        self.send(object_bytes.from_bytes(payload), dst)
+        self.send(object_bytes.lengths([msg.nbytes]), dst)
+        self.send(object_bytes.message_buffer(msg.nbytes, msg)[0], dst)
 
     def recv_tensor_dict(self, src: int) -> dict[str, torch.Tensor | Any]:
         """The next dict in-group rank ``src`` sent with :meth:`send_tensor_dict`."""
@@ -134,7 +133,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
             dtype = object_bytes.OBJECT_DTYPE
             length = self.recv(torch.Size([object_bytes.LENGTH_BYTES]), dtype, src)
             n = object_bytes.read_lengths(length)[0]
-            got = loads(object_bytes.to_bytes(self.recv(torch.Size([n]), dtype, src)))
+            got = loads(object_bytes.message_view(self.recv(torch.Size([n]), dtype, src)))
         if not isinstance(got, dict):
             raise GroupcoordTypeError(
                 f"{self.what}: recv_tensor_dict from rank {peer} got a "

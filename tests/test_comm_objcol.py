@@ -134,6 +134,57 @@ def test_large_objects_broadcast_or_sent_arrive_whole_and_stay_whole() -> None:
     assert run_ranks(_large_broadcasts, 2, timeout=90) == [True, True]
 
 
+def _gathered_part(r: int, fill: int) -> dict:
+    """Rank ``r``'s object in round ``fill``: past the pool's 256 KiB, a different
+    length on each rank (the gather's and scatter's parts travel padded)."""
+    return {"r": r, "data": bytes([fill + r]) * ((1 << 20) + 4099 * r)}
+
+
+def _large_gathers(rank: int, world_size: int) -> bool:
+    comm = new_comm("gloo", "cpu", "objgather", timeout=60)
+    try:
+        held = []
+        for fill in (1, 2, 3):
+            slots: list = [None] * world_size
+            all_gather_object(comm, slots, _gathered_part(rank, fill))
+            gathered: list | None = [None] * world_size if rank == 1 else None
+            gather_object(comm, _gathered_part(rank, fill), 1, gathered)
+            out: list = [None]
+            inputs = [_gathered_part(r, fill) for r in range(world_size)] if rank == 2 else None
+            scatter_object_list(comm, 2, out, inputs)
+            held.append((fill, slots, gathered, out))
+        # Every result is whole and stays so while later calls reuse the pooled buffers.
+        for fill, slots, gathered, out in held:
+            expected = [_gathered_part(r, fill) for r in range(world_size)]
+            if slots != expected or out != [expected[rank]]:
+                return False
+            if gathered is not None and gathered != expected:
+                return False
+        return True
+    finally:
+        comm.finalize()
+
+
+def test_large_objects_gathered_or_scattered_arrive_whole_and_stay_whole() -> None:
+    assert run_ranks(_large_gathers, 3, timeout=90) == [True, True, True]
+
+
+def test_a_padded_message_buffer_holds_zeros_after_the_message() -> None:
+    from device_communicators.object_bytes import message_buffer
+    from shm_broadcast import codec
+
+    dirty = message_buffer(300_000, None)[0]  # a pooled buffer, handed out again below
+    dirty.view(torch.uint8).fill_(0xAB)
+    address = dirty.data_ptr()
+    del dirty
+    msg = codec.encode_message({"x": 1})
+    tensor, view = message_buffer(300_000, msg)
+    raw = tensor.view(torch.uint8)
+    assert tensor.data_ptr() == address  # the same memory: its old bytes were there
+    assert codec.loads(view[: msg.nbytes]) == {"x": 1}
+    assert int(raw[msg.nbytes :].count_nonzero()) == 0
+
+
 def _pickle_refused(rank: int, world_size: int, marker: str) -> str:
     comm = new_comm("gloo", "cpu", "pickle", timeout=30)
     evil = _CreatesFile(marker)

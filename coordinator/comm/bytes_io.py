@@ -1,10 +1,12 @@
-"""Move byte strings over a :class:`Comm`: lengths first, then payloads.
+"""Move encoded messages over a :class:`Comm`: lengths first, then payloads.
 
 The building block of the object collectives and of window set-up; no pickle
-anywhere (the bytes are whatever the caller encoded, e.g. with the msgspec codec).
-Lengths and bytes travel as ``device_communicators.object_bytes`` tensors, so a
-rank whose peer made a plain tensor call of the same size raises instead of
-handing it a length.
+anywhere (a message is what ``shm_broadcast.codec.encode_message`` made; the
+receivers decode the views returned with ``codec.loads``). Lengths and
+messages travel as ``device_communicators.object_bytes`` tensors, so a rank
+whose peer made a plain tensor call of the same size raises instead of
+handing it a length, and each message moves in a pooled buffer
+(``object_bytes.message_buffer``) that a view returned holds until dropped.
 """
 
 from __future__ import annotations
@@ -16,11 +18,9 @@ import torch
 from device_communicators.object_bytes import (
     LENGTH_BYTES,
     OBJECT_DTYPE,
-    from_bytes,
     lengths,
     message_buffer,
     read_lengths,
-    to_bytes,
 )
 from shm_broadcast.codec import EncodedMessage
 
@@ -33,13 +33,15 @@ def _lengths(comm: CommOps, n: int, timeout: float | datetime.timedelta | None) 
     return read_lengths(out)
 
 
-def all_gather_bytes(
-    comm: CommOps, data: bytes, timeout: float | datetime.timedelta | None = None
-) -> list[bytes]:
-    sizes = _lengths(comm, len(data), timeout)
-    outs = [torch.empty(n, dtype=OBJECT_DTYPE) for n in sizes]
-    comm.all_gather_v(outs, from_bytes(data), timeout=timeout)
-    return [to_bytes(t) for t in outs]
+def all_gather_messages(
+    comm: CommOps, msg: EncodedMessage, timeout: float | datetime.timedelta | None = None
+) -> list[memoryview]:
+    """Every rank's encoded message, in rank order (this rank's own included)."""
+    sizes = _lengths(comm, msg.nbytes, timeout)
+    mine, _ = message_buffer(msg.nbytes, msg)
+    outs = [message_buffer(n, None) for n in sizes]
+    comm.all_gather_v([tensor for tensor, _ in outs], mine, timeout=timeout)
+    return [view for _, view in outs]
 
 
 def broadcast_message(
@@ -81,50 +83,44 @@ def recv_message(comm: CommOps, src: int, timeout: float | datetime.timedelta | 
     return view
 
 
-def gather_bytes(
-    comm: CommOps, data: bytes, root: int, timeout: float | datetime.timedelta | None
-) -> list[bytes] | None:
-    """Rank ``root`` returns every rank's bytes in rank order; others return None.
+def gather_messages(
+    comm: CommOps, msg: EncodedMessage, root: int, timeout: float | datetime.timedelta | None
+) -> list[memoryview] | None:
+    """Rank ``root`` returns every rank's encoded message in rank order; others None.
 
-    Sizes are all-gathered (every rank knows them), then the payloads travel
+    Sizes are all-gathered (every rank knows them), then the messages travel
     padded to the longest, since Gloo's gather needs equal shapes.
     """
-    sizes = _lengths(comm, len(data), timeout)
+    sizes = _lengths(comm, msg.nbytes, timeout)
     longest = max(sizes)
-    if longest == 0:
-        return [b""] * comm.get_size() if comm.get_rank() == root else None
-    padded = torch.zeros(longest, dtype=OBJECT_DTYPE)
-    padded[: len(data)] = from_bytes(data)
+    padded, _ = message_buffer(longest, msg)
     outs = None
     if comm.get_rank() == root:
-        outs = [torch.empty(longest, dtype=OBJECT_DTYPE) for _ in sizes]
-    comm.gather(outs, padded, root, timeout=timeout)
+        outs = [message_buffer(longest, None) for _ in sizes]
+    comm.gather(None if outs is None else [t for t, _ in outs], padded, root, timeout=timeout)
     if outs is None:
         return None
-    return [to_bytes(t[:n]) for t, n in zip(outs, sizes)]
+    return [view[:n] for (_, view), n in zip(outs, sizes)]
 
 
-def scatter_bytes(
-    comm: CommOps, items: list[bytes] | None, root: int, timeout: float | datetime.timedelta | None
-) -> bytes:
-    """Rank ``i`` receives ``items[i]`` from ``root``."""
+def scatter_messages(
+    comm: CommOps,
+    msgs: list[EncodedMessage] | None,
+    root: int,
+    timeout: float | datetime.timedelta | None,
+) -> memoryview:
+    """Rank ``i`` receives ``msgs[i]`` (given on ``root`` only), padded to the longest."""
     size = comm.get_size()
     mine = comm.get_rank() == root
-    counts = torch.zeros(size * LENGTH_BYTES, dtype=OBJECT_DTYPE)
-    if mine:
-        assert items is not None
-        counts = lengths([len(b) for b in items])
+    # (lengths(), not torch.zeros: torch fills no bits8 tensor of 32 KiB or more)
+    counts = lengths([m.nbytes for m in msgs] if msgs is not None else [0] * size)
     comm.broadcast(counts, root, timeout=timeout)
     sizes = read_lengths(counts)
     longest = max(sizes)
-    if longest == 0:
-        return b""
-    out = torch.empty(longest, dtype=OBJECT_DTYPE)
+    out, view = message_buffer(longest, None)
     inputs = None
     if mine:
-        assert items is not None
-        inputs = [torch.zeros(longest, dtype=OBJECT_DTYPE) for _ in items]
-        for tensor, item in zip(inputs, items):
-            tensor[: len(item)] = from_bytes(item)
+        assert msgs is not None
+        inputs = [message_buffer(longest, m)[0] for m in msgs]
     comm.scatter(out, inputs, root, timeout=timeout)
-    return to_bytes(out[: sizes[comm.get_rank()]])
+    return view[: sizes[comm.get_rank()]]

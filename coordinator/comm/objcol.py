@@ -56,9 +56,9 @@ def all_gather_object(
     """Fill ``object_list`` (one slot per rank) with every rank's ``obj``."""
     pickle = _pickle_allowed(weights_only)
     _check_list(object_list, "object_list", comm.get_size())
-    data = codec.dumps(obj, allow_pickle=pickle)
-    gathered = bytes_io.all_gather_bytes(comm, data, timeout)
-    object_list[:] = [codec.loads(b, allow_pickle=pickle) for b in gathered]
+    msg = codec.encode_message(obj, allow_pickle=pickle)
+    gathered = bytes_io.all_gather_messages(comm, msg, timeout)
+    object_list[:] = [codec.loads(view, allow_pickle=pickle) for view in gathered]
 
 
 def gather_object(
@@ -74,10 +74,10 @@ def gather_object(
     root = checks.rank(root, "root", comm.get_size())
     if comm.get_rank() == root:
         _check_list(object_gather_list, "object_gather_list", comm.get_size())
-    data = codec.dumps(obj, allow_pickle=pickle)
-    gathered = bytes_io.gather_bytes(comm, data, root, timeout)
+    msg = codec.encode_message(obj, allow_pickle=pickle)
+    gathered = bytes_io.gather_messages(comm, msg, root, timeout)
     if gathered is not None and object_gather_list is not None:
-        object_gather_list[:] = [codec.loads(b, allow_pickle=pickle) for b in gathered]
+        object_gather_list[:] = [codec.loads(view, allow_pickle=pickle) for view in gathered]
 
 
 def broadcast_object_list(
@@ -144,13 +144,13 @@ def scatter_object_list(
     _check_list(scatter_object_output_list, "scatter_object_output_list")
     if not scatter_object_output_list:
         raise GroupcoordValueError("scatter_object_output_list needs at least one slot")
-    items = None
+    msgs = None
     if comm.get_rank() == root:
         inputs = _check_list(
             scatter_object_input_list, "scatter_object_input_list", comm.get_size()
         )
-        items = [codec.dumps(obj, allow_pickle=pickle) for obj in inputs]
-    received = bytes_io.scatter_bytes(comm, items, root, timeout)
+        msgs = [codec.encode_message(obj, allow_pickle=pickle) for obj in inputs]
+    received = bytes_io.scatter_messages(comm, msgs, root, timeout)
     scatter_object_output_list[0] = codec.loads(received, allow_pickle=pickle)
 
 

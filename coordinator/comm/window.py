@@ -36,6 +36,7 @@ import msgspec
 import torch
 
 from device_communicators import checks
+from shm_broadcast import codec
 from shm_broadcast.config import get_config
 from shm_broadcast.liveness import dead_peers
 from shm_broadcast.segments import ShmSegment
@@ -171,8 +172,10 @@ class Window:
         try:
             own.buf[: _header_bytes(size, signal_size)] = bytes(_header_bytes(size, signal_size))
             info = _SegmentInfo(own.name, os.getpid(), nbytes, signal_size, _dtype_name(dtype))
-            raw = bytes_io.all_gather_bytes(comm, msgspec.msgpack.encode(info))
-            infos = [msgspec.msgpack.decode(b, type=_SegmentInfo) for b in raw]
+            infos = [
+                msgspec.convert(codec.loads(view), _SegmentInfo)
+                for view in bytes_io.all_gather_messages(comm, codec.encode_message(info))
+            ]
             failed = ""
             for rank, peer in enumerate(infos):
                 if rank == me:
@@ -183,7 +186,10 @@ class Window:
                 except OSError as exc:
                     failed = f"rank {me} cannot map rank {rank}'s window: {exc}"
                     break
-            verdicts = bytes_io.all_gather_bytes(comm, failed.encode())
+            verdicts = [
+                codec.loads(view)
+                for view in bytes_io.all_gather_messages(comm, codec.encode_message(failed))
+            ]
         except BaseException:
             for mapped in maps:
                 mapped.close()
@@ -192,7 +198,7 @@ class Window:
             raise
         # Every rank has mapped every segment (or given up): the names can go.
         own.unlink()
-        problems = [v.decode() for v in verdicts if v]
+        problems = [v for v in verdicts if v]
         if problems:
             for mapped in maps:
                 mapped.close()
