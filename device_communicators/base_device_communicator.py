@@ -627,8 +627,11 @@ class DeviceCommunicatorBase:
             if moved.shape[0] == longest:
                 padded = moved.contiguous()
             else:
-                padded = moved.new_zeros((longest, *row))
+                padded = moved.new_empty((longest, *row))
                 padded[: moved.shape[0]] = moved
+                # Zeros after the part, as bytes: torch fills no bits* or float4
+                # tensor of 32 KiB or more (NotImplementedError on this rank alone).
+                padded[moved.shape[0] :].view(torch.uint8).zero_()
             parts: torch.Tensor | None
             if dst is None:
                 parts = self._all_gather_stacked(padded)

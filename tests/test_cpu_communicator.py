@@ -699,6 +699,37 @@ def test_gather_of_parts_of_different_lengths_takes_one_barrier_on_shared_memory
         assert "this rank's part: shape (2, " in message and "other dims may not" in message
 
 
+def _gatherv_of_unfillable_dtypes(rank: int, world: int, shm: bool) -> list[str]:
+    comm = make_comm(rank, world, "gvf", shm=shm)
+    try:
+        seen = []
+        for dtype in (torch.float4_e2m1fn_x2, torch.bits8, torch.bits16):
+            for rows in (3, 50_000):  # 50,000 rows: parts past 32 KiB, padded on Gloo
+                parts = []
+                for r in range(world):
+                    gen = torch.Generator().manual_seed(r)
+                    raw = torch.randint(0, 256, (rows + r, 4), dtype=torch.uint8, generator=gen)
+                    parts.append(raw.view(dtype))
+                got = comm.all_gatherv(parts[rank], 0)
+                joined = torch.cat([p.view(torch.uint8) for p in parts])
+                assert got.dtype == dtype and torch.equal(got.view(torch.uint8), joined)
+                seen.append(f"{dtype} {rows}")
+        return seen
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
+def test_all_gatherv_of_dtypes_torch_cannot_fill(shm: bool) -> None:
+    """Parts of unequal length of float4 and bits dtypes, past 32 KiB: on Gloo
+    each travels padded to the longest, and torch fills no tensor of these dtypes
+    that large, so the padding (zeros) is written as bytes. Before, the ranks
+    with a shorter part raised NotImplementedError alone and the rank with the
+    longest went on into Gloo's all-gather, which then aborted the process."""
+    results = run_ranks(_gatherv_of_unfillable_dtypes, 2, shm, timeout=120)
+    assert results[0] == results[1] and len(results[0]) == 6
+
+
 def _all_gatherv_sizes_on_gloo(rank: int, world: int) -> list[str]:
     comm = make_comm(rank, world, "gvg", shm=False)
     seen = []
