@@ -19,6 +19,9 @@ _DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> name on the wire, filled on 
 _DTYPES_BY_NAME: dict[str, Any] = {}  # the reverse, filled on first use
 # Quantized dtypes carry scales and zero points beside their bytes: not sendable as a frame.
 _QUANTIZED = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+# Sub-byte integer dtypes torch cannot copy element-wise ("copy_kernel" not
+# implemented): a tensor of one travels only as its contiguous bytes.
+UNCOPYABLE_DTYPES = frozenset(f"{kind}{bits}" for kind in ("int", "uint") for bits in range(1, 8))
 
 # Decoded tensors at least this big get their memory from torch, not a bytearray;
 # a message's frames smaller than this together are copied out as one bytearray.

@@ -3,7 +3,8 @@
 Supported, round-tripping exactly: None, bool, int (any size), float, str,
 bytes, list, tuple (stays a tuple), dict (any supported hashable keys), set,
 frozenset, msgspec Structs, torch tensors (every dtype, any shape,
-non-contiguous), torch dtypes / devices / ``torch.Size``, numpy arrays and
+non-contiguous, but for the sub-byte integer dtypes torch cannot copy
+strided: ``UNCOPYABLE_DTYPES``), torch dtypes / devices / ``torch.Size``, numpy arrays and
 numpy scalars, the standard-library values of :mod:`.std_values` (slice,
 range, complex, bytearray, datetime family, UUID, Decimal, OrderedDict,
 deque); and dataclasses, enums and NamedTuples, which the receiver
@@ -38,6 +39,7 @@ import msgspec
 from . import framing as wire
 from .array_frames import (
     DTYPE_CODES,
+    UNCOPYABLE_DTYPES,
     dtype_code,
     dtype_name,
     ndarray_descr,
@@ -310,6 +312,12 @@ class Codec:
             frames.append(t.data_ptr())
             self._keepalive.append(t)
         else:
+            if dtype_name(t.dtype) in UNCOPYABLE_DTYPES:
+                raise GroupcoordTypeError(
+                    f"cannot encode a non-contiguous {t.dtype} tensor: torch copies no "
+                    "tensor of this dtype element by element (send one made contiguous "
+                    "before it was sliced or transposed)"
+                )
             frames.append(t)  # copied strided straight into the destination
         self._frame_lens.append(nbytes)
         return _Ext(wire.EXT_TENSOR, tensor_meta(code, len(frames) - 1, t.shape))

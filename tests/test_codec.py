@@ -187,6 +187,21 @@ def test_tensor_frames_are_zero_copy_views_of_the_source():
     assert loads(message_bytes(msg))["a"][0] == 42.0
 
 
+def test_sub_byte_integer_tensors_travel_contiguous_and_are_refused_strided():
+    """torch copies no int1-int7 / uint1-uint7 tensor element by element: a contiguous
+    one travels as its bytes; a strided one is refused at encode, naming the dtype
+    and what to do, instead of torch's NotImplementedError mid-write."""
+    raw = torch.arange(24, dtype=torch.uint8)
+    for name in ("int4", "uint1", "int7"):
+        dtype = getattr(torch, name)
+        t = raw.view(dtype).reshape(4, 6)
+        got = loads(dumps({"t": t}))["t"]
+        assert got.dtype == dtype and got.shape == (4, 6)
+        assert torch.equal(got.view(torch.uint8), raw.view(4, 6))
+        with pytest.raises(GroupcoordTypeError, match=f"non-contiguous torch.{name} tensor"):
+            Codec().encode({"t": t.t()})
+
+
 def test_decoded_tensors_survive_reuse_of_the_source_buffer():
     buf = bytearray(1 << 16)
     view = memoryview(buf)
