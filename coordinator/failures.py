@@ -76,11 +76,18 @@ def classify(
     if missing is None:
         text += "; which ranks is unknown (the store did not answer)"
         missing = []
-    elif not missing and not known_dead and kind is None:
-        # Every rank reached the call and failed in it, and no transport words say
-        # a peer went: not a dead peer (which this used to report, naming none).
+    elif not known_dead and kind is None:
+        # No transport words say a peer went, and none is known dead: not a dead
+        # peer (which this used to report). Every rank reached the call and failed
+        # in it, or this rank failed on its own (a torch op the call ran, say)
+        # while the others did not (they returned, or met another call).
+        if not missing:
+            return TransportError(
+                f"{what}: {operation} failed on every rank alike, none dead or late: {text}"
+            )
         return TransportError(
-            f"{what}: {operation} failed on every rank alike, none dead or late: {text}"
+            f"{what}: {operation} failed on this rank: {text} (no peer is known dead; "
+            f"rank(s) {missing} did not fail in this call)"
         )
     if known_dead:
         return PeerDiedError(what, operation, missing, detail=text)

@@ -105,9 +105,10 @@ class BackendUnavailableError(GroupcoordError, RuntimeError):
 
 
 class TransportError(GroupcoordError, RuntimeError):
-    """The transport (Gloo, NCCL) failed a collective that every rank reached, with
-    no peer dead or late: the message names the group, the operation and the
-    transport's own error."""
+    """A call failed with no peer dead or late: the transport (Gloo, NCCL) failed
+    a collective every rank reached, or the call failed on this rank alone (a
+    torch op it ran) while its peers did not. The message names the group, the
+    operation, the error and the ranks that did not fail with it."""
 
 
 class ClosedError(GroupcoordError, RuntimeError):

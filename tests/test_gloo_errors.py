@@ -165,3 +165,38 @@ def test_a_failure_every_rank_reached_is_not_reported_as_a_dead_peer() -> None:
         assert kind == "TransportError" and usable, (kind, message)
         assert "alike:0: all_reduce failed on every rank alike, none dead or late" in message
         assert "Tensors must all have the same type" in message
+
+
+def _one_rank_fails_alone(rank: int, world: int) -> tuple[str, str, bool]:
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="alone")
+
+    def fails_here() -> None:  # a torch op that fails on this rank only
+        raise NotImplementedError("\"copy_kernel\" not implemented for 'Int4'")
+
+    try:
+        kind, message = "none", ""
+        try:
+            group._collective("all_gather", fails_here if rank == 1 else lambda: None)
+        except Exception as exc:  # noqa: BLE001 - the class is what the test checks
+            kind, message = type(exc).__name__, str(exc)
+        usable = group.all_reduce(torch.ones(4)).tolist() == [float(world)] * 4
+        return kind, message, usable
+    finally:
+        group.destroy()
+
+
+def test_a_failure_on_one_rank_alone_does_not_call_its_living_peers_dead() -> None:
+    """Rank 1's call failed on its own (a torch op raised; rank 0's returned). Rank 0
+    never posts an arrival for that call, and this used to report it as dead:
+    PeerDiedError "peer rank(s) [0] died", while rank 0 lived and went on."""
+    from coordinator.launch import run_ranks
+
+    (kind0, _, usable0), (kind1, message, usable1) = run_ranks(_one_rank_fails_alone, 2, timeout=60)
+    assert kind0 == "none" and usable0 and usable1
+    assert kind1 == "TransportError", (kind1, message)
+    assert "alone:0: all_gather failed on this rank" in message, message
+    assert "copy_kernel" in message and "rank(s) [0] did not fail in this call" in message
+    assert "died" not in message, message
