@@ -110,17 +110,12 @@ def scatter_messages(
     timeout: float | datetime.timedelta | None,
 ) -> memoryview:
     """Rank ``i`` receives ``msgs[i]`` (given on ``root`` only), padded to the longest."""
-    size = comm.get_size()
-    mine = comm.get_rank() == root
     # (lengths(), not torch.zeros: torch fills no bits8 tensor of 32 KiB or more)
-    counts = lengths([m.nbytes for m in msgs] if msgs is not None else [0] * size)
+    counts = lengths([m.nbytes for m in msgs] if msgs is not None else [0] * comm.get_size())
     comm.broadcast(counts, root, timeout=timeout)
     sizes = read_lengths(counts)
     longest = max(sizes)
     out, view = message_buffer(longest, None)
-    inputs = None
-    if mine:
-        assert msgs is not None
-        inputs = [message_buffer(longest, m)[0] for m in msgs]
+    inputs = None if msgs is None else [message_buffer(longest, m)[0] for m in msgs]
     comm.scatter(out, inputs, root, timeout=timeout)
     return view[: sizes[comm.get_rank()]]
