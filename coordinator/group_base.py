@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import logging
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -22,12 +23,15 @@ from device_communicators.base_device_communicator import DeviceCommunicatorBase
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config, resolve_timeout
+from shm_broadcast.errors import ShmSpaceError
 from shm_broadcast.liveness import dead_peers, host_key
 from shm_broadcast.p2p_channels import P2PChannels
 
 from . import custom_ops
 from .errors import ClosedError, GroupcoordError, GroupcoordValueError
 from .failures import absent_ranks, classify
+
+logger = logging.getLogger("groupcoord.coordinator")
 
 # Device kind -> (module, class) of its communicator, imported on first use
 # so CUDA code is only loaded where a CUDA group exists.
@@ -191,7 +195,20 @@ class GroupBase:
                 self._p2p_channels.close()
                 self._p2p_channels = channels
         if use_mq and self.world_size > 1:
-            self.mq_broadcaster = self.create_mq_broadcaster()
+            try:
+                self.mq_broadcaster = self.create_mq_broadcaster()
+            except ShmSpaceError as exc:
+                # A small /dev/shm (a container's 64 MiB): every rank raised this, so
+                # every rank goes on without the queue, and broadcasts of objects and
+                # tensor dicts take the group's collectives (shared-memory slots if
+                # they fit, else Gloo).
+                logger.warning(
+                    "%s: %s; objects and tensor dicts are broadcast without a message "
+                    "queue (give /dev/shm more room, e.g. docker --shm-size=1g)",
+                    self.unique_name,
+                    exc,
+                )
+                return
             shm = getattr(self.device_communicator, "shm_all_reduce", None)
             if shm is not None:
                 shm.set_desync_hook(unread_broadcasts_dropper(self.mq_broadcaster))
@@ -204,17 +221,21 @@ class GroupBase:
     def create_mq_broadcaster(
         self, writer_rank: int = 0, external_writer_handle: Any = None, blocking: bool = True
     ) -> Any:
-        """A message queue from in-group rank ``writer_rank`` to the rest of the group."""
+        """A message queue from in-group rank ``writer_rank`` to the rest of the group,
+        with the configured ring, or a small one where /dev/shm has no room for it."""
+        from shm_broadcast import mq_groups
         from shm_broadcast.message_queue import MessageQueue
 
         cfg = get_config()
-        return MessageQueue.create_from_process_group(
+        return mq_groups.create_from_process_group(
+            MessageQueue,
             self.cpu_group,
             cfg.mq_max_chunk_bytes,
             cfg.mq_max_chunks,
             writer_rank=writer_rank,
             external_writer_handle=external_writer_handle,
             blocking=blocking,
+            small_ring_fallback=True,
         )
 
     def create_single_reader_mq_broadcasters(

@@ -14,12 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 from .codec import dumps, loads
-from .errors import GroupcoordValueError
+from .errors import GroupcoordValueError, ShmSpaceError
 from .group_io import all_gather_bytes, broadcast_bytes, group_rank_and_size
 from .mq_handle import Handle
+from .ring import in_a_ring_that_fits
 from .topology import in_the_same_node_as
 
 __all__ = ["create_from_process_group", "create_from_process_group_single_reader"]
+
+# What the writer sends instead of a handle when its ring does not fit.
+_REFUSED = "ring refused"
 
 
 def create_from_process_group(
@@ -33,12 +37,17 @@ def create_from_process_group(
     *,
     allow_pickle: bool = False,
     connect_ip: str | None = None,
+    small_ring_fallback: bool = False,
 ) -> Any:
     """Collective over ``pg``: ``writer_rank`` (in-group) writes, every other rank reads.
 
     Ranks that share /dev/shm with the writer read the ring; the rest use
     TCP. With ``external_writer_handle`` every rank joins that queue as a
-    reader instead.
+    reader instead. A ring that does not fit in /dev/shm raises
+    ``ShmSpaceError`` on every rank (a reader's names the writer); with
+    ``small_ring_fallback`` (a ``GroupCoordinator``'s own queue) the writer first
+    tries a small ring (``ring.in_a_ring_that_fits``), whose geometry the readers
+    take from its handle.
     """
     rank, world_size = group_rank_and_size(pg)
     if not 0 <= writer_rank < world_size:
@@ -48,30 +57,51 @@ def create_from_process_group(
     same_node = in_the_same_node_as(pg, writer_rank, **names)
     mq: Any = None
     data: bytes | None = None
+    refused: ShmSpaceError | None = None
     if rank == writer_rank:
         if external_writer_handle is not None:
             mq = cls.create_from_handle(external_writer_handle, rank)
             handle = external_writer_handle
+            data = dumps(handle)
         else:
             local = [r for r in range(world_size) if same_node[r] and r != writer_rank]
-            mq = cls(
-                world_size - 1,
-                len(local),
-                local,
-                max_chunk_bytes,
-                max_chunks,
-                connect_ip,
-                allow_pickle=allow_pickle,
-                writer_rank=writer_rank,
-            )
-            handle = mq.export_handle()
-        data = dumps(handle)
+
+            def make(chunks: int) -> Any:
+                return cls(
+                    world_size - 1,
+                    len(local),
+                    local,
+                    max_chunk_bytes,
+                    chunks,
+                    connect_ip,
+                    allow_pickle=allow_pickle,
+                    writer_rank=writer_rank,
+                )
+
+            try:
+                if small_ring_fallback:
+                    mq = in_a_ring_that_fits(make, max_chunk_bytes, max_chunks, "MessageQueue")
+                else:
+                    mq = make(max_chunks)
+            except ShmSpaceError as exc:
+                # The ring does not fit in /dev/shm: the readers hear why and raise
+                # the same error, instead of waiting for a handle that never comes.
+                refused = exc
+                data = dumps({_REFUSED: str(exc)})
+            else:
+                data = dumps(mq.export_handle())
     try:
         handle = loads(broadcast_bytes(pg, data, writer_rank, **names))
     except BaseException:
         if mq is not None:
             mq.shutdown()  # the writer's ring must not outlive a failed set-up
         raise
+    if refused is not None:
+        raise refused
+    if type(handle) is dict and _REFUSED in handle:
+        raise ShmSpaceError(
+            f"writer rank {writer_rank} could not create the queue: {handle[_REFUSED]}"
+        )
     if mq is None:
         mq = cls.create_from_handle(handle, rank)
     if blocking:

@@ -20,9 +20,11 @@ the receiver still holds what it got.
 
 Memory: ``P2P_CHUNK_BYTES * P2P_MAX_CHUNKS`` of /dev/shm (64 MiB) per
 ordered pair that actually exchanged a dict,
-released by ``close()`` (``GroupCoordinator.destroy``). A ring that does not
-fit in /dev/shm is not an error: the sender marks the pair "gloo" in the
-store and both ends use Gloo sends for it.
+released by ``close()`` (``GroupCoordinator.destroy``). Where /dev/shm has
+less room, the pair gets a ring of about 8 MiB (``ring.in_a_ring_that_fits``),
+which large dicts stream through; a ring
+that does not fit even so is not an error: the sender marks the pair "gloo"
+in the store and both ends use Gloo sends for it.
 
 A sent dict is delivered even if the sender returns and exits at once (as
 vLLM's test workers do; Gloo delivers too): ``close()`` and the process's exit
@@ -58,6 +60,7 @@ from .errors import (
 )
 from .liveness import process_alive
 from .message_queue import Handle, MessageQueue
+from .ring import in_a_ring_that_fits
 from .segments import unlink_segment
 
 __all__ = [
@@ -218,15 +221,20 @@ class P2PChannels:
         store = self.store()
         key = self._key(self.rank, dst)
         try:
-            mq = MessageQueue(
-                1,
-                1,
-                [dst],
+            mq = in_a_ring_that_fits(
+                lambda chunks: MessageQueue(
+                    1,
+                    1,
+                    [dst],
+                    P2P_CHUNK_BYTES,
+                    chunks,
+                    name=f"{self.name}:p2p{self.rank}to{dst}",
+                    writer_rank=self.rank,
+                    reader_pids=[self.peers[dst]],
+                ),
                 P2P_CHUNK_BYTES,
                 P2P_MAX_CHUNKS,
-                name=f"{self.name}:p2p{self.rank}to{dst}",
-                writer_rank=self.rank,
-                reader_pids=[self.peers[dst]],
+                f"{self.name}: dicts to rank {dst}",
             )
         except ShmSpaceError as exc:
             # A small /dev/shm (containers often have 64 MiB): this pair keeps

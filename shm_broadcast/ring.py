@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import struct
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-from .errors import GroupcoordValueError, ProtocolError
+from .errors import GroupcoordValueError, ProtocolError, ShmSpaceError
 from .liveness import pid_namespace, process_alive
 from .segments import ShmSegment
 from .waiting import futex_available, futex_wait, futex_wake, memory_fence, needs_fence
@@ -51,12 +53,18 @@ __all__ = [
     "to_bytes_big",
 ]
 
+logger = logging.getLogger("groupcoord.shm_broadcast")
+T = TypeVar("T")
+
 _MAGIC = 0x47435242  # "GCRB"
 _VERSION = 3
 # magic, version, n_reader, max_chunks, max_chunk_bytes, writer_pid, pid_ns, shutdown
 _CONTROL = struct.Struct("<IIIIQQQQ")
 _PID = struct.Struct("<Q")
 _PAGE = 4096
+# The ring a queue of ours falls back to when its usual one does not fit in
+# /dev/shm (in_a_ring_that_fits).
+SMALL_RING_BYTES = 8 << 20
 # The bells line: readers' bell (int32), writer's bell (int32), then one
 # asleep byte for the writer and one per reader.
 _READER_BELL = 0
@@ -346,3 +354,29 @@ class ShmRingBuffer:
 
     def unlink(self) -> None:
         self.segment.unlink()
+
+
+def in_a_ring_that_fits(
+    make: Callable[[int], T], max_chunk_bytes: int, max_chunks: int, what: str
+) -> T:
+    """``make(max_chunks)``, the queue of a ring of ``max_chunks`` chunks; where
+    /dev/shm has no room for it (``ShmSpaceError``, a container's 64 MiB), ``make``
+    of a small ring of about ``SMALL_RING_BYTES`` (at least 2 chunks), which
+    messages larger than it stream through. Raises ``ShmSpaceError`` when even
+    that does not fit. How our own queues (a group's broadcaster, a pair's
+    channel) take a ring; one a caller sized itself is refused instead."""
+    try:
+        return make(max_chunks)
+    except ShmSpaceError as exc:
+        small = min(max_chunks, max(2, SMALL_RING_BYTES // max_chunk_bytes))
+        if small == max_chunks:
+            raise
+        logger.warning(
+            "%s: %s; taking a ring of %d chunks instead of %d (give /dev/shm more room, "
+            "e.g. docker --shm-size=1g)",
+            what,
+            exc,
+            small,
+            max_chunks,
+        )
+        return make(small)

@@ -371,6 +371,57 @@ def test_large_objects_without_a_queue_arrive_whole_and_stay_whole(world_size: i
     assert run_ranks(_large_objects_without_a_queue, world_size, timeout=90) == [True] * world_size
 
 
+def _queue_that_does_not_fit(rank: int, world_size: int) -> tuple[bool, list]:
+    from shm_broadcast.config import set_config
+    from shm_broadcast.segments import shm_free_bytes
+
+    # A ring bigger than what /dev/shm has free, as in a container's 64 MiB.
+    set_config(mq_max_chunk_bytes=shm_free_bytes() // 2 + 4096, mq_max_chunks=2)
+    g = world_group(rank, world_size, use_message_queue_broadcaster=True)
+    try:
+        got = [g.broadcast_object({"step": i} if rank == 0 else None) for i in range(3)]
+        td = g.broadcast_tensor_dict({"x": torch.arange(5.0), "n": 1} if rank == 0 else None)
+        got.append([td["x"].tolist(), td["n"]])
+        got.append(g.all_reduce(torch.ones(4)).tolist())
+        return g.mq_broadcaster is None, got
+    finally:
+        g.destroy()
+
+
+def test_a_queue_that_does_not_fit_in_shared_memory_leaves_the_group_working() -> None:
+    """Every rank hears that the writer's ring did not fit (ShmSpaceError on each),
+    logs it and goes on without the queue: objects and tensor dicts travel through
+    the group's collectives instead of failing the group's construction."""
+    results = run_ranks(_queue_that_does_not_fit, 3, timeout=90)
+    expected = [{"step": 0}, {"step": 1}, {"step": 2}, [[0.0, 1.0, 2.0, 3.0, 4.0], 1], [3.0] * 4]
+    assert results == [(True, expected)] * 3
+
+
+def _queue_with_little_room(rank: int, world_size: int) -> tuple[int, list]:
+    from shm_broadcast.config import set_config
+    from shm_broadcast.segments import shm_free_bytes
+
+    # The configured ring is more than /dev/shm has free; a small one fits.
+    set_config(mq_max_chunk_bytes=1 << 20, mq_max_chunks=shm_free_bytes() // (1 << 20) + 8)
+    g = world_group(rank, world_size, use_message_queue_broadcaster=True)
+    try:
+        big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: more than the ring
+        got = [g.broadcast_object({"step": i} if rank == 0 else None) for i in range(3)]
+        td = g.broadcast_tensor_dict({"x": big} if rank == 0 else None)
+        got.append(torch.equal(td["x"], big))
+        return g.mq_broadcaster.max_chunks, got
+    finally:
+        g.destroy()
+
+
+def test_a_queue_with_little_shared_memory_gets_a_small_ring() -> None:
+    from shm_broadcast.ring import SMALL_RING_BYTES
+
+    results = run_ranks(_queue_with_little_room, 3, timeout=90)
+    expected = [{"step": 0}, {"step": 1}, {"step": 2}, True]
+    assert results == [(SMALL_RING_BYTES >> 20, expected)] * 3
+
+
 def _single_reader_queues(rank: int, world_size: int) -> list:
     from shm_broadcast.message_queue import MessageQueue
 

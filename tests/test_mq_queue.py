@@ -359,6 +359,35 @@ def test_a_ring_larger_than_free_shared_memory_is_refused():
     assert run_ranks(_too_big_rank, 1, timeout=30) == [True]
 
 
+def _group_ring_too_big_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from shm_broadcast.errors import ShmSpaceError
+    from shm_broadcast.segments import shm_free_bytes
+
+    init_gloo(rank, world_size)
+    # Only the writer's size counts (the readers take the geometry from its handle).
+    chunk = shm_free_bytes() // 2 + 4096 if rank == 1 else 1 << 12
+    with pytest.raises(ShmSpaceError) as raised:
+        MessageQueue.create_from_process_group(dist.group.WORLD, chunk, 2, writer_rank=1)
+    # Every rank is free and in step: a queue that fits is built right after.
+    mq = MessageQueue.create_from_process_group(dist.group.WORLD, 1 << 12, 4, writer_rank=1)
+    got = [mq.broadcast_object(i if rank == 1 else None) for i in range(3)]
+    mq.shutdown()
+    return str(raised.value), got
+
+
+def test_a_group_queue_whose_ring_does_not_fit_is_refused_on_every_rank():
+    """The writer cannot reserve its ring: it raises ShmSpaceError, and the readers,
+    told so in place of the handle, raise it too (naming the writer) instead of
+    waiting for a queue that will not come."""
+    results = run_ranks(_group_ring_too_big_rank, 3, timeout=60)
+    for rank, (message, got) in enumerate(results):
+        assert "free" in message or "No space" in message, message
+        assert ("writer rank 1 could not create the queue" in message) == (rank != 1), message
+        assert got == [0, 1, 2]
+
+
 def _stateless_group_rank(rank, world_size, port):
     from coordinator.stateless_group import StatelessProcessGroup
 

@@ -283,6 +283,35 @@ def test_a_ring_that_does_not_fit_falls_back_to_gloo_on_both_ends() -> None:
     assert run_ranks(_no_room, 2, timeout=60) == [True, True]
 
 
+def _little_room(rank: int, world: int) -> tuple[int, bool]:
+    from shm_broadcast.segments import shm_free_bytes
+
+    g = _group(rank, world, "shm")
+    # The usual ring is more than /dev/shm has free (as in a 64 MiB container):
+    # the pair gets a small one, which a dict larger than it streams through.
+    p2p_channels.P2P_MAX_CHUNKS = shm_free_bytes() // p2p_channels.P2P_CHUNK_BYTES + 16
+    big = {"x": torch.arange(5 << 20, dtype=torch.float32), "step": 3}  # 20 MiB
+    if rank == 0:
+        g.send_tensor_dict(_sample(1), dst=1)
+        g.send_tensor_dict(big, dst=1)
+        mq, ok = g._p2p_channels._writers[1], True
+    else:
+        _same(g.recv_tensor_dict(src=0), _sample(1))
+        got = g.recv_tensor_dict(src=0)
+        mq, ok = g._p2p_channels._readers[0], torch.equal(got["x"], big["x"]) and got["step"] == 3
+    chunks = mq.max_chunks
+    g.barrier()
+    g.destroy()
+    return chunks, ok
+
+
+def test_a_pair_with_little_shared_memory_gets_a_small_ring() -> None:
+    from shm_broadcast.ring import SMALL_RING_BYTES
+
+    small = SMALL_RING_BYTES // p2p_channels.P2P_CHUNK_BYTES
+    assert run_ranks(_little_room, 2, timeout=60) == [(small, True)] * 2
+
+
 def _send_and_leave(rank: int, port: int, delay_s: float, results: Any) -> None:
     """A worker as vLLM's tests start one: plain multiprocessing, no groupcoord
     launcher; the sender returns (and its process ends) right after sending."""

@@ -23,20 +23,32 @@ from coordinator.launch import init_gloo, run_ranks
 from ._common import report
 
 
-@pytest.fixture
-def small_shm(tmp_path: Any) -> Iterator[str]:
+def _tmpfs(tmp_path: Any, size: str) -> Iterator[str]:
     mount = os.path.join(str(tmp_path), "shm")
     os.mkdir(mount)
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mount], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mount],
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {done.stderr.strip()}")
+        pytest.skip(f"cannot mount a {size} tmpfs here: {done.stderr.strip()}")
     try:
         yield mount
         assert os.listdir(mount) == [], f"left in the small shm dir: {os.listdir(mount)}"
     finally:
         subprocess.run(["umount", mount], check=True)
+
+
+@pytest.fixture
+def small_shm(tmp_path: Any) -> Iterator[str]:
+    yield from _tmpfs(tmp_path, "1m")
+
+
+@pytest.fixture
+def container_shm(tmp_path: Any) -> Iterator[str]:
+    """Docker's default /dev/shm: 64 MiB."""
+    yield from _tmpfs(tmp_path, "64m")
 
 
 def _attempt(call: Any) -> str:
@@ -119,3 +131,48 @@ def test_queue_all_reduce_and_window_refuse_a_full_shm_dir(small_shm: str) -> No
     for rank in range(2):
         window = merged[f"comm window 4 MiB (rank {rank})"]
         assert "ShmSpaceError" in window or "BackendUnavailable" in window, window
+
+
+def _engine_in_a_container(rank: int, world: int, mount: str) -> dict[str, Any]:
+    from coordinator import parallel_state as ps
+    from shm_broadcast.config import set_config
+
+    set_config(shm_dir=mount)
+    ps.init_distributed_environment(backend="gloo", timeout=60)
+    ps.initialize_model_parallel(2, 2)
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    try:
+        big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: more than a small ring
+        step = tp.broadcast_object({"step": 1} if tp.rank_in_group == 0 else None)
+        got = tp.broadcast_tensor_dict({"x": big} if tp.rank_in_group == 0 else None)
+        if pp.rank_in_group == 0:
+            pp.send_tensor_dict({"h": big * 2, "n": 3}, dst=1)
+            sent = pp.recv_tensor_dict(src=1)
+        else:
+            sent = pp.recv_tensor_dict(src=0)
+            pp.send_tensor_dict(sent, dst=0)
+        return {
+            "step": step,
+            "broadcast whole": torch.equal(got["x"], big),
+            "sent whole": torch.equal(sent["h"], big * 2) and sent["n"] == 3,
+            "tp all_reduce": tp.all_reduce(torch.ones(4)).tolist(),
+            "queue chunks": None if tp.mq_broadcaster is None else tp.mq_broadcaster.max_chunks,
+        }
+    finally:
+        ps.destroy_distributed_environment()
+
+
+def test_an_engine_runs_in_a_containers_64_mib_of_shm(container_shm: str) -> None:
+    """TP 2 x PP 2 in Docker's default /dev/shm, where the two TP queues' usual
+    rings (40 MiB each) and the PP channels' (64 MiB each) cannot all fit: the
+    groups take small rings, or go on without (Gloo for a pair's dicts), and
+    every call still returns the right values."""
+    results = run_ranks(_engine_in_a_container, 4, container_shm, timeout=120)
+    report(
+        "64 MiB /dev/shm: TP 2 x PP 2",
+        **{f"rank {r} queue chunks": res["queue chunks"] for r, res in enumerate(results)},
+    )
+    for res in results:
+        assert res["step"] == {"step": 1}
+        assert res["broadcast whole"] and res["sent whole"]
+        assert res["tp all_reduce"] == [2.0] * 4
