@@ -124,7 +124,10 @@ class ShmBase(AllReduceBackend):
         # One slot holds one piece; the configured cap can only make pieces smaller,
         # never below what a call posts in a slot (an all_to_all_v's counts: two
         # int64s per rank).
-        self.max_bytes = align_up(max(min(cap, PIPELINE_PIECE_BYTES), 16 * self.world_size), LINE)
+        # ``max_bytes`` is what the slots took: this, or less where /dev/shm is small.
+        self._wanted_bytes = self.max_bytes = align_up(
+            max(min(cap, PIPELINE_PIECE_BYTES), 16 * self.world_size), LINE
+        )
         self.timeout_s = resolve_timeout(timeout_s)
         self.peer_check_interval_s = config.peer_check_interval_s
         self.disabled_reason: str | None = None
@@ -169,12 +172,14 @@ class ShmBase(AllReduceBackend):
             self.ranks,
             self.rank_in_group,
             self.what,
-            self.max_bytes,
+            self._wanted_bytes,
             self.timeout_s,
             self.peer_check_interval_s,
             local_reason,
         )
         self.disabled_reason = reason
+        if self._slots is not None:
+            self.max_bytes = self._slots.max_bytes
         self._lines = None if self._slots is None else self._slots.lines
         if self._lines is not None:
             self._lines.on_desync = self._desync_hook

@@ -9,6 +9,7 @@ behind; the pages live until the last rank unmaps them.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from array import array
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ import torch
 from torch._C._distributed_c10d import BroadcastOptions
 from torch.distributed import ProcessGroup
 
+from shm_broadcast.errors import ShmSpaceError
 from shm_broadcast.gloo_errors import gloo_errors
 from shm_broadcast.segments import ShmSegment
 
@@ -26,8 +28,13 @@ from .shm_phases import LINE, PhaseLines
 
 __all__ = ["SlotSegment", "open_slot_segment"]
 
+logger = logging.getLogger("groupcoord.device_communicators")
+
 _PAGE = 4096
-_HANDLE_BYTES = 256  # fixed-size name+token broadcast at set-up
+_HANDLE_BYTES = 256  # fixed-size name, token and slot size broadcast at set-up
+# The slots a group falls back to where /dev/shm has no room for its usual ones
+# (``_create``): 2 x world x 64 KiB, 1 MiB at world 8.
+SMALL_SLOT_BYTES = 64 * 1024
 _VIEW_CACHE_ENTRIES = 512
 
 
@@ -167,12 +174,10 @@ def open_slot_segment(
         handle = torch.zeros(_HANDLE_BYTES, dtype=torch.uint8)
         if rank_in_group == 0 and local_reason is None:
             try:
-                segment = ShmSegment.create(
-                    control_bytes(world_size) + 2 * world_size * max_bytes, tag="allreduce"
-                )
+                segment, max_bytes = _create(world_size, max_bytes, what)
                 token = secrets.token_hex(8)
                 segment.buf[world_size * LINE : world_size * LINE + 16] = token.encode()
-                payload = f"{segment.name}|{token}".encode()
+                payload = f"{segment.name}|{token}|{max_bytes}".encode()
                 handle[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             except (OSError, GroupcoordError) as exc:
                 local_reason = f"rank 0 could not create the segment: {exc}"
@@ -184,7 +189,7 @@ def open_slot_segment(
             group.broadcast([handle], options).wait()
         text = bytes(handle.tolist()).rstrip(b"\0").decode()
         if local_reason is None and rank_in_group != 0:
-            segment, local_reason = _attach(text, world_size)
+            segment, max_bytes, local_reason = _attach(text, world_size)
         if local_reason is None:
             assert segment is not None
             lines = PhaseLines(
@@ -226,16 +231,45 @@ class _Declined(Exception):
         self.reason = reason
 
 
-def _attach(text: str, world_size: int) -> tuple[ShmSegment | None, str | None]:
+def _create(world_size: int, max_bytes: int, what: str) -> tuple[ShmSegment, int]:
+    """Rank 0's segment with slots of ``max_bytes``; where /dev/shm has no room for
+    it (a container's 64 MiB), one with slots of ``SMALL_SLOT_BYTES``: small calls
+    still take the lean path, large ones go in smaller pieces. Returns the segment
+    and its slots' size (the peers read it from the handle)."""
+    try:
+        return ShmSegment.create(_segment_bytes(world_size, max_bytes), tag="allreduce"), max_bytes
+    except ShmSpaceError as exc:
+        small = align_up(max(SMALL_SLOT_BYTES, 16 * world_size), LINE)
+        if small >= max_bytes:
+            raise
+        logger.warning(
+            "%s: %s; taking slots of %d bytes instead of %d (give /dev/shm more room, "
+            "e.g. docker --shm-size=1g)",
+            what,
+            exc,
+            small,
+            max_bytes,
+        )
+        return ShmSegment.create(_segment_bytes(world_size, small), tag="allreduce"), small
+
+
+def _segment_bytes(world_size: int, max_bytes: int) -> int:
+    return control_bytes(world_size) + 2 * world_size * max_bytes
+
+
+def _attach(text: str, world_size: int) -> tuple[ShmSegment | None, int, str | None]:
+    """The segment rank 0's handle names, its slots' size, or why not."""
     if not text:
-        return None, "rank 0 made no segment"
-    name, _, token = text.partition("|")
+        return None, 0, "rank 0 made no segment"
+    name, token, size = text.split("|")
+    max_bytes = int(size)
     try:
         segment = ShmSegment.attach(name)
     except (OSError, GroupcoordError) as exc:
-        return None, f"cannot attach {name} (not on rank 0's node?): {exc}"
+        return None, 0, f"cannot attach {name} (not on rank 0's node?): {exc}"
     start = world_size * LINE
-    if bytes(segment.buf[start : start + 16]) != token.encode():
+    ours = bytes(segment.buf[start : start + 16]) == token.encode()
+    if not ours or segment.size < _segment_bytes(world_size, max_bytes):
         segment.close()
-        return None, f"{name} here is not rank 0's segment (a different shm namespace)"
-    return segment, None
+        return None, 0, f"{name} here is not rank 0's segment (a different shm namespace)"
+    return segment, max_bytes, None

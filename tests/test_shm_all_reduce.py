@@ -639,3 +639,39 @@ def _small_calls_on_shaped_views(rank: int, world: int) -> bool:
 @pytest.mark.parametrize("world", [2, 3])
 def test_small_calls_take_strided_and_zero_dim_tensors_and_given_outputs(world: int) -> None:
     assert run_ranks(_small_calls_on_shaped_views, world, timeout=60) == [True] * world
+
+
+def _small_shm_slots(rank: int, world: int) -> tuple[int, list[bool]]:
+    from shm_broadcast import segments
+    from shm_broadcast.errors import ShmSpaceError
+
+    def one_mib_free(nbytes: int, *args: object, **kwargs: object) -> None:
+        # /dev/shm as a container with 1 MiB left would have it.
+        if nbytes > 1 << 20:
+            raise ShmSpaceError(f"cannot create a {nbytes} byte segment: 1048576 bytes free")
+
+    segments.check_shm_free_space = one_mib_free
+    init_gloo(rank, world)
+    shm = make_shm(unique_name="small")
+    try:
+        assert shm.disabled_reason is None, shm.disabled_reason
+        ok = []
+        for numel in (1000, 300_000):  # one slot; many pieces of the small slots
+            x = rank_input(rank, numel, torch.float64, seed=numel)
+            ok.append(
+                torch.equal(shm.all_reduce(x), reference(world, numel, torch.float64, "SUM", numel))
+            )
+            parts = [rank_input(r, numel, torch.float64, seed=numel) for r in range(world)]
+            ok.append(torch.equal(shm.all_gather(x), torch.stack(parts)))
+        return shm.max_bytes, ok
+    finally:
+        shm.close()
+
+
+def test_slots_shrink_where_shared_memory_is_small() -> None:
+    """Rank 0 cannot create the usual slots (2 x world x 1 MiB): it takes small ones,
+    whose size the peers read from the handle; small and large calls stay exact."""
+    from device_communicators.shm_slots import SMALL_SLOT_BYTES
+
+    results = run_ranks(_small_shm_slots, 3, timeout=90)
+    assert results == [(SMALL_SLOT_BYTES, [True] * 4)] * 3

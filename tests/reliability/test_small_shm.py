@@ -1,10 +1,12 @@
-"""/dev/shm too small: creation refuses with a clear message, nothing is left behind.
+"""/dev/shm too small: creation refuses with a clear message, our own buffers
+shrink to fit where they can, nothing is left behind.
 
 A 1 MiB tmpfs is mounted (we run as root here) and ranks point the config's
 ``shm_dir`` at it with ``set_config`` (the parent has already read the
 environment, and forked ranks inherit that config). Then a message queue ring, a
 shared-memory all-reduce buffer, a ``coordinator.comm`` window and a plain
-segment are asked for more than it holds.
+segment are asked for more than it holds. A 64 MiB one (Docker's default) runs
+a TP 2 x PP 2 engine.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def _queue_and_all_reduce(rank: int, world: int, mount: str) -> dict[str, str]:
     from device_communicators.cpu_communicator import CpuCommunicator
     from shm_broadcast.config import set_config
     from shm_broadcast.message_queue import MessageQueue
+    from shm_broadcast.segments import ShmSegment
 
     set_config(shm_dir=mount)
     out: dict[str, str] = {}
@@ -92,11 +95,28 @@ def _queue_and_all_reduce(rank: int, world: int, mount: str) -> dict[str, str]:
         )
     init_gloo(rank, world)
     pg = dist.group.WORLD
+    # The whole MiB free: the usual slots (4 MiB) do not fit, the small ones do.
     comm = CpuCommunicator(pg, torch.device("cpu"), pg, unique_name="small")
-    reason = comm.shm_all_reduce.disabled_reason
-    out[f"ShmAllReduce (rank {rank})"] = f"disabled: {reason}"
-    assert torch.equal(comm.all_reduce(torch.ones(4)), torch.full((4,), 2.0)), "Gloo took over"
+    shm = comm.shm_all_reduce
+    out[f"ShmAllReduce, 1 MiB free (rank {rank})"] = (
+        f"slots of {shm.max_bytes} bytes" if shm.disabled_reason is None else shm.disabled_reason
+    )
+    assert torch.equal(comm.all_reduce(torch.ones(4)), torch.full((4,), 2.0))
     comm.destroy()
+    dist.barrier()  # every rank unmapped them: their pages are free again
+    # Nearly full: not even the small slots fit.
+    filler = ShmSegment.create(900 << 10, "filler") if rank == 0 else None
+    dist.barrier()
+    try:
+        comm = CpuCommunicator(pg, torch.device("cpu"), pg, unique_name="full")
+        reason = comm.shm_all_reduce.disabled_reason
+        out[f"ShmAllReduce (rank {rank})"] = f"disabled: {reason}"
+        assert torch.equal(comm.all_reduce(torch.ones(4)), torch.full((4,), 2.0)), "Gloo took over"
+        comm.destroy()
+    finally:
+        if filler is not None:
+            filler.close()
+            filler.unlink()
     c = new_comm("gloo", "cpu", "small", timeout=30)
     try:
         out[f"comm window 4 MiB (rank {rank})"] = _attempt(
@@ -124,6 +144,12 @@ def test_queue_all_reduce_and_window_refuse_a_full_shm_dir(small_shm: str) -> No
     report("small /dev/shm: queue, all-reduce, window", **merged)
     ring = merged["MessageQueue ring 4 x 1 MiB"]
     assert ring.startswith("ShmSpaceError") and _clear(ring, small_shm), ring
+    from device_communicators.shm_slots import SMALL_SLOT_BYTES
+
+    for rank in range(2):
+        assert merged[f"ShmAllReduce, 1 MiB free (rank {rank})"] == (
+            f"slots of {SMALL_SLOT_BYTES} bytes"
+        )
     # The creating rank says why; the others say which rank could not create it.
     reason = merged["ShmAllReduce (rank 0)"]
     assert reason.startswith("disabled: ") and _clear(reason, small_shm), reason
