@@ -56,7 +56,6 @@ from .errors import (
     GroupcoordTimeoutError,
     PeerDiedError,
     ProtocolError,
-    ShmSpaceError,
 )
 from .liveness import process_alive
 from .message_queue import Handle, MessageQueue
@@ -236,9 +235,10 @@ class P2PChannels:
                 P2P_MAX_CHUNKS,
                 f"{self.name}: dicts to rank {dst}",
             )
-        except ShmSpaceError as exc:
-            # A small /dev/shm (containers often have 64 MiB): this pair keeps
-            # using Gloo, and the receiver learns it from the store.
+        except OSError as exc:
+            # A small /dev/shm (containers often have 64 MiB; ShmSpaceError is an
+            # OSError), or none that can be written: this pair keeps using Gloo,
+            # and the receiver learns it from the store.
             logger.warning("%s: %s; dicts to rank %d go over Gloo", self.name, exc, dst)
             self._store_call(operation, dst, store.set, key, _USE_GLOO)
             self._gloo_to.add(dst)

@@ -47,15 +47,28 @@ def in_the_same_node_as(
     try:
         if rank == source_rank:
             token = secrets.token_bytes(_TOKEN_BYTES)
-            segment = ShmSegment.create(_TOKEN_BYTES, tag="topo")
-            segment.buf[:_TOKEN_BYTES] = token
-            announce = dumps((segment.name, token))
+            try:
+                segment = ShmSegment.create(_TOKEN_BYTES, tag="topo")
+            except OSError as exc:
+                # No usable shared memory here (read-only, missing, full): no rank
+                # shares any with the source, and its peers are told so.
+                logger.warning(
+                    "%s: rank %d cannot create shared memory (%s); its peers are taken "
+                    "as on other nodes",
+                    what,
+                    source_rank,
+                    exc,
+                )
+                announce = dumps((None, None))
+            else:
+                segment.buf[:_TOKEN_BYTES] = token
+                announce = dumps((segment.name, token))
         else:
             announce = None
         name, token = loads(
             broadcast_bytes(pg, announce, source_rank, what=what, operation=operation)
         )
-        same = rank == source_rank or _can_read_token(name, token)
+        same = rank == source_rank or (name is not None and _can_read_token(name, token))
         gathered = all_gather_bytes(
             pg, dumps((same, socket.gethostname())), what=what, operation=operation
         )

@@ -422,6 +422,39 @@ def test_a_queue_with_little_shared_memory_gets_a_small_ring() -> None:
     assert results == [(SMALL_RING_BYTES >> 20, expected)] * 3
 
 
+def _no_shared_memory(rank: int, world_size: int, shm_dir: str) -> list:
+    from shm_broadcast.config import set_config
+
+    # A machine without a usable /dev/shm (missing, as in some sandboxes, or read-only).
+    set_config(shm_dir=shm_dir)
+    g = world_group(rank, world_size, use_message_queue_broadcaster=True)
+    try:
+        got: list = [g.device_communicator.shm_all_reduce.disabled_reason is not None]
+        got.append(g.broadcast_object({"step": 1} if rank == 0 else None))
+        td = g.broadcast_tensor_dict({"x": torch.arange(4.0)} if rank == 0 else None)
+        got.append(td["x"].tolist())
+        if rank == 0:
+            g.send_tensor_dict({"y": torch.ones(3)}, dst=1)
+        elif rank == 1:
+            got.append(g.recv_tensor_dict(src=0)["y"].tolist())
+        got.append(g.all_reduce(torch.ones(2)).tolist())
+        return got
+    finally:
+        g.destroy()
+
+
+def test_a_machine_without_usable_shared_memory_runs_on_gloo_and_tcp(tmp_path) -> None:
+    """No shared memory can be created: the topology probe says no rank shares any
+    with the writer (its queue's readers join over TCP), the collectives run on
+    Gloo and a pair's dicts go over Gloo, every result right."""
+    missing = str(tmp_path / "no-such-dir")
+    results = run_ranks(_no_shared_memory, 3, missing, timeout=90)
+    common = [True, {"step": 1}, [0.0, 1.0, 2.0, 3.0]]
+    assert results[0] == [*common, [3.0, 3.0]]
+    assert results[1] == [*common, [1.0, 1.0, 1.0], [3.0, 3.0]]
+    assert results[2] == [*common, [3.0, 3.0]]
+
+
 def _single_reader_queues(rank: int, world_size: int) -> list:
     from shm_broadcast.message_queue import MessageQueue
 
