@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .errors import GroupcoordValueError
@@ -62,12 +63,54 @@ class GroupcoordConfig:
     debug_desync: bool = False
     # Expert-parallel all2all manager: naive | allgather_reducescatter.
     all2all_backend: str = "allgather_reducescatter"
-    # Log level of the ``groupcoord`` loggers.
+    # Level of the ``groupcoord`` loggers (their messages go to stderr; below
+    # WARNING through a handler of their own unless the program set up logging).
     log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        for name, (valid, expected) in _RULES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not valid(value):
+                raise GroupcoordValueError(
+                    f"{name}={value!r} ({ENV_PREFIX}{name.upper()}): expected {expected}"
+                )
 
     def env_names(self) -> dict[str, str]:
         """Map each field to the environment variable that sets it."""
         return {f.name: ENV_PREFIX + f.name.upper() for f in dataclasses.fields(self)}
+
+
+# A message queue chunk holds at least this many bytes (config and MessageQueue).
+MIN_CHUNK_BYTES = 256
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+def _number(low: float, *, above: bool = False, kind: type = float) -> Callable[[Any], bool]:
+    """A test that a value is a ``kind`` (an int passes for a float) of at least
+    ``low``, or above it."""
+    kinds = (int, float) if kind is float else (int,)
+
+    def valid(value: Any) -> bool:
+        return isinstance(value, kinds) and (value > low if above else value >= low)
+
+    return valid
+
+
+# Field -> (test, what it expects): checked whenever a config is made (from the
+# environment or by set_config), so a bad value is refused where it is given.
+# A value a component checks against what it knows (an all2all back end's name,
+# the custom all-reduce's algorithm) is checked there.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "timeout_s": (_number(0, above=True), "seconds > 0"),
+    "peer_check_interval_s": (_number(0), "seconds >= 0"),
+    "heartbeat_timeout_s": (_number(0, above=True), "seconds > 0"),
+    "mq_max_chunk_bytes": (_number(MIN_CHUNK_BYTES, kind=int), f"an int >= {MIN_CHUNK_BYTES}"),
+    "mq_max_chunks": (_number(1, kind=int), "an int >= 1"),
+    "shm_all_reduce_max_bytes": (_number(1, kind=int), "an int >= 1"),
+    "custom_all_reduce_max_bytes": (_number(1, kind=int), "an int >= 1"),
+    "shm_dir": (lambda v: isinstance(v, str) and v != "", "a directory"),
+    "log_level": (lambda v: isinstance(v, str) and v.upper() in LOG_LEVELS, f"one of {LOG_LEVELS}"),
+}
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -110,7 +153,7 @@ def get_config() -> GroupcoordConfig:
     """The effective config, read from the environment on first use."""
     global _config
     if _config is None:
-        _config = from_env()
+        _config = _applied(from_env())
     return _config
 
 
@@ -118,8 +161,23 @@ def set_config(config: GroupcoordConfig | None = None, **changes: Any) -> Groupc
     """Replace the effective config (or change some fields of it) in code."""
     global _config
     base = config if config is not None else get_config()
-    _config = dataclasses.replace(base, **changes)
+    _config = _applied(dataclasses.replace(base, **changes))
     return _config
+
+
+def _applied(config: GroupcoordConfig) -> GroupcoordConfig:
+    """Set the ``groupcoord`` loggers' level from ``config``. Below WARNING, where
+    neither they nor the root logger has a handler (the program configured no
+    logging), one to stderr is added, since Python's last-resort handler shows
+    warnings and errors only."""
+    logger = logging.getLogger("groupcoord")
+    level = getattr(logging, config.log_level.upper())
+    logger.setLevel(level)
+    if level < logging.WARNING and not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    return config
 
 
 @contextlib.contextmanager

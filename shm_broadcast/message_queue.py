@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from . import mq_groups
-from .config import get_config, resolve_timeout
+from .config import MIN_CHUNK_BYTES, get_config, resolve_timeout
 from .errors import GroupcoordValueError, NotSupportedError, ProtocolError
 from .mq_handle import Handle, cleanup_stale_ipc_files, default_ip, ipc_path
 from .mq_reader import ReaderEnd
@@ -91,7 +91,7 @@ class MessageQueue(WriterEnd, ReaderEnd):
         max_chunk_bytes = _check_int(
             "max_chunk_bytes",
             cfg.mq_max_chunk_bytes if max_chunk_bytes is None else max_chunk_bytes,
-            256,
+            MIN_CHUNK_BYTES,
         )
         max_chunks = _check_int(
             "max_chunks", cfg.mq_max_chunks if max_chunks is None else max_chunks, 1
