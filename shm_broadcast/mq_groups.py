@@ -129,28 +129,43 @@ def create_from_process_group_single_reader(
     joined queue. Keep ``blocking=False`` (the default) unless the reader
     joins from another thread: a writer waiting here waits for a reader
     that can only join after this call returns (bounded by the timeout).
+    When some rank's ring does not fit in /dev/shm, every rank raises
+    ``ShmSpaceError`` naming those ranks (and drops its own queue).
     """
     rank, world_size = group_rank_and_size(pg)
     if not 0 <= reader_rank < world_size:
         raise GroupcoordValueError(f"reader_rank={reader_rank} is not in a group of {world_size}")
     names = {"what": "MessageQueue", "operation": "create_from_process_group_single_reader"}
     same_node = in_the_same_node_as(pg, reader_rank, **names)
-    mq = cls(
-        1,
-        1 if same_node[rank] else 0,
-        [reader_rank] if same_node[rank] else [],
-        max_chunk_bytes,
-        max_chunks,
-        connect_ip,
-        allow_pickle=allow_pickle,
-        writer_rank=rank,
-    )
+    mq: Any = None
     try:
-        gathered = all_gather_bytes(pg, dumps(mq.export_handle()), **names)
-        handles = [loads(g) for g in gathered] if rank == reader_rank else []
+        mq = cls(
+            1,
+            1 if same_node[rank] else 0,
+            [reader_rank] if same_node[rank] else [],
+            max_chunk_bytes,
+            max_chunks,
+            connect_ip,
+            allow_pickle=allow_pickle,
+            writer_rank=rank,
+        )
+        mine = dumps(mq.export_handle())
+    except ShmSpaceError as exc:
+        # Every rank hears which rings did not fit, and every rank raises.
+        mine = dumps({_REFUSED: str(exc)})
+    try:
+        gathered = [loads(g) for g in all_gather_bytes(pg, mine, **names)]
+        refused = {r: g[_REFUSED] for r, g in enumerate(gathered) if type(g) is dict}
+        if refused:
+            raise ShmSpaceError(
+                "the queues of ranks "
+                f"{sorted(refused)} could not be created: {next(iter(refused.values()))}"
+            )
+        handles = gathered if rank == reader_rank else []
         if blocking:
             mq.wait_until_ready()
     except BaseException:
-        mq.shutdown()
+        if mq is not None:
+            mq.shutdown()
         raise
     return mq, handles

@@ -228,6 +228,28 @@ def test_single_reader_queues_from_every_rank():
     assert run_ranks(_single_reader_rank, 3, timeout=60)[0] == [0, 1, 2]
 
 
+def _single_reader_ring_too_big_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from shm_broadcast.errors import ShmSpaceError
+    from shm_broadcast.segments import shm_free_bytes
+
+    init_gloo(rank, world_size)
+    # Rank 2 (a writer, not the reader) asks for a ring larger than /dev/shm's room.
+    chunk = shm_free_bytes() // 2 + 4096 if rank == 2 else 1 << 12
+    with pytest.raises(ShmSpaceError) as raised:
+        MessageQueue.create_from_process_group_single_reader(
+            dist.group.WORLD, chunk, 2, reader_rank=0
+        )
+    dist.barrier()  # every rank came back: none waits for the others
+    return str(raised.value)
+
+
+def test_single_reader_queues_whose_ring_does_not_fit_are_refused_on_every_rank():
+    for message in run_ranks(_single_reader_ring_too_big_rank, 3, timeout=60):
+        assert "the queues of ranks [2] could not be created" in message, message
+
+
 def _shutdown_wakes_rank(rank, world_size, n_local):
     import torch.distributed as dist
 
