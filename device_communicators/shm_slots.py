@@ -9,7 +9,6 @@ behind; the pages live until the last rank unmaps them.
 
 from __future__ import annotations
 
-import logging
 import secrets
 from array import array
 from collections.abc import Callable, Sequence
@@ -19,16 +18,13 @@ import torch
 from torch._C._distributed_c10d import BroadcastOptions
 from torch.distributed import ProcessGroup
 
-from shm_broadcast.errors import ShmSpaceError
 from shm_broadcast.gloo_errors import gloo_errors
-from shm_broadcast.segments import ShmSegment
+from shm_broadcast.segments import ShmSegment, smaller_where_no_room
 
 from .errors import GroupcoordError
 from .shm_phases import LINE, PhaseLines
 
 __all__ = ["SlotSegment", "open_slot_segment"]
-
-logger = logging.getLogger("groupcoord.device_communicators")
 
 _PAGE = 4096
 _HANDLE_BYTES = 256  # fixed-size name, token and slot size broadcast at set-up
@@ -236,21 +232,13 @@ def _create(world_size: int, max_bytes: int, what: str) -> tuple[ShmSegment, int
     it (a container's 64 MiB), one with slots of ``SMALL_SLOT_BYTES``: small calls
     still take the lean path, large ones go in smaller pieces. Returns the segment
     and its slots' size (the peers read it from the handle)."""
-    try:
-        return ShmSegment.create(_segment_bytes(world_size, max_bytes), tag="allreduce"), max_bytes
-    except ShmSpaceError as exc:
-        small = align_up(max(SMALL_SLOT_BYTES, 16 * world_size), LINE)
-        if small >= max_bytes:
-            raise
-        logger.warning(
-            "%s: %s; taking slots of %d bytes instead of %d (give /dev/shm more room, "
-            "e.g. docker --shm-size=1g)",
-            what,
-            exc,
-            small,
-            max_bytes,
-        )
-        return ShmSegment.create(_segment_bytes(world_size, small), tag="allreduce"), small
+    return smaller_where_no_room(
+        lambda size: ShmSegment.create(_segment_bytes(world_size, size), tag="allreduce"),
+        max_bytes,
+        align_up(max(SMALL_SLOT_BYTES, 16 * world_size), LINE),
+        what,
+        "bytes a slot",
+    )
 
 
 def _segment_bytes(world_size: int, max_bytes: int) -> int:

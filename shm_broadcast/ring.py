@@ -32,16 +32,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import struct
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from .errors import GroupcoordValueError, ProtocolError, ShmSpaceError
+from .errors import GroupcoordValueError, ProtocolError
 from .liveness import pid_namespace, process_alive
-from .segments import ShmSegment
+from .segments import ShmSegment, smaller_where_no_room
 from .waiting import futex_available, futex_wait, futex_wake, memory_fence, needs_fence
 
 __all__ = [
@@ -53,7 +52,6 @@ __all__ = [
     "to_bytes_big",
 ]
 
-logger = logging.getLogger("groupcoord.shm_broadcast")
 T = TypeVar("T")
 
 _MAGIC = 0x47435242  # "GCRB"
@@ -360,23 +358,10 @@ def in_a_ring_that_fits(
     make: Callable[[int], T], max_chunk_bytes: int, max_chunks: int, what: str
 ) -> T:
     """``make(max_chunks)``, the queue of a ring of ``max_chunks`` chunks; where
-    /dev/shm has no room for it (``ShmSpaceError``, a container's 64 MiB), ``make``
-    of a small ring of about ``SMALL_RING_BYTES`` (at least 2 chunks), which
-    messages larger than it stream through. Raises ``ShmSpaceError`` when even
-    that does not fit. How our own queues (a group's broadcaster, a pair's
-    channel) take a ring; one a caller sized itself is refused instead."""
-    try:
-        return make(max_chunks)
-    except ShmSpaceError as exc:
-        small = min(max_chunks, max(2, SMALL_RING_BYTES // max_chunk_bytes))
-        if small == max_chunks:
-            raise
-        logger.warning(
-            "%s: %s; taking a ring of %d chunks instead of %d (give /dev/shm more room, "
-            "e.g. docker --shm-size=1g)",
-            what,
-            exc,
-            small,
-            max_chunks,
-        )
-        return make(small)
+    /dev/shm has no room for it, ``make`` of a small ring of about
+    ``SMALL_RING_BYTES`` (at least 2 chunks), which messages larger than it stream
+    through (``segments.smaller_where_no_room``). How our own queues (a group's
+    broadcaster, a pair's channel) take a ring; one a caller sized itself is
+    refused instead."""
+    small = min(max_chunks, max(2, SMALL_RING_BYTES // max_chunk_bytes))
+    return smaller_where_no_room(make, max_chunks, small, what, "ring chunks")[0]

@@ -14,16 +14,22 @@ tmpfs is refused at creation with a clear message instead of a SIGBUS later.
 from __future__ import annotations
 
 import atexit
+import logging
 import mmap
 import multiprocessing.util
 import os
 import re
 import secrets
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from .config import get_config
 from .errors import GroupcoordValueError, ShmSpaceError
 from .liveness import pid_namespace, process_alive
+
+logger = logging.getLogger("groupcoord.shm_broadcast")
+T = TypeVar("T")
 
 SEGMENT_PREFIX = "groupcoord_"
 # groupcoord_<creator pid>_<tag>_<random>[n<creator pid namespace>]: the namespace
@@ -60,6 +66,30 @@ def check_shm_free_space(
             f"cannot create a {required_bytes} byte {allocation_name}: {where} has only "
             f"{free} bytes free (enlarge it, e.g. docker --shm-size, or ask for a smaller buffer)"
         )
+
+
+def smaller_where_no_room(
+    make: Callable[[int], T], usual: int, small: int, what: str, unit: str
+) -> tuple[T, int]:
+    """``make(usual)``, or where shared memory has no room for it (``ShmSpaceError``:
+    a container's 64 MiB /dev/shm) ``make(small)``, logged; and the size taken. How
+    our own buffers (a queue's ring, a group's slots) shrink to fit; ``ShmSpaceError``
+    when even the small one does not fit. ``unit`` names the size in the log."""
+    try:
+        return make(usual), usual
+    except ShmSpaceError as exc:
+        if small >= usual:
+            raise
+        logger.warning(
+            "%s: %s; taking %d %s instead of %d (give /dev/shm more room, e.g. "
+            "docker --shm-size=1g)",
+            what,
+            exc,
+            small,
+            unit,
+            usual,
+        )
+        return make(small), small
 
 
 class ShmSegment:
