@@ -236,6 +236,8 @@ class P2PChannels:
                 f"{self.name}: dicts to rank {dst}",
             )
         except OSError as exc:
+            if isinstance(exc, (PeerDiedError, GroupcoordTimeoutError)):
+                raise  # OSErrors too, but about a peer, not this machine's memory
             # A small /dev/shm (containers often have 64 MiB; ShmSpaceError is an
             # OSError), or none that can be written: this pair keeps using Gloo,
             # and the receiver learns it from the store.
