@@ -24,7 +24,6 @@ import atexit
 import contextlib
 import datetime
 import gc
-import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +34,7 @@ import torch.distributed as dist
 from device_communicators.errors import unsupported
 from shm_broadcast.config import override, resolve_timeout
 from shm_broadcast.host_memory import release_cached_outputs
-from shm_broadcast.segments import cleanup_stale_segments
+from shm_broadcast.segments import sweep_stale_segments
 from shm_broadcast.topology import in_the_same_node_as as _same_node
 
 from .comm.bootstrap import default_group_store
@@ -128,8 +127,6 @@ __all__ = [
     "suspend_device_comms",
 ]
 
-logger = logging.getLogger("groupcoord.coordinator")
-
 
 # ---- start-up ------------------------------------------------------------------------
 
@@ -187,11 +184,7 @@ def init_distributed_environment(
     _state.backend = backend
     _state.timeout_s = timeout_s
     _state.owner_pid = os.getpid()
-    swept = cleanup_stale_segments()  # what killed processes of ours left on this host
-    if swept:
-        logger.warning(
-            "removed %d shared-memory segment(s) of dead processes: %s", len(swept), swept
-        )
+    sweep_stale_segments()  # what killed processes of ours left on this host
     _state.world = init_world_group(list(range(dist.get_world_size())), local_rank, backend)
     if not _state.exit_hook_registered:
         atexit.register(_destroy_at_exit)

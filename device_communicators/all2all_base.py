@@ -19,7 +19,7 @@ import torch
 
 from shm_broadcast.liveness import dead_peers
 
-from .checks import write_into
+from . import checks
 from .errors import (
     ClosedError,
     GroupcoordTypeError,
@@ -220,7 +220,7 @@ class All2AllManagerBase:
         is_sequence_parallel: bool = False,
     ) -> torch.Tensor:
         """:meth:`combine` written into ``output`` (this rank's tokens); returns ``output``."""
-        return write_into(output, self.combine(hidden_states, is_sequence_parallel))
+        return checks.write_into(output, self.combine(hidden_states, is_sequence_parallel))
 
     def combine(
         self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False
@@ -431,10 +431,7 @@ class All2AllManagerBase:
         extras = list(extra_tensors) if extra_tensors is not None else []
         named = named + [(f"extra_tensors[{i}]", t) for i, t in enumerate(extras)]
         for arg, tensor in named:
-            if not isinstance(tensor, torch.Tensor):
-                raise GroupcoordTypeError(
-                    f"{arg} must be a torch.Tensor, got {type(tensor).__name__}"
-                )
+            checks.tensor(tensor, arg)  # before the token counts' exchange: nothing sent
         hidden_states = named[0][1]
         if hidden_states.dim() != 2:
             raise GroupcoordValueError(

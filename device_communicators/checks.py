@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shm_broadcast.array_frames import runs_ops_in_python
+
 from .errors import GroupcoordTypeError, GroupcoordValueError
 
 __all__ = [
@@ -65,6 +67,18 @@ def tensor(
     detached tensor shares ``value``'s memory, so in-place calls still fill
     ``value``."""
     traced_tensor(value, argument)
+    cls = type(value)
+    if cls is not _Tensor and runs_ops_in_python(cls):
+        raise GroupcoordTypeError(
+            f"{argument} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass that "
+            "runs torch's ops in Python (__torch_dispatch__): its memory does not hold its "
+            "values; pass the plain tensor it holds (a DTensor's to_local(), for one)"
+        )
+    if value.is_nested:
+        raise GroupcoordTypeError(
+            f"{argument} is a nested tensor, which has no one shape: pass its components "
+            "(unbind()) or a padded tensor"
+        )
     if value.is_conj() or value.is_neg():
         # Its memory holds other values than it reads as: every path that moves
         # memory (shared memory, c10d) would return those (torch.distributed refuses

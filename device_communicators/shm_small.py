@@ -229,6 +229,7 @@ class SmallCalls:
             and type(tensor) is torch.Tensor
             and type(dim) is int
             and -tensor.dim() <= dim < tensor.dim()
+            and not tensor.is_nested  # (no one shape)
             and sizes.count(tensor.shape[dim]) == len(sizes)
             and not tensor.is_quantized
         )
@@ -316,9 +317,12 @@ class SmallCalls:
         assert sizes is None or dst == -1
         if type(tensor) is not torch.Tensor or type(dim) is not int or type(dst) is not int:
             return None
+        try:
+            key = (tensor.dtype, tensor.shape, dim, dst)
+        except RuntimeError:  # a nested tensor (as in _call)
+            return None
         with self.owner.call_lock:
             plans = self._plans[_GATHER_V]
-            key = (tensor.dtype, tensor.shape, dim, dst)
             plan = plans.get(key, _UNSEEN)
             if plan is _UNSEEN:
                 if self.slots is None:
@@ -398,9 +402,12 @@ class SmallCalls:
         the path takes (nothing ran)."""
         if type(tensor) is not torch.Tensor or (type(dim) is not int and kind != _SCATTER_V):
             return None
+        try:
+            key = (tensor.dtype, tensor.shape, dim)
+        except RuntimeError:  # a nested tensor has no one shape: the general path says so
+            return None
         with self.owner.call_lock:
             plans = self._plans[kind]
-            key = (tensor.dtype, tensor.shape, dim)
             plan = plans.get(key, _UNSEEN)
             if plan is _UNSEEN:
                 if self.slots is None:  # the path is down (attach() drops every plan)

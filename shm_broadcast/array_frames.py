@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import GroupcoordTypeError, ProtocolError
 
-__all__ = ["dtype_name", "torch_dtype"]
+__all__ = ["dtype_name", "runs_ops_in_python", "torch_dtype"]
 
 _DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> name on the wire, filled on first use
 _DTYPES_BY_NAME: dict[str, Any] = {}  # the reverse, filled on first use
@@ -43,6 +43,17 @@ _BY_CODE: list[Any] = []  # code -> torch dtype (None where this torch lacks it)
 _TENSOR_META: dict[int, struct.Struct] = {}  # ndim -> layout of the tensor's header
 _TENSOR_META_BY_SIZE: dict[int, struct.Struct] = {}  # its byte size -> the same
 _META_1D = struct.Struct("<BIQ")  # the common case, packed without building a tuple of dims
+
+
+def runs_ops_in_python(cls: type) -> bool:
+    """Whether tensors of class ``cls`` (a ``torch.Tensor`` subclass) run torch's ops
+    in Python (``__torch_dispatch__``: DTensor, FakeTensor, FunctionalTensor, the
+    quantized and wrapper subclasses): their memory need not hold their values (a
+    wrapper has none, its ``data_ptr()`` is 0), so nothing may move it as their data.
+    ``nn.Parameter`` and subclasses that only override ``__torch_function__`` do not."""
+    import torch
+
+    return getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
 
 
 def dtype_name(dtype: Any) -> str:
@@ -99,6 +110,8 @@ def plain_cpu_tensor(t: Any) -> Any:
 
     if t.layout is not torch.strided:
         raise GroupcoordTypeError(f"cannot encode a tensor with layout {t.layout}")
+    if t.is_meta:
+        raise GroupcoordTypeError("cannot encode a meta tensor: it has no data")
     if t.requires_grad:
         t = t.detach()
     if not t.is_cpu:

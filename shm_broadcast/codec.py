@@ -44,6 +44,7 @@ from .array_frames import (
     dtype_name,
     ndarray_descr,
     plain_cpu_tensor,
+    runs_ops_in_python,
     tensor_meta,
     torch_dtype,
 )
@@ -167,6 +168,8 @@ class Codec:
         torch = sys.modules.get("torch")
         if torch is not None:
             if issubclass(t, torch.Tensor):
+                if runs_ops_in_python(t):
+                    return _walk_pickled if self.allow_pickle else _refuse_python_tensor
                 self._strided = torch.strided
                 return self._walk_tensor
             if t is torch.dtype:
@@ -292,6 +295,15 @@ class Codec:
     def _walk_tensor(self, t: Any) -> Any:
         # Hot path of small-tensor messages: every step is inlined and skipped
         # when not needed (about 1.3 µs for a plain contiguous CPU tensor).
+        try:
+            shape = t.shape
+        except RuntimeError as exc:
+            if t.is_nested:
+                raise GroupcoordTypeError(
+                    "cannot encode a nested tensor, which has no one shape: send its "
+                    "components (unbind()) or a padded tensor"
+                ) from exc
+            raise
         if (
             t.requires_grad
             or not t.is_cpu
@@ -320,7 +332,7 @@ class Codec:
                 )
             frames.append(t)  # copied strided straight into the destination
         self._frame_lens.append(nbytes)
-        return _Ext(wire.EXT_TENSOR, tensor_meta(code, len(frames) - 1, t.shape))
+        return _Ext(wire.EXT_TENSOR, tensor_meta(code, len(frames) - 1, shape))
 
     def _walk_torch_size(self, size: Any) -> Any:
         return _Ext(wire.EXT_TORCH_SIZE, self._enc.encode(list(size)))
@@ -372,6 +384,16 @@ def _walk_torch_device(device: Any) -> Any:
 
 def _walk_pickled(obj: Any) -> Any:
     return _Ext(wire.EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _refuse_python_tensor(t: Any) -> Any:
+    cls = type(t)
+    raise GroupcoordTypeError(
+        f"cannot encode a {cls.__module__}.{cls.__qualname__}, a tensor subclass that runs "
+        "torch's ops in Python (__torch_dispatch__): its memory does not hold its values; "
+        "send the plain tensors it holds (a DTensor's to_local(), for one), or create the "
+        "queue with allow_pickle=True"
+    )
 
 
 def _refuse(obj: Any) -> Any:

@@ -3,7 +3,8 @@
 Every segment groupcoord creates is named ``groupcoord_<pid>_<tag>_<token>`` in
 the configured shm directory (``/dev/shm`` on Linux). The creator unlinks it on
 ``unlink()``, on error and at interpreter exit; :func:`cleanup_stale_segments`
-removes those whose creator pid is gone (a SIGKILLed writer, say).
+removes those whose creator pid is gone (a SIGKILLed writer, say), and
+:func:`sweep_stale_segments` runs it before the first segment a process creates.
 
 We do not use ``multiprocessing.shared_memory``: its resource tracker unlinks
 segments when an *attaching* process exits, and it cannot reserve the pages up
@@ -39,6 +40,7 @@ _NAME_RE = re.compile(r"^groupcoord_(\d+)_[A-Za-z0-9]+_[0-9a-f]+(?:n(\d+))?$")
 
 _owned_lock = threading.Lock()
 _owned: dict[str, int] = {}  # segment name -> creating pid
+_swept_pid: int | None = None  # the process that last ran sweep_stale_segments
 
 
 def shm_path(name: str) -> str:
@@ -110,6 +112,8 @@ class ShmSegment:
             raise GroupcoordValueError(f"segment size must be positive, got {nbytes}")
         if not tag.isalnum():
             raise GroupcoordValueError(f"segment tag must be alphanumeric, got {tag!r}")
+        if _swept_pid != os.getpid():
+            sweep_stale_segments()  # first, so that what a killed run left frees its room
         check_shm_free_space(nbytes, allocation_name="shared-memory segment")
         name = f"{SEGMENT_PREFIX}{os.getpid()}_{tag}_{secrets.token_hex(6)}n{pid_namespace()}"
         path = shm_path(name)
@@ -218,6 +222,20 @@ def cleanup_stale_segments() -> list[str]:
         if match and match.group(2) == here and not process_alive(int(match.group(1))):
             _unlink_name(entry)
             removed.append(entry)
+    return removed
+
+
+def sweep_stale_segments() -> list[str]:
+    """:func:`cleanup_stale_segments` with a warning naming what it removed: run by
+    ``init_distributed_environment`` and before the first segment a process creates,
+    so what a killed run left neither lingers nor takes the room this one needs."""
+    global _swept_pid
+    _swept_pid = os.getpid()
+    removed = cleanup_stale_segments()
+    if removed:
+        logger.warning(
+            "removed %d shared-memory segment(s) of dead processes: %s", len(removed), removed
+        )
     return removed
 
 

@@ -97,6 +97,13 @@ def test_dispatch_combine_equals_single_process_moe(backend, world_size, counts)
             torch.testing.assert_close(got_t, want, rtol=1e-5, atol=1e-5)
 
 
+def _two_tensor(*shape: int) -> torch.Tensor:
+    """A wrapper subclass (like DTensor): no memory of its own to move."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.zeros(shape), torch.ones(shape))
+
+
 def _misuse_rank(rank: int, world_size: int, backend: str):
     from device_communicators.all2all import create_all2all_manager
     from device_communicators.errors import (
@@ -116,6 +123,7 @@ def _misuse_rank(rank: int, world_size: int, backend: str):
             torch.zeros(3, 4), torch.zeros(3, 2), extra_tensors=[torch.zeros(5)]
         ),
         lambda: manager.combine(torch.zeros(3, 4)),  # no dispatch pending
+        lambda: manager.dispatch_router_logits(_two_tensor(3, 4), torch.zeros(3, 2)),
     ]
     for call in bad_calls:
         try:
@@ -162,16 +170,17 @@ def _misuse_rank(rank: int, world_size: int, backend: str):
 def test_bad_calls_raise_and_leave_manager_usable(backend):
     results = run_ranks(_misuse_rank, 2, backend, timeout=60)
     for messages in results:
-        assert len(messages) == 9, messages
+        assert len(messages) == 10, messages
         assert "hidden_states must be 2-D" in messages[0]
         assert "router_logits must have 3 rows" in messages[1]
         assert "router_logits must be a torch.Tensor" in messages[2]
         assert "extra_tensors[0] must have 3 rows" in messages[3]
         assert "preceding dispatch" in messages[4]
-        assert "must have 3 rows" in messages[5]
-        assert "token_counts() states" in messages[6]
-        assert "after destroy()" in messages[7]
-        assert "stage_ep_size after destroy()" in messages[8]
+        assert "hidden_states is a torch.testing._internal.two_tensor.TwoTensor" in messages[5]
+        assert "must have 3 rows" in messages[6]
+        assert "token_counts() states" in messages[7]
+        assert "after destroy()" in messages[8]
+        assert "stage_ep_size after destroy()" in messages[9]
 
 
 def _prepared_rank(rank: int, world_size: int):

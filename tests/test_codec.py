@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import uuid
+import warnings
 
 import msgspec
 import numpy as np
@@ -460,13 +461,42 @@ def test_tensors_in_every_container_keep_their_own_frames():
     _same(loads(dumps(obj)), obj)
 
 
+class _Tagged(torch.Tensor):
+    """A subclass that keeps torch's ops as they are: its memory holds its values."""
+
+
 def test_tensor_subclasses_and_autograd_tensors_travel_as_plain_tensors():
     param = torch.nn.Parameter(torch.arange(4.0))
     grad = torch.arange(3.0, requires_grad=True) * 2
-    back = loads(dumps([param, grad, param]))
-    assert [type(t) for t in back] == [torch.Tensor] * 3
+    tagged = torch.arange(2.0).as_subclass(_Tagged)
+    back = loads(dumps([param, grad, param, tagged]))
+    assert [type(t) for t in back] == [torch.Tensor] * 4
     assert back[0].tolist() == [0.0, 1.0, 2.0, 3.0] and back[1].tolist() == [0.0, 2.0, 4.0]
+    assert back[3].tolist() == [0.0, 1.0]
     assert not any(t.requires_grad for t in back)
+
+
+def test_a_subclass_that_runs_torch_ops_in_python_is_refused_or_pickled():
+    # A wrapper subclass (DTensor, a quantized weight, torch's TwoTensor) has no
+    # memory of its own: data_ptr() is 0, and encoding it crashed the process.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    two = TwoTensor(torch.arange(3.0), torch.arange(3.0) * 2)
+    assert two.data_ptr() == 0
+    with pytest.raises(GroupcoordTypeError, match=r"TwoTensor.*__torch_dispatch__.*to_local"):
+        dumps({"x": two})
+    back = loads(dumps({"x": two}, allow_pickle=True), allow_pickle=True)["x"]
+    assert type(back) is TwoTensor and back.b.tolist() == [0.0, 2.0, 4.0]
+
+
+def test_meta_and_nested_tensors_are_refused_by_name():
+    with pytest.raises(GroupcoordTypeError, match="meta tensor: it has no data"):
+        dumps([torch.empty(3, device="meta")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the nested API's "prototype stage" warning
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(GroupcoordTypeError, match="nested tensor.*unbind"):
+        dumps({"n": nested})
 
 
 def test_conjugate_and_negative_views_are_resolved_before_sending():

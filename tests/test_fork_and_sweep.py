@@ -1,10 +1,13 @@
 """A process forked from a rank that exits normally leaves the rank's groups,
 queues and segments intact; segments of killed processes are swept at the next
-init_distributed_environment, but only those of this pid namespace."""
+init_distributed_environment and before a process creates its first segment,
+but only those of this pid namespace."""
 
 from __future__ import annotations
 
 import atexit
+import io
+import logging
 import multiprocessing
 import os
 import time
@@ -129,9 +132,10 @@ def _init_and_report(rank: int, world: int, dead: list[int]) -> list[str]:
         ps.destroy_distributed_environment()
 
 
-def test_segments_of_killed_ranks_are_swept_at_the_next_init():
-    # Plain multiprocessing workers, SIGKILLed: nothing of ours cleans up after
-    # them (coordinator.launch would sweep what it killed itself).
+def _killed_workers_with_segments() -> list[int]:
+    """The pids of two plain multiprocessing workers SIGKILLed with a segment each
+    still named: nothing of ours cleans up after them (coordinator.launch would
+    sweep what it killed itself)."""
     ctx = multiprocessing.get_context("fork")
     ready = [ctx.Event() for _ in range(2)]
     procs = [ctx.Process(target=_name_a_segment_then_wait, args=(r,)) for r in ready]
@@ -146,8 +150,36 @@ def test_segments_of_killed_ranks_are_swept_at_the_next_init():
             proc.join(10)
     pids = [proc.pid for proc in procs]
     assert sum(int(s.split("_")[1]) in pids for s in list_segments()) == 2  # left behind
+    return pids
+
+
+def test_segments_of_killed_ranks_are_swept_at_the_next_init():
+    pids = _killed_workers_with_segments()
     left = run_ranks(_init_and_report, 2, pids, timeout=60)
     assert left == [[], []]
+
+
+def _first_queue_and_report(rank: int, world: int, dead: list[int]) -> tuple[list[str], str]:
+    from shm_broadcast.message_queue import MessageQueue
+
+    logged = io.StringIO()
+    handler = logging.StreamHandler(logged)
+    logging.getLogger("groupcoord.shm_broadcast").addHandler(handler)
+    try:
+        MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2).close()  # no init before
+        return [s for s in list_segments() if int(s.split("_")[1]) in dead], logged.getvalue()
+    finally:
+        logging.getLogger("groupcoord.shm_broadcast").removeHandler(handler)
+
+
+def test_segments_of_killed_processes_are_swept_before_a_process_creates_its_first():
+    # vLLM's executors make queues without init_distributed_environment: the first
+    # segment a process creates sweeps first (and what it frees is room for it).
+    pids = _killed_workers_with_segments()
+    [(left, logged)] = run_ranks(_first_queue_and_report, 1, pids, timeout=60)
+    assert left == []
+    assert "removed 2 shared-memory segment(s) of dead processes" in logged
+    assert all(f"groupcoord_{pid}_orphan_" in logged for pid in pids)
 
 
 def test_the_sweep_leaves_segments_of_another_pid_namespace():

@@ -9,6 +9,7 @@ bad call's outcome is recorded: (exception type, message, is ValueError, is Type
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,21 @@ BadCall = tuple[str, Callable[[Any], Any]]
 
 T = torch.arange(4, dtype=torch.float32)
 META = torch.empty(4, device="meta")
+
+
+def _two_tensor() -> torch.Tensor:
+    """A wrapper subclass (torch's own test one, like DTensor or a quantized weight):
+    it has no memory of its own (data_ptr() is 0), so a path that moved its memory
+    crashed the process (SIGSEGV) or returned one of its inner tensors' sums."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(T.clone(), T * 10)
+
+
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the nested tensor API is in prototype stage"
+        return torch.nested.nested_tensor([T, T[:2]])
 
 
 def _attempt(call: Callable[[], Any]) -> Outcome:
@@ -66,6 +82,17 @@ COORDINATOR_BAD: list[BadCall] = [
         "send_tensor_dict: all_gather_group not a group",
         lambda g: g.send_tensor_dict({"x": T}, dst=1, all_gather_group="tp"),
     ),
+    ("all_reduce: a wrapper subclass", lambda g: g.all_reduce(_two_tensor())),
+    ("all_gather: a wrapper subclass", lambda g: g.all_gather(_two_tensor(), 0)),
+    ("broadcast: a wrapper subclass", lambda g: g.broadcast(_two_tensor(), src=0)),
+    ("send: a wrapper subclass", lambda g: g.send(_two_tensor(), dst=1)),
+    ("all_reduce: a nested tensor", lambda g: g.all_reduce(_nested())),
+    (
+        "broadcast_tensor_dict: a wrapper subclass",
+        lambda g: g.broadcast_tensor_dict({"x": _two_tensor()}),
+    ),
+    ("send_tensor_dict: a wrapper subclass", lambda g: g.send_tensor_dict({"x": _two_tensor()}, 1)),
+    ("broadcast_object: a nested tensor", lambda g: g.broadcast_object([_nested()])),
     ("queue enqueue: unsupported object", lambda g: g.mq_broadcaster.enqueue(threading.Lock())),
     ("queue enqueue: non-positive timeout", lambda g: g.mq_broadcaster.enqueue(1, timeout=0)),
 ]
@@ -96,6 +123,9 @@ COMM_BAD: list[BadCall] = [
     ("all_reduce: op not a ReduceOp", lambda c: c.all_reduce(T, op="sum")),
     ("broadcast: root out of range", lambda c: c.broadcast(T, root=9)),
     ("send: dst is self", lambda c: c.send(T, dst=0)),
+    ("all_reduce: a wrapper subclass", lambda c: c.all_reduce(_two_tensor())),
+    ("broadcast: a wrapper subclass", lambda c: c.broadcast(_two_tensor(), root=0)),
+    ("send: a wrapper subclass", lambda c: c.send(_two_tensor(), dst=1)),
     ("all_gather_single: output of wrong size", lambda c: c.all_gather_single(T, T)),
     (
         "all_to_all_v_single: split sizes of wrong sum",
@@ -228,6 +258,7 @@ def mq_case(rank: int, world: int) -> dict[str, Outcome]:
     try:
         if rank == 0:
             out["enqueue: unsupported object"] = _attempt(lambda: mq.enqueue(object()))
+            out["enqueue: a wrapper subclass"] = _attempt(lambda: mq.enqueue(_two_tensor()))
             out["enqueue: non-positive timeout"] = _attempt(lambda: mq.enqueue(1, timeout=-1.0))
             for seq in range(3):
                 mq.enqueue({"seq": seq})
