@@ -220,7 +220,11 @@ def cleanup_stale_segments() -> list[str]:
     for entry in entries:
         match = _NAME_RE.match(entry)
         if match and match.group(2) == here and not process_alive(int(match.group(1))):
-            _unlink_name(entry)
+            try:
+                _unlink_name(entry)
+            except PermissionError:  # another user's, in a sticky /dev/shm: theirs to remove
+                logger.debug("cannot remove %s of a dead process: not ours", entry)
+                continue
             removed.append(entry)
     return removed
 

@@ -17,8 +17,10 @@ import torch
 
 from coordinator import parallel_state as ps
 from coordinator.launch import run_ranks
+from shm_broadcast import segments
 from shm_broadcast.config import get_config
-from shm_broadcast.segments import cleanup_stale_segments, list_segments
+from shm_broadcast.liveness import pid_namespace, process_alive
+from shm_broadcast.segments import ShmSegment, cleanup_stale_segments, list_segments
 
 
 def _init(rank: int, world: int) -> None:
@@ -192,4 +194,30 @@ def test_the_sweep_leaves_segments_of_another_pid_namespace():
         assert name not in cleanup_stale_segments()
         assert os.path.exists(path)
     finally:
+        os.unlink(path)
+
+
+def test_the_sweep_skips_a_dead_processs_segment_it_may_not_remove(monkeypatch):
+    # Another user's segment in a sticky /dev/shm: unlinking it is refused. The sweep
+    # runs before a process's first segment, so raising would stop every queue.
+    assert not process_alive(999999)
+    name = f"groupcoord_999999_ring_0123456789abn{pid_namespace()}"
+    path = os.path.join(get_config().shm_dir, name)
+    open(path, "wb").close()
+    real_unlink = os.unlink
+
+    def unlink(target: str, *args: Any, **kwargs: Any) -> None:
+        if target == path:
+            raise PermissionError(1, "Operation not permitted", target)
+        real_unlink(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(segments, "_swept_pid", None)  # as in a process yet to create one
+    try:
+        assert name not in cleanup_stale_segments()
+        segment = ShmSegment.create(4096, tag="after")  # sweeps first, then creates
+        segment.close()
+        segment.unlink()
+    finally:
+        monkeypatch.undo()
         os.unlink(path)
