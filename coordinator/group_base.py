@@ -30,6 +30,7 @@ from shm_broadcast.p2p_channels import P2PChannels
 from . import custom_ops
 from .errors import ClosedError, GroupcoordError, GroupcoordValueError
 from .failures import absent_ranks, classify
+from .meeting import meet
 
 logger = logging.getLogger("groupcoord.coordinator")
 
@@ -111,6 +112,12 @@ class GroupBase:
         deadline = datetime.timedelta(seconds=self.timeout_s)
         device_group: ProcessGroup | None = None
         cpu_group: ProcessGroup | None = None
+        if len(my_ranks) > 1:
+            # Before c10d's connect, which waits out the timeout for a dead member.
+            store = dist.distributed_c10d._get_default_store()
+            key = f"groupcoord/meet/{self.unique_name}"
+            count = store.add(f"{key}/count/{self.rank}", 1)  # the same on every member
+            meet(store, f"{key}/{count}", self.rank, my_ranks, self.unique_name, self.timeout_s)
         # Every rank creates every group, in the same order: c10d requires it.
         for ranks in group_ranks:
             dev = dist.new_group(list(ranks), backend=backend, timeout=deadline)

@@ -161,6 +161,10 @@ def init_gloo(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    from .meeting import publish_pid
+
+    # So that a group made later tells a rank that died since from a slow one.
+    publish_pid(dist.distributed_c10d._get_default_store(), rank)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

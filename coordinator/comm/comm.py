@@ -37,6 +37,7 @@ from ..errors import (
     GroupcoordValueError,
     NotSupportedError,
 )
+from ..meeting import meet
 from .batch import P2PBatch
 from .bootstrap import default_store, rank_and_size, unique_prefix
 from .core import CommOptions, timeout_seconds
@@ -120,8 +121,12 @@ class Comm(CommOps):
         device: torch.device,
         timeout_s: float,
         hints: Mapping[str, str] | None,
+        known_pids: Mapping[int, int] | None = None,
     ) -> Comm:
         checked_hints = checks.hints(hints)
+        # Before c10d's connect, which waits out the timeout for a dead member.
+        what = f"communicator {name!r}"
+        meet(base_store, f"{prefix}/meet", rank, range(size), what, timeout_s, known_pids)
         try:
             pg = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix + "/pg", base_store),
@@ -195,9 +200,20 @@ class Comm(CommOps):
         child = split_members(self, ranks, name, hints, timeout)
         if child is None:
             return None
-        prefix, rank, size, timeout_s, child_hints = child
+        prefix, members, timeout_s, child_hints = child
+        # The members' processes this rank can watch while they join, as child ranks.
+        pids = {i: self._local_pids[r] for i, r in enumerate(members) if r in self._local_pids}
+        rank = members.index(self.get_rank())
         return Comm._create(
-            self._base_store, prefix, rank, size, name, self._device, timeout_s, child_hints
+            self._base_store,
+            prefix,
+            rank,
+            len(members),
+            name,
+            self._device,
+            timeout_s,
+            child_hints,
+            pids,
         )
 
     def new_window(self) -> Window:

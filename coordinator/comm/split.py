@@ -63,9 +63,10 @@ def split_members(
     name: str,
     hints: Mapping[str, str] | None,
     timeout: float | datetime.timedelta | None,
-) -> tuple[str, int, int, float, dict[str, str]] | None:
-    """The child this rank joins, as (store prefix, rank, size, timeout, hints);
-    None when it joins none. ``Comm.split`` builds the child from it."""
+) -> tuple[str, list[int], float, dict[str, str]] | None:
+    """The child this rank joins, as (store prefix, its members' ranks in the parent
+    in child order, timeout, hints); None when it joins none. ``Comm.split`` builds
+    the child from it."""
     if not isinstance(name, str) or not name:
         raise GroupcoordValueError(f"name must be a non-empty str, got {name!r}")
     checked_hints = checks.hints(hints)
@@ -82,4 +83,4 @@ def split_members(
         return None
     members = "-".join(str(r) for r in mine)
     prefix = f"{parent._prefix}/split{seq}/{name}/{members}"
-    return prefix, mine.index(me), len(mine), timeout_s, {**parent._hints, **checked_hints}
+    return prefix, mine, timeout_s, {**parent._hints, **checked_hints}

@@ -1,0 +1,97 @@
+"""The members of a new group meet through the store before its blocking connect,
+so that a dead member is told from a slow one.
+
+c10d's Gloo connect (``dist.new_group``, ``ProcessGroupGloo``) blocks until every
+member has connected: for the group's whole timeout (300 s by default) when one
+never does, then it raises torch's ``DistStoreError`` naming a store key. A member
+that died before it got there (an error while loading a model, a SIGKILL) thus
+stalled the others in ``GroupCoordinator(...)``, ``initialize_model_parallel`` or
+``new_comm`` for the full timeout. Here each member first says it has arrived and
+waits for the others' arrival, polling the store; between polls it checks the
+members still missing whose process it can see (their pid on this host, from the
+store's pid table or from the caller): a dead one raises ``PeerDiedError`` at
+once, and a member that never comes raises ``GroupcoordTimeoutError`` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import torch.distributed as dist
+
+from shm_broadcast.liveness import host_key, process_alive
+
+from .errors import GroupcoordTimeoutError, PeerDiedError
+
+__all__ = ["meet", "publish_pid"]
+
+# rank -> "pid:host key" of the process that last published it, in ranks numbered
+# as the store's users number them (torch's global ranks, the launcher's RANK).
+_PID_TABLE = "groupcoord/pid/"
+_FIRST_POLL_S = 0.001
+_MAX_POLL_S = 0.05
+
+
+def publish_pid(store: dist.Store, rank: int) -> None:
+    """Enter this process in the store's pid table under ``rank``."""
+    store.set(f"{_PID_TABLE}{rank}", f"{os.getpid()}:{host_key()}")
+
+
+def meet(
+    store: dist.Store,
+    key: str,
+    rank: int,
+    members: Sequence[int],
+    what: str,
+    timeout_s: float,
+    known_pids: Mapping[int, int] | None = None,
+) -> None:
+    """Collective among ``members`` (``rank`` is this process's): return once every
+    member has arrived at ``key``. Members whose process is known to be gone raise
+    ``PeerDiedError``; at ``timeout_s``, those still missing are named in a
+    ``GroupcoordTimeoutError``. ``known_pids`` (member -> pid, on this host): the
+    processes to watch; by default the members are numbered as the store's pid
+    table and this rank enters it."""
+    if known_pids is None:
+        publish_pid(store, rank)
+    store.set(f"{key}/{rank}", "here")
+    waiting = {r: f"{key}/{r}" for r in members if r != rank}
+    deadline = time.monotonic() + timeout_s
+    poll_s = _FIRST_POLL_S
+    while waiting:
+        if store.check(list(waiting.values())):
+            return
+        waiting = {r: k for r, k in waiting.items() if not store.check([k])}
+        if not waiting:
+            return
+        dead = _dead(store, list(waiting), known_pids)
+        if dead:
+            raise PeerDiedError(what, "connect", dead, "before it joined the group")
+        if time.monotonic() >= deadline:
+            raise GroupcoordTimeoutError(
+                what,
+                "connect",
+                timeout_s,
+                sorted(waiting),
+                detail="not yet at the group's creation",
+            )
+        time.sleep(poll_s)
+        poll_s = min(poll_s * 2, _MAX_POLL_S)
+
+
+def _dead(store: dist.Store, missing: list[int], known_pids: Mapping[int, int] | None) -> list[int]:
+    """The ``missing`` members whose process on this host is gone."""
+    if known_pids is not None:
+        return [r for r in missing if r in known_pids and not process_alive(known_pids[r])]
+    here = host_key()
+    dead = []
+    for r in missing:
+        entry = f"{_PID_TABLE}{r}"
+        if not store.check([entry]):
+            continue  # never published: nothing to watch
+        pid, host = (int(part) for part in store.get(entry).decode().split(":"))
+        if host == here and not process_alive(pid):
+            dead.append(r)
+    return dead

@@ -1,0 +1,105 @@
+"""A group being made tells a member that died before it joined from a slow one.
+
+c10d's connect waited out the whole timeout for a dead member and then raised
+torch's DistStoreError naming a store key (``GroupCoordinator``: 20 of 20 s here,
+``new_comm`` likewise); the members now meet through the store first
+(``coordinator/meeting.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from coordinator.launch import init_gloo, start_ranks
+
+TIMEOUT_S = 20.0
+
+
+def _make(kind: str, rank: int) -> Any:
+    if kind == "GroupCoordinator":
+        from coordinator.group_coordinator import GroupCoordinator
+
+        return GroupCoordinator([[0, 1, 2]], rank, "gloo", True, group_name="meet")
+    from coordinator.comm import new_comm
+
+    return new_comm("gloo", "cpu", "meet", timeout=TIMEOUT_S)
+
+
+def _close(kind: str, made: Any) -> None:
+    if kind == "GroupCoordinator":
+        made.destroy()
+    else:
+        made.finalize()
+
+
+def _one_dies_before_the_group(rank: int, world: int, kind: str) -> tuple[str, float, str]:
+    os.environ["GROUPCOORD_TIMEOUT_S"] = str(TIMEOUT_S)
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # after init, before the group
+    time.sleep(0.3)
+    start = time.monotonic()
+    try:
+        made = _make(kind, rank)
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    _close(kind, made)
+    return "made", time.monotonic() - start, ""
+
+
+@pytest.mark.parametrize("kind", ["GroupCoordinator", "new_comm"])
+def test_a_member_that_died_before_the_group_is_named_at_once(kind: str) -> None:
+    outcomes = start_ranks(_one_dies_before_the_group, 3, kind, timeout=60).outcomes(killed=[2])
+    for outcome in outcomes[:2]:
+        assert outcome.kind == "ok", outcome
+        raised, took, message = outcome.value
+        assert raised == "PeerDiedError", message
+        assert took < 5.0, f"rank {outcome.rank} took {took:.1f} s of {TIMEOUT_S}"
+        assert "connect" in message and "[2]" in message and "before it joined" in message
+
+
+def _one_is_late(rank: int, world: int, kind: str, late_s: float) -> tuple[str, float]:
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    if rank == 2:
+        time.sleep(late_s)  # alive, busy: waiting for it is not an error
+    start = time.monotonic()
+    made = _make(kind, rank)
+    took = time.monotonic() - start
+    if kind == "GroupCoordinator":
+        assert made.all_reduce(__import__("torch").ones(2)).tolist() == [3.0, 3.0]
+    _close(kind, made)
+    return "made", took
+
+
+@pytest.mark.parametrize("kind", ["GroupCoordinator", "new_comm"])
+def test_a_late_member_is_waited_for(kind: str) -> None:
+    results = start_ranks(_one_is_late, 3, kind, 1.5, timeout=60).collect()
+    assert [r[0] for r in results] == ["made"] * 3
+    assert results[0][1] >= 1.0  # rank 0 waited for the late rank
+
+
+def _one_never_comes(rank: int, world: int) -> tuple[str, str]:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.errors import GroupcoordTimeoutError
+
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    if rank == 1:
+        time.sleep(4.0)  # alive, never makes the group; gone before the test ends
+        return "absent", ""
+    try:
+        GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="late", timeout=1.0)
+    except GroupcoordTimeoutError as exc:
+        return "timeout", str(exc)
+    return "made", ""
+
+
+def test_a_member_that_never_comes_is_named_in_the_timeout() -> None:
+    # Before: torch's "DistStoreError: wait timeout after 1000ms, keys: /default_pg/...".
+    (kind, message), _ = start_ranks(_one_never_comes, 2, timeout=60).collect()
+    assert kind == "timeout"
+    assert "late:0" in message and "connect" in message and "[1]" in message
