@@ -24,6 +24,7 @@ from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config, resolve_timeout
 from shm_broadcast.errors import ShmSpaceError
+from shm_broadcast.forked import owned_here
 from shm_broadcast.liveness import dead_peers, host_key
 from shm_broadcast.p2p_channels import P2PChannels
 
@@ -42,6 +43,11 @@ _COMMUNICATORS: dict[str, tuple[str, str]] = {
 }
 
 _name_counters: dict[str, int] = defaultdict(int)
+# What a forked child may still read of its parent's group (shm_broadcast.forked).
+_DESCRIPTIVE = (
+    "unique_name", "rank", "ranks", "world_size", "rank_in_group", "local_rank", "device",
+    "first_rank", "last_rank", "is_first_rank", "is_last_rank", "next_rank", "prev_rank",
+)  # fmt: skip
 
 
 def unread_broadcasts_dropper(mq: Any) -> Callable[[], str]:
@@ -164,6 +170,7 @@ class GroupBase:
             self.destroy()
             raise
         custom_ops.register_group(self.unique_name, self)
+        owned_here(self, f"group {self.unique_name}", _DESCRIPTIVE)
 
     def _exchange_pids(self) -> dict[int, int]:
         if self.world_size == 1:

@@ -21,6 +21,7 @@ import zmq
 from .codec import Codec
 from .config import resolve_timeout
 from .errors import ClosedError, GroupcoordValueError
+from .forked import owned_here
 from .mq_handle import Handle, remove_ipc_file
 from .ring import READER_DETACHED, ShmRingBuffer
 from .ring_messages import RingCursor
@@ -48,6 +49,13 @@ def _close_zmq(ctx: zmq.Context, owned: list[Any]) -> None:
     owned.clear()
     ctx.term()
 
+
+# What a forked child may still read of its parent's queue (shm_broadcast.forked);
+# _owner_pid for the exit hook below.
+_DESCRIPTIVE = (
+    "name", "what", "n_reader", "n_local_reader", "local_reader_ranks", "max_chunk_bytes",
+    "max_chunks", "allow_pickle", "writer_rank", "role", "rank", "_owner_pid",
+)  # fmt: skip
 
 # Every queue of this process that is not shut down yet (weak: a dropped queue leaves).
 _live_queues: weakref.WeakSet[QueueEnd] = weakref.WeakSet()
@@ -96,6 +104,7 @@ class QueueEnd:
         """The state both ends start from (the writer's constructor, a reader's join)."""
         self.name = name
         self.what = f"MessageQueue {name}"
+        owned_here(self, self.what, _DESCRIPTIVE)
         self.n_reader = n_reader
         self.n_local_reader = len(local_reader_ranks)
         self.local_reader_ranks = list(local_reader_ranks)

@@ -54,6 +54,70 @@ def test_a_forked_child_exiting_normally_leaves_the_parent_working():
         assert got == {"child_exit": 0, "all_reduce": 2000.0, "queue": {"after": 0}}
 
 
+def _child_uses_its_parents_groups(rank: int, world: int) -> dict[str, Any]:
+    from coordinator.comm import new_comm
+
+    _init(rank, world)
+    comm = new_comm("gloo", "cpu", "forked", timeout=30)
+    try:
+        tp = ps.get_tp_group()
+        queue = tp.mq_broadcaster
+        got: dict[str, Any] = {}
+        if rank == 0:
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: every use raises, naming the owner
+                os.close(read)
+                said = []
+                for call in (
+                    lambda: tp.all_reduce(torch.full((4,), 100.0)),
+                    lambda: tp.broadcast_object({"from": "child"}),
+                    lambda: tp.send_tensor_dict({"x": torch.ones(2)}, dst=1),
+                    lambda: comm.all_reduce(torch.full((4,), 100.0)),
+                    lambda: queue.enqueue({"from": "child"}),
+                ):
+                    try:
+                        call()
+                        said.append("returned")
+                    except Exception as exc:  # noqa: BLE001 - the parent judges it
+                        said.append(f"{type(exc).__name__}: {exc}")
+                said.append(f"{tp.unique_name} {tp.rank_in_group} {comm.get_size()}")
+                tp.destroy()  # the parent's to close: nothing happens
+                os.write(write, "\n".join(said).encode())
+                os._exit(0)
+            os.close(write)
+            os.waitpid(pid, 0)
+            with os.fdopen(read) as pipe:
+                got["child"] = pipe.read().split("\n")
+            got["parent_pid"] = os.getpid()
+        # The rank and its peer go on, with their own values.
+        got["all_reduce"] = tp.all_reduce(torch.full((4,), rank + 1.0)).tolist()
+        x = torch.full((4,), rank + 1.0)
+        comm.all_reduce(x)
+        got["comm"] = x.tolist()
+        got["queue"] = tp.broadcast_object({"from": "parent"} if rank == 0 else None)
+        return got
+    finally:
+        comm.finalize()
+        ps.destroy_distributed_environment()
+
+
+def test_a_forked_child_cannot_use_its_parents_groups_communicators_or_queues():
+    # Before: the child's all_reduce paired with the peer's next call, which
+    # returned the child's 100s (102) while the rank got 3, with no error.
+    first, second = run_ranks(_child_uses_its_parents_groups, 2, timeout=60)
+    *errors, described = first["child"]
+    assert len(errors) == 5
+    owners = ["group tp:"] * 3 + ["communicator", "MessageQueue"]
+    for said, what in zip(errors, owners):
+        assert said.startswith("ClosedError: " + what), said
+        assert f"belongs to process {first['parent_pid']}" in said and "forked" in said
+    assert described.startswith("tp:") and described.endswith(" 0 2")
+    for got in (first, second):
+        assert got["all_reduce"] == [3.0] * 4 and got["comm"] == [3.0] * 4
+        assert got["queue"] == {"from": "parent"}
+
+
 def _fork_with_a_store(rank: int, world: int) -> tuple[int, bytes, bool]:
     from coordinator.comm import bootstrap
 

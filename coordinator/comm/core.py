@@ -25,6 +25,7 @@ from device_communicators.shm_phases import call_code, describe_call
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config, resolve_timeout
+from shm_broadcast.forked import owned_here
 
 from ..errors import (
     ClosedError,
@@ -67,6 +68,13 @@ def timeout_seconds(
         return resolve_timeout(timeout)
     except ValueError as exc:
         raise GroupcoordValueError(f"{argument}: {exc}") from exc
+
+
+# What a forked child may still read of its parent's communicator (shm_broadcast.forked).
+_DESCRIPTIVE = (
+    "_rank", "_size", "_name", "_device", "get_rank", "get_size", "get_name", "get_device",
+    "get_backend",
+)  # fmt: skip
 
 
 class CommCore:
@@ -112,6 +120,7 @@ class CommCore:
         self._p2p: P2PLanes | None = None  # send/recv/batches (``Comm._connect_local``)
         self._done: dict[str, Work] = {}  # the finished work lean calls return, by operation
         self._on_timeout = self._weak_timeout_marker(self)
+        owned_here(self, f"communicator {name!r}", _DESCRIPTIVE)
 
     # -- identity ----------------------------------------------------------
     def get_rank(self) -> int:
