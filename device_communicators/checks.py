@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shm_broadcast.array_frames import runs_ops_in_python
+from shm_broadcast.array_frames import not_its_values
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
 
@@ -67,13 +67,10 @@ def tensor(
     detached tensor shares ``value``'s memory, so in-place calls still fill
     ``value``."""
     traced_tensor(value, argument)
-    cls = type(value)
-    if cls is not _Tensor and runs_ops_in_python(cls):
-        raise GroupcoordTypeError(
-            f"{argument} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass that "
-            "runs torch's ops in Python (__torch_dispatch__): its memory does not hold its "
-            "values; pass the plain tensor it holds (a DTensor's to_local(), for one)"
-        )
+    if type(value) is not _Tensor:
+        problem = not_its_values(type(value))
+        if problem is not None:
+            raise GroupcoordTypeError(f"{argument} is {problem}")
     if value.is_nested:
         raise GroupcoordTypeError(
             f"{argument} is a nested tensor, which has no one shape: pass its components "

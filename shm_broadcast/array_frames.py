@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import GroupcoordTypeError, ProtocolError
 
-__all__ = ["dtype_name", "runs_ops_in_python", "torch_dtype"]
+__all__ = ["dtype_name", "not_its_values", "torch_dtype"]
 
 _DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> name on the wire, filled on first use
 _DTYPES_BY_NAME: dict[str, Any] = {}  # the reverse, filled on first use
@@ -45,15 +45,22 @@ _TENSOR_META_BY_SIZE: dict[int, struct.Struct] = {}  # its byte size -> the same
 _META_1D = struct.Struct("<BIQ")  # the common case, packed without building a tuple of dims
 
 
-def runs_ops_in_python(cls: type) -> bool:
-    """Whether tensors of class ``cls`` (a ``torch.Tensor`` subclass) run torch's ops
-    in Python (``__torch_dispatch__``: DTensor, FakeTensor, FunctionalTensor, the
-    quantized and wrapper subclasses): their memory need not hold their values (a
-    wrapper has none, its ``data_ptr()`` is 0), so nothing may move it as their data.
-    ``nn.Parameter`` and subclasses that only override ``__torch_function__`` do not."""
+def not_its_values(cls: type) -> str | None:
+    """Why tensors of class ``cls`` (a ``torch.Tensor`` subclass) may not be moved as
+    their memory, or None: a subclass that runs torch's ops in Python
+    (``__torch_dispatch__``: DTensor, FakeTensor, FunctionalTensor, the quantized and
+    wrapper subclasses) need not hold its values in its memory (a wrapper has none,
+    its ``data_ptr()`` is 0). ``nn.Parameter`` and subclasses that only override
+    ``__torch_function__`` do."""
     import torch
 
-    return getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
+    if getattr(cls, "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
+        return None
+    return (
+        f"a {cls.__module__}.{cls.__qualname__}, a tensor subclass that runs torch's ops "
+        "in Python (__torch_dispatch__): its memory does not hold its values; pass the "
+        "plain tensor it holds (a DTensor's to_local(), for one)"
+    )
 
 
 def dtype_name(dtype: Any) -> str:

@@ -43,8 +43,8 @@ from .array_frames import (
     dtype_code,
     dtype_name,
     ndarray_descr,
+    not_its_values,
     plain_cpu_tensor,
-    runs_ops_in_python,
     tensor_meta,
     torch_dtype,
 )
@@ -168,10 +168,15 @@ class Codec:
         torch = sys.modules.get("torch")
         if torch is not None:
             if issubclass(t, torch.Tensor):
-                if runs_ops_in_python(t):
-                    return _walk_pickled if self.allow_pickle else _refuse_python_tensor
-                self._strided = torch.strided
-                return self._walk_tensor
+                problem = not_its_values(t)
+                if problem is None:
+                    self._strided = torch.strided
+                    return self._walk_tensor
+                if self.allow_pickle:
+                    return _walk_pickled
+                return _refuser(
+                    f"cannot encode {problem}, or create the queue with allow_pickle=True"
+                )
             if t is torch.dtype:
                 return _walk_torch_dtype
             if t is torch.device:
@@ -386,14 +391,13 @@ def _walk_pickled(obj: Any) -> Any:
     return _Ext(wire.EXT_PICKLE, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _refuse_python_tensor(t: Any) -> Any:
-    cls = type(t)
-    raise GroupcoordTypeError(
-        f"cannot encode a {cls.__module__}.{cls.__qualname__}, a tensor subclass that runs "
-        "torch's ops in Python (__torch_dispatch__): its memory does not hold its values; "
-        "send the plain tensors it holds (a DTensor's to_local(), for one), or create the "
-        "queue with allow_pickle=True"
-    )
+def _refuser(reason: str) -> Callable[[Any], Any]:
+    """A walker that refuses every value of its class, saying ``reason``."""
+
+    def refuse(obj: Any) -> Any:
+        raise GroupcoordTypeError(reason)
+
+    return refuse
 
 
 def _refuse(obj: Any) -> Any:
