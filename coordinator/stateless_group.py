@@ -27,6 +27,7 @@ import torch.distributed as dist
 from device_communicators import checks
 from shm_broadcast.codec import dumps, loads
 from shm_broadcast.config import resolve_timeout
+from shm_broadcast.forked import owned_here
 
 from .errors import (
     ClosedError,
@@ -64,6 +65,8 @@ class StatelessProcessGroup:
         # This rank's own keys (key, time written), deleted by expire_data.
         self.data_expiration_seconds = 3600
         self.entries: collections.deque[tuple[str, float]] = collections.deque()
+        # A forked child's sends would take the rank's sequence numbers (shm_broadcast.forked).
+        owned_here(self, f"StatelessProcessGroup rank {rank}", ("rank", "world_size", "timeout_s"))
 
     @property
     def broadcast_send_counter(self) -> int:

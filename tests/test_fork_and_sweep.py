@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from coordinator import parallel_state as ps
-from coordinator.launch import run_ranks
+from coordinator.launch import free_port, run_ranks
 from shm_broadcast import segments
 from shm_broadcast.config import get_config
 from shm_broadcast.liveness import pid_namespace, process_alive
@@ -54,11 +54,13 @@ def test_a_forked_child_exiting_normally_leaves_the_parent_working():
         assert got == {"child_exit": 0, "all_reduce": 2000.0, "queue": {"after": 0}}
 
 
-def _child_uses_its_parents_groups(rank: int, world: int) -> dict[str, Any]:
+def _child_uses_its_parents_groups(rank: int, world: int, port: int) -> dict[str, Any]:
     from coordinator.comm import new_comm
+    from coordinator.stateless_group import StatelessProcessGroup
 
     _init(rank, world)
     comm = new_comm("gloo", "cpu", "forked", timeout=30)
+    stateless = StatelessProcessGroup.create("127.0.0.1", port, rank, world, timeout=30)
     try:
         tp = ps.get_tp_group()
         queue = tp.mq_broadcaster
@@ -75,6 +77,7 @@ def _child_uses_its_parents_groups(rank: int, world: int) -> dict[str, Any]:
                     lambda: tp.send_tensor_dict({"x": torch.ones(2)}, dst=1),
                     lambda: comm.all_reduce(torch.full((4,), 100.0)),
                     lambda: queue.enqueue({"from": "child"}),
+                    lambda: stateless.send_obj({"from": "child"}, dst=1),
                 ):
                     try:
                         call()
@@ -96,8 +99,13 @@ def _child_uses_its_parents_groups(rank: int, world: int) -> dict[str, Any]:
         comm.all_reduce(x)
         got["comm"] = x.tolist()
         got["queue"] = tp.broadcast_object({"from": "parent"} if rank == 0 else None)
+        if rank == 0:
+            stateless.send_obj({"from": "parent"}, dst=1)
+        else:
+            got["stateless"] = stateless.recv_obj(src=0)
         return got
     finally:
+        stateless.close()
         comm.finalize()
         ps.destroy_distributed_environment()
 
@@ -105,10 +113,10 @@ def _child_uses_its_parents_groups(rank: int, world: int) -> dict[str, Any]:
 def test_a_forked_child_cannot_use_its_parents_groups_communicators_or_queues():
     # Before: the child's all_reduce paired with the peer's next call, which
     # returned the child's 100s (102) while the rank got 3, with no error.
-    first, second = run_ranks(_child_uses_its_parents_groups, 2, timeout=60)
+    first, second = run_ranks(_child_uses_its_parents_groups, 2, free_port(), timeout=60)
     *errors, described = first["child"]
-    assert len(errors) == 5
-    owners = ["group tp:"] * 3 + ["communicator", "MessageQueue"]
+    assert len(errors) == 6
+    owners = ["group tp:"] * 3 + ["communicator", "MessageQueue", "StatelessProcessGroup"]
     for said, what in zip(errors, owners):
         assert said.startswith("ClosedError: " + what), said
         assert f"belongs to process {first['parent_pid']}" in said and "forked" in said
@@ -116,6 +124,7 @@ def test_a_forked_child_cannot_use_its_parents_groups_communicators_or_queues():
     for got in (first, second):
         assert got["all_reduce"] == [3.0] * 4 and got["comm"] == [3.0] * 4
         assert got["queue"] == {"from": "parent"}
+    assert second["stateless"] == {"from": "parent"}
 
 
 def _fork_with_a_store(rank: int, world: int) -> tuple[int, bytes, bool]:
