@@ -43,6 +43,7 @@ import faulthandler
 import math
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import sys
@@ -140,10 +141,32 @@ def _what_happened(o: RankOutcome, limit: int | None = None) -> str:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous), from
+    below the kernel's ephemeral range: a port of that range can be taken, before
+    the rendezvous binds it, as the local end of any outgoing connection (Gloo and
+    the stores open many), which failed a test run with EADDRINUSE."""
+    low = _ephemeral_ports_start()
+    for _ in range(64 if low > 2048 else 0):
+        port = random.randrange(max(1024, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # someone listens there: another
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", 0))  # no luck below the range: the kernel's pick
         return int(s.getsockname()[1])
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of the range the kernel gives outgoing connections (Linux's
+    default 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def init_gloo(

@@ -20,7 +20,7 @@ import zmq
 
 from .codec import Codec
 from .config import resolve_timeout
-from .errors import ClosedError, GroupcoordValueError
+from .errors import ClosedError, GroupcoordTimeoutError, GroupcoordValueError
 from .forked import owned_here
 from .mq_handle import Handle, remove_ipc_file
 from .ring import READER_DETACHED, ShmRingBuffer
@@ -117,7 +117,10 @@ class QueueEnd:
         self._codec = Codec(allow_pickle=allow_pickle)
         self._closed = False
         self._released = False
-        self._busy = False
+        # Held through each enqueue/dequeue/acquire: one call at a time on an end (its
+        # codec and ring cursor keep per-call state; two threads' enqueues at once
+        # lost a message and left writer and reader waiting on each other).
+        self._call_lock = threading.Lock()
         self._notice: str | None = None  # the operation of an unbounded wait, for its log
         self._key = key
         self._window = window
@@ -140,10 +143,25 @@ class QueueEnd:
         self._reader_pids = [0] * self.n_local_reader
         _live_queues.add(self)
 
+    def _await_turn(self, operation: str, deadline: float, timeout_s: float) -> None:
+        """Before an enqueue/dequeue/acquire that found ``_call_lock`` held (each takes
+        it with a non-blocking acquire first): wait for the other thread's call to
+        end, at most to this call's deadline."""
+        wait_s = deadline - time.monotonic()
+        if not self._call_lock.acquire(timeout=-1 if wait_s == math.inf else max(wait_s, 0.0)):
+            raise GroupcoordTimeoutError(
+                self.what,
+                operation,
+                timeout_s,
+                [],
+                f"rank {self.rank}",
+                "another thread's call on this end of the queue did not end",
+            )
+
     def _end_call(self) -> None:
         """After every enqueue/dequeue/acquire: a stream broken half-way closes the
         queue, and a shutdown from another thread during the call releases it now."""
-        self._busy = False
+        self._call_lock.release()
         if self._cursor is not None and self._cursor.broken:
             self._closed = True
         if self._closed:
@@ -227,7 +245,7 @@ class QueueEnd:
                     self._ring.ring_readers()
                     self._ring.ring_writer()
             finally:
-                if not self._busy:
+                if not self._call_lock.locked():
                     self._release()
 
     close = shutdown

@@ -53,8 +53,9 @@ class ReaderEnd(QueueEnd):
         ``enqueue``) is refused here and left for ``dequeue``."""
         cursor = self._raw_cursor("acquire_read", "local reader")
         timeout_s, deadline = deadline_of(timeout)
+        if not self._call_lock.acquire(False):
+            self._await_turn("acquire_read", deadline, timeout_s)
         self._notice = None if indefinite or timeout is not None else "acquire_read"
-        self._busy = True
         try:
             with cursor.raw_read(
                 self._local_index,
@@ -85,8 +86,9 @@ class ReaderEnd(QueueEnd):
         """
         self._check_open()
         timeout_s, deadline = deadline_of(timeout)
+        if not self._call_lock.acquire(False):
+            self._await_turn("dequeue", deadline, timeout_s)
         self._notice = None if indefinite or timeout is not None else "dequeue"
-        self._busy = True
         try:
             if self.role == "local reader":
                 return self._dequeue_local(deadline, timeout_s, into)

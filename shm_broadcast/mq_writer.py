@@ -93,18 +93,21 @@ class WriterEnd(QueueEnd):
         if self._closed:
             self._check_open()
         cursor = self._cursor
-        # A lone plain CPU tensor to local readers only: its bytes, no codec.
-        meta = None
-        if cursor is not None and self._tcp_writer is None:
-            meta = lone_tensor_meta(obj)
-        # Encoding refuses bad objects before anything is sent.
-        msg = (
-            obj if meta is not None or isinstance(obj, EncodedMessage) else self._codec.encode(obj)
-        )
         timeout_s, deadline = deadline_of(timeout)
-        self._notice = None if timeout is not None else "enqueue"
-        self._busy = True
+        if not self._call_lock.acquire(False):  # the codec too: one call at a time
+            self._await_turn("enqueue", deadline, timeout_s)
         try:
+            # A lone plain CPU tensor to local readers only: its bytes, no codec.
+            meta = None
+            if cursor is not None and self._tcp_writer is None:
+                meta = lone_tensor_meta(obj)
+            # Encoding refuses bad objects before anything is sent.
+            msg = (
+                obj
+                if meta is not None or isinstance(obj, EncodedMessage)
+                else self._codec.encode(obj)
+            )
+            self._notice = None if timeout is not None else "enqueue"
             body: list[Any] | None = None
             if cursor is not None:
 
@@ -137,8 +140,9 @@ class WriterEnd(QueueEnd):
         Raw bytes reach local readers only: a queue with remote readers refuses."""
         cursor = self._raw_cursor("acquire_write", "writer")
         timeout_s, deadline = deadline_of(timeout)
+        if not self._call_lock.acquire(False):
+            self._await_turn("acquire_write", deadline, timeout_s)
         self._notice = None if timeout is not None else "acquire_write"
-        self._busy = True
         try:
             with cursor.raw_write(
                 lambda idx: self._writer_wait_chunk(idx, deadline, timeout_s, "acquire_write")

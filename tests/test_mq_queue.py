@@ -104,6 +104,80 @@ def test_order_kept_with_local_and_remote_readers():
     assert run_ranks(_ordering_rank, 4, 1, 3_000, timeout=120) == [3_000] * 4
 
 
+def _threads_rank(rank, world_size, n_local, count):
+    """Two threads of each rank use one end at once: the writer's enqueue, the
+    readers' dequeue. Before each end took one call at a time, two writer threads
+    lost a message and left writer and reader waiting on each other."""
+    import torch.distributed as dist
+
+    mq = make_queue(rank, world_size, n_local, max_chunk_bytes=1 << 12, max_chunks=4)
+    got: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
+
+    def work(thread: int) -> None:
+        try:
+            for i in range(count):
+                if rank == 0:
+                    mq.enqueue({"thread": thread, "i": i, "pad": "x" * (i % 700)}, timeout=60)
+                else:
+                    msg = mq.dequeue(timeout=60)
+                    assert msg["pad"] == "x" * (msg["i"] % 700)
+                    got.append((msg["thread"], msg["i"]))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    dist.barrier()
+    mq.shutdown()
+    if rank == 0:
+        return None
+    # Every message once (two reader threads: the order they record is their own).
+    return sorted(got) == [(t, i) for t in (0, 1) for i in range(count)]
+
+
+@pytest.mark.parametrize("n_local", [1, 0], ids=["shared memory", "TCP"])
+def test_threads_of_a_rank_take_turns_on_one_end(n_local):
+    assert run_ranks(_threads_rank, 2, n_local, 2_000, timeout=120) == [None, True]
+
+
+def _turn_timeout_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from shm_broadcast.errors import GroupcoordTimeoutError
+
+    mq = make_queue(rank, world_size, 1)
+    said = ""
+    if rank == 0:
+        dist.barrier()  # the reader's first thread is waiting by now
+        time.sleep(0.8)
+        mq.enqueue("late", timeout=30)
+    else:
+        first: list = []
+        waiting = threading.Thread(target=lambda: first.append(mq.dequeue(timeout=30)))
+        waiting.start()
+        time.sleep(0.2)
+        dist.barrier()
+        try:
+            mq.dequeue(timeout=0.3)  # its turn never comes before its deadline
+        except GroupcoordTimeoutError as exc:
+            said = str(exc)
+        waiting.join()
+        assert first == ["late"]
+    dist.barrier()
+    mq.shutdown()
+    return said
+
+
+def test_a_call_waiting_for_another_threads_call_keeps_its_own_deadline():
+    _, said = run_ranks(_turn_timeout_rank, 2, timeout=60)
+    assert "dequeue timed out after 0.3 s" in said and "another thread's call" in said
+
+
 def _slow_remote_rank(rank, world_size, count):
     import torch.distributed as dist
 
