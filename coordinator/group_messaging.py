@@ -133,19 +133,21 @@ class GroupMessaging(GroupBase):
         self._check_peer(dst, "dst")
         msg = encode_message(obj)  # refuses what it cannot carry, before sending
         peer = self.ranks[dst]
-        if self._p2p_channels.open_to(peer, "send_object"):
-            self._p2p_channels.send_message(peer, msg, "send_object")
-        else:
-            self._send_bytes(message_bytes(msg), dst, "send_object")
+        with self._p2p_channels.turn(peer, True):  # (over Gloo: a header, then the bytes)
+            if self._p2p_channels.open_to(peer, "send_object"):
+                self._p2p_channels.send_message(peer, msg, "send_object")
+            else:
+                self._send_bytes(message_bytes(msg), dst, "send_object")
 
     def recv_object(self, src: int) -> Any:
         """The next object that in-group rank ``src`` sent with ``send_object``."""
         self._check_peer(src, "src")
         peer = self.ranks[src]
-        if self._p2p_channels.open_from(peer, "recv_object"):
-            got = self._p2p_channels.recv_message(peer, "recv_object")
-        else:
-            got = loads(self._recv_bytes(src, "recv_object"))
+        with self._p2p_channels.turn(peer, False):
+            if self._p2p_channels.open_from(peer, "recv_object"):
+                got = self._p2p_channels.recv_message(peer, "recv_object")
+            else:
+                got = loads(self._recv_bytes(src, "recv_object"))
         return expect(got, None, self._called("recv_object", src), src)
 
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:
@@ -176,7 +178,8 @@ class GroupMessaging(GroupBase):
         if dst is not None:
             self._check_peer(dst, "dst")
         peer = (self.rank_in_group + 1) % self.world_size if dst is None else dst
-        self._p2p("send", peer, self._tensor_comm().send, tensor, dst)
+        with self._p2p_channels.turn(self.ranks[peer], True):  # (over Gloo: header, data)
+            self._p2p("send", peer, self._tensor_comm().send, tensor, dst)
 
     def recv(
         self,
@@ -190,5 +193,6 @@ class GroupMessaging(GroupBase):
         if isinstance(size, int) and not isinstance(size, bool):
             size = (size,)  # vLLM callers pass a plain element count too
         peer = (self.rank_in_group - 1) % self.world_size if src is None else src
-        out: torch.Tensor = self._p2p("recv", peer, self._tensor_comm().recv, size, dtype, src)
+        with self._p2p_channels.turn(self.ranks[peer], False):
+            out: torch.Tensor = self._p2p("recv", peer, self._tensor_comm().recv, size, dtype, src)
         return out

@@ -27,7 +27,7 @@ from shm_broadcast.codec import EncodedMessage, message_bytes
 from shm_broadcast.p2p_channels import P2PChannels
 
 from .errors import GroupcoordTypeError, GroupcoordValueError
-from .metadata import SeparateTensor, checked, decode, describe, encode, rebuild
+from .metadata import Described, SeparateTensor, checked, decode, describe, encode, rebuild
 
 
 class Group(Protocol):
@@ -152,6 +152,21 @@ def send(
     described, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES, slices_of)
     msg = encode(described)
     peer = group.ranks[dst]
+    # The dict and its tensors as one unit: another thread's sends to this peer wait.
+    with group._p2p_channels.turn(peer, True):
+        _send_parts(group, peer, dst, msg, described, tensors, all_gather_group, slices)
+
+
+def _send_parts(
+    group: Group,
+    peer: int,
+    dst: int,
+    msg: EncodedMessage,
+    described: Described,
+    tensors: list[torch.Tensor],
+    all_gather_group: Group | None,
+    slices: int,
+) -> None:
     # Peers on this node: the dict and CPU tensors through a shared-memory
     # channel, in the same order as over Gloo; device tensors still use the
     # device group.
@@ -175,6 +190,14 @@ def send(
 def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, Any]:
     """The next dict in-group rank ``src`` sent with :func:`send`."""
     peer = group.ranks[src]
+    # The dict and its tensors as one unit: another thread's receives from this peer wait.
+    with group._p2p_channels.turn(peer, False):
+        return _recv_parts(group, peer, src, all_gather_group)
+
+
+def _recv_parts(
+    group: Group, peer: int, src: int, all_gather_group: Group | None
+) -> dict[str, Any]:
     channels = group._p2p_channels
     shm = channels if channels.open_from(peer, "recv_tensor_dict") else None
     called = group._called("recv_tensor_dict", src)

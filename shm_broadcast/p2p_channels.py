@@ -42,6 +42,7 @@ import ctypes
 import logging
 import multiprocessing.util
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -143,9 +144,9 @@ class P2PChannels:
     ``peers`` maps the global ranks usable this way (same node, same pid
     namespace) to their pids. Ranks are global ranks throughout. ``store``
     carries the rings' handles (default: torch's default store, looked up at
-    first use). A pair's channel may be used from one thread at a time in
-    each direction; different pairs and directions may run on different
-    threads.
+    first use). Threads may share a pair's channel: it is made once, each
+    message is whole, and a caller that sends or receives several messages as
+    one unit (a tensor dict) holds :meth:`turn` for the pair and direction.
     """
 
     def __init__(
@@ -168,6 +169,20 @@ class P2PChannels:
         self._gloo_from: set[int] = set()
         self._closed = False
         self.pid = os.getpid()  # a forked child must not close its parent's channels
+        # Each pair and direction's turn (see turn(); also held while its queue is
+        # made: two threads' writers under one store key lost one thread's messages).
+        self._turns: dict[tuple[int, bool], threading.RLock] = {}
+        self._turns_lock = threading.Lock()
+
+    def turn(self, peer: int, sending: bool) -> threading.RLock:
+        """The lock a caller holds while it sends to (or receives from) ``peer`` the
+        messages of one unit, so other threads' messages do not come between them."""
+        key = (peer, sending)
+        lock = self._turns.get(key)
+        if lock is None:
+            with self._turns_lock:
+                lock = self._turns.setdefault(key, threading.RLock())
+        return lock
 
     def open_to(self, dst: int, operation: str) -> bool:
         """Whether dicts to ``dst`` go through shared memory (creates the channel on first use)."""
@@ -213,6 +228,15 @@ class P2PChannels:
 
     def _writer(self, dst: int, operation: str) -> MessageQueue | None:
         mq = self._writers.get(dst)
+        if mq is not None:
+            return mq
+        with self.turn(dst, True):  # this direction's lock: other pairs go on meanwhile
+            if dst in self._gloo_to:
+                return None
+            return self._new_writer(dst, operation)
+
+    def _new_writer(self, dst: int, operation: str) -> MessageQueue | None:
+        mq = self._writers.get(dst)  # another thread's, made while this one waited
         if mq is not None:
             return mq
         if self._closed:
@@ -335,6 +359,15 @@ class P2PChannels:
 
     def _reader(self, src: int, operation: str, limit: Limit | None) -> MessageQueue | None:
         mq = self._readers.get(src)
+        if mq is not None:
+            return mq
+        with self.turn(src, False):
+            if src in self._gloo_from:
+                return None
+            return self._new_reader(src, operation, limit)
+
+    def _new_reader(self, src: int, operation: str, limit: Limit | None) -> MessageQueue | None:
+        mq = self._readers.get(src)  # another thread's, joined while this one waited
         if mq is not None:
             return mq
         if self._closed:

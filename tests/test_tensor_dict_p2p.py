@@ -484,3 +484,60 @@ def test_a_recv_that_disagrees_with_the_send_names_both_and_the_channel_goes_on(
     assert f"{big_recv}[1000] tensor" in raised[5], raised[5]
     assert f"{big_recv}[200000] tensor" in raised[6], raised[6]
     assert all(line.startswith("pp:0: rank 1") for line in raised), raised
+
+
+def _threads_rank(rank: int, world: int, mode: str, count: int) -> list[str]:
+    """Two threads of rank 0 send to rank 1, whose two threads receive: tensor dicts,
+    then objects, then tensors (a pair's messages keep one order, so the threads of
+    a phase make the same kind of call)."""
+    import threading
+
+    group = _group(rank, world, mode)
+    errors: list[str] = []
+
+    def dicts(thread: int, i: int) -> None:
+        if rank == 0:
+            n = 1 + (i * 7919) % 40_000  # small ones inline, large ones on their own
+            x = torch.full((n,), float(thread * 100_000 + i))
+            group.send_tensor_dict({"t": thread, "i": i, "x": x}, 1)
+        else:
+            d = group.recv_tensor_dict(0)
+            assert torch.all(d["x"] == float(d["t"] * 100_000 + d["i"])), d["i"]
+
+    def objects(thread: int, i: int) -> None:
+        if rank == 0:
+            group.send_object({"t": thread, "i": i, "s": "y" * (i % 999)}, 1)
+        else:
+            o = group.recv_object(0)
+            assert o["s"] == "y" * (o["i"] % 999), o["i"]
+
+    def tensors(thread: int, i: int) -> None:
+        if rank == 0:
+            group.send(torch.full((20_000,), float(thread * 100_000 + i)), 1)
+        else:
+            assert group.recv(torch.Size([20_000]), torch.float32, 0).unique().numel() == 1
+
+    def work(call: Any, thread: int) -> None:
+        try:
+            for i in range(count):
+                call(thread, i)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            errors.append(f"{call.__name__}, thread {thread}: {type(exc).__name__}: {exc}")
+
+    for call in (dicts, objects, tensors):
+        threads = [threading.Thread(target=work, args=(call, t)) for t in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    group.barrier()
+    group.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["shm", "gloo"])
+def test_threads_sending_to_one_peer_keep_each_message_whole(mode: str) -> None:
+    # Before: two threads' first sends each made the pair's queue (one's messages
+    # never arrived: the receiver timed out), and a tensor dict's parts interleaved
+    # with another thread's (DesyncError "sent a list, not a tensor").
+    assert run_ranks(_threads_rank, 2, mode, 150, timeout=120) == [[], []]
