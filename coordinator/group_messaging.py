@@ -17,7 +17,7 @@ from shm_broadcast.group_io import broadcast_bytes
 
 from .errors import DesyncError, GroupcoordTypeError
 from .group_base import GroupBase
-from .metadata import OBJECT_LIST, expect
+from .metadata import OBJECT_LIST, expect, object_message, received_object
 
 
 class Handle(Protocol):
@@ -131,7 +131,7 @@ class GroupMessaging(GroupBase):
         """Send ``obj`` to in-group rank ``dst`` (msgspec, no pickle): through the
         pair's shared-memory channel to a peer on this node, else over Gloo."""
         self._check_peer(dst, "dst")
-        msg = encode_message(obj)  # refuses what it cannot carry, before sending
+        msg = encode_message(object_message(obj))  # refuses what it cannot carry, first
         peer = self.ranks[dst]
         with self._p2p_channels.turn(peer, True):  # (over Gloo: a header, then the bytes)
             if self._p2p_channels.open_to(peer, "send_object"):
@@ -148,7 +148,7 @@ class GroupMessaging(GroupBase):
                 got = self._p2p_channels.recv_message(peer, "recv_object")
             else:
                 got = loads(self._recv_bytes(src, "recv_object"))
-        return expect(got, None, self._called("recv_object", src), src)
+        return received_object(got, self._called("recv_object", src), src)
 
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:
         # One message unit with a header that says "an object's bytes": a tensor

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from shm_broadcast.codec import EncodedMessage, dtype_name, encode_message, loads, torch_dtype
+from shm_broadcast.p2p_channels import TENSOR_OBJECT
 
 from .errors import DesyncError, GroupcoordTypeError, ProtocolError
 
@@ -34,6 +35,8 @@ __all__ = [
     "describe",
     "encode",
     "expect",
+    "object_message",
+    "received_object",
     "rebuild",
 ]
 
@@ -45,6 +48,7 @@ OBJECT_LIST = "groupcoord:object_list"
 _SENT = {
     TENSOR_DICT: "a tensor dict (send_tensor_dict or broadcast_tensor_dict)",
     OBJECT_LIST: "an object list (broadcast_object_list)",
+    TENSOR_OBJECT: "a tensor as an object (send_object)",
 }
 
 
@@ -64,6 +68,25 @@ def expect(message: Any, kind: str | None, called: str, src: int) -> Any:
     else:
         sent = "an object (send_object or broadcast_object)"
     raise DesyncError(f"{called}, and rank {src} sent {sent}: the ranks' calls are out of step")
+
+
+def object_message(obj: Any) -> Any:
+    """What ``send_object`` sends for ``obj``: a tensor goes marked (see
+    ``p2p_channels.TENSOR_OBJECT``), anything else as itself."""
+    return [TENSOR_OBJECT, obj] if isinstance(obj, torch.Tensor) else obj
+
+
+def received_object(message: Any, called: str, src: int) -> Any:
+    """The object of :func:`object_message`'s ``message``; ``send``'s tensor or another
+    kind of call's message is a ``DesyncError`` (see :func:`expect`)."""
+    if type(message) is list and len(message) == 2 and message[0] == TENSOR_OBJECT:
+        return message[1]
+    if isinstance(message, torch.Tensor):
+        raise DesyncError(
+            f"{called}, and rank {src} sent a {dtype_name(message.dtype)}[{message.numel()}] "
+            "tensor (send): the ranks' calls are out of step"
+        )
+    return expect(message, None, called, src)
 
 
 class SeparateTensor(NamedTuple):

@@ -69,8 +69,14 @@ __all__ = [
     "P2P_CHUNK_BYTES",
     "P2P_MAX_CHUNKS",
     "P2PChannels",
+    "TENSOR_OBJECT",
     "deliver_pending_sends",
 ]
+
+# An object that is a tensor (send_object's) travels as [TENSOR_OBJECT, tensor],
+# so a receive tells it from send's tensor: recv_object meeting send's tensor, or
+# recv meeting send_object's, is a DesyncError here as over Gloo.
+TENSOR_OBJECT = "groupcoord:tensor_object"
 
 # Ring geometry per pair: small chunks, so a large message streams in pieces
 # whose copy in and copy out overlap; many of them, so the sender can run
@@ -465,11 +471,12 @@ class P2PChannels:
         for s in shape:
             numel *= s
         if not isinstance(got, torch.Tensor) or got.dtype != dtype or got.numel() != numel:
-            sent = (
-                f"a {_short(got.dtype)}[{got.numel()}] tensor"
-                if isinstance(got, torch.Tensor)
-                else f"a {type(got).__name__}, not a tensor"
-            )
+            if isinstance(got, torch.Tensor):
+                sent = f"a {_short(got.dtype)}[{got.numel()}] tensor"
+            elif type(got) is list and got[:1] == [TENSOR_OBJECT]:
+                sent = "a tensor as an object (send_object)"
+            else:
+                sent = f"a {type(got).__name__}, not a tensor"
             raise DesyncError(
                 f"{self.name}: rank {self.rank} called {operation}({_short(dtype)}[{numel}]) "
                 f"from rank {src}, which sent {sent}: the ranks' point-to-point calls "

@@ -411,7 +411,6 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
     from shm_broadcast.errors import DesyncError
 
     g = _group(rank, world, mode)
-    gloo = mode == "gloo"
     big = list(range(30000))  # encodes to more than 64 KiB: its bytes follow their header
     try:
         if rank == 0:
@@ -423,10 +422,11 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
             # To receives of more than 64 KiB (Gloo aborted on both until 2026-11-27):
             g.send(torch.arange(1000.0), dst=1)  # a message of up to 64 KiB
             g.send(torch.arange(200000.0), dst=1)  # a larger tensor
-            if gloo:  # on the channels an object may be a tensor: recv_object takes it
-                g.send(torch.arange(3.0), dst=1)
-                g.send(torch.arange(70000.0), dst=1)  # past 64 KiB: its data follows alone
-                g.send(torch.arange(5.0), dst=1)
+            g.send(torch.arange(3.0), dst=1)
+            g.send(torch.arange(70000.0), dst=1)  # past 64 KiB: its data follows alone
+            g.send(torch.arange(5.0), dst=1)
+            g.send_object(torch.arange(2.0), dst=1)  # an object that is a tensor
+            g.send_object(torch.arange(7.0), dst=1)
             g.send(torch.arange(4.0), dst=1)
             g.barrier()
             return ""
@@ -440,16 +440,17 @@ def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
             lambda: g.recv((100000,), torch.float32, src=0),
             lambda: g.recv((100000,), torch.float32, src=0),
         ]
-        if gloo:
-            calls += [
-                lambda: g.recv_object(src=0),
-                lambda: g.recv_object(src=0),
-                lambda: g.recv_tensor_dict(src=0),
-            ]
+        calls += [
+            lambda: g.recv_object(src=0),
+            lambda: g.recv_object(src=0),
+            lambda: g.recv_tensor_dict(src=0),
+            lambda: g.recv((2,), torch.float32, src=0),
+        ]
         for call in calls:
             with pytest.raises(DesyncError) as info:
                 call()
             raised.append(str(info.value))
+        assert torch.equal(g.recv_object(src=0), torch.arange(7.0))
         # Each mismatched message was consumed: the channel is still in step.
         assert g.recv((2, 2), torch.float32, src=0).tolist() == [[0.0, 1.0], [2.0, 3.0]]
         g.barrier()
@@ -477,9 +478,16 @@ def test_a_recv_that_disagrees_with_the_send_names_both_and_the_channel_goes_on(
         assert "called recv_object from rank 0, which sent a float32[3] tensor" in raised[7]
         assert "called recv_object from rank 0, which sent a float32[70000] tensor" in raised[8]
         assert "called recv_tensor_dict from rank 0, which sent a float32[5] tensor" in raised[9]
+        assert "called recv(float32[2]) from rank 0, which sent an object's" in raised[10]
     else:
         assert "called recv(int64[2]) from rank 0, which sent a str, not a tensor" in raised[2]
         assert "called recv(float32[4]) from rank 0, which sent a list, not a tensor" in raised[3]
+        # An object that is a tensor is told from send's (both returned it until 2026-11-28).
+        sent = "called recv_object from rank 0, and rank 0 sent a float32[{}] tensor (send)"
+        assert sent.format(3) in raised[7], raised[7]
+        assert sent.format(70000) in raised[8], raised[8]
+        assert "called recv_tensor_dict from rank 0, and rank 0 sent a tensor" in raised[9]
+        assert "called recv(float32[2]) from rank 0, which sent a tensor as an object" in raised[10]
     big_recv = "called recv(float32[100000]) from rank 0, which sent a float32"
     assert f"{big_recv}[1000] tensor" in raised[5], raised[5]
     assert f"{big_recv}[200000] tensor" in raised[6], raised[6]
