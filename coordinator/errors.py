@@ -12,6 +12,7 @@ from device_communicators.errors import (
     GroupcoordValueError,
     NotSupportedError,
     PeerDiedError,
+    PeerLeftError,
     ProtocolError,
     TransportError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "NotInitializedError",
     "NotSupportedError",
     "PeerDiedError",
+    "PeerLeftError",
     "ProtocolError",
     "TransportError",
 ]

@@ -36,11 +36,14 @@ from shm_broadcast.waiting import (
     wait_until,
 )
 
-from .errors import ClosedError, DesyncError, GroupcoordTimeoutError, PeerDiedError
+from .errors import ClosedError, DesyncError, GroupcoordTimeoutError, PeerDiedError, PeerLeftError
 
 LINE = 64
 _QWORDS = LINE // 8  # int64 index stride between lines
 _DWORDS = LINE // 4  # int32 index stride between lines
+# The counter of a rank that left (``PhaseLines.leave``): below every phase, so no
+# wait passes on it, and its waiting peers raise PeerLeftError.
+_LEFT = -1
 _PID = 1  # int64 index within a line
 _PIDNS = 3  # int64 index within a line
 _ASLEEP = 4  # int32 index within a line (bytes 16..19)
@@ -307,6 +310,21 @@ class PhaseLines:
             self._words[me * _DWORDS + _BELL] = (self._words[me * _DWORDS + _BELL] + 1) & 0x7FFFFFFF
             futex_wake(self._bell_address(me))
 
+    def leave(self) -> None:
+        """This rank takes part in no call again (a call of its own ended part-way:
+        its peers may be waiting at a barrier it will never reach, or about to
+        read a buffer it no longer holds). Its counter becomes ``_LEFT`` and every
+        doorbell rings, so each peer's wait on it raises ``PeerLeftError`` at once
+        instead of passing on a later call's phase or running to its timeout."""
+        self._counters[self._my_counter] = _LEFT
+        if self.use_futex:
+            memory_fence()
+            words = self._words
+            for r in self._others:
+                bell = r * _DWORDS + _BELL
+                words[bell] = (words[bell] + 1) & 0x7FFFFFFF
+                futex_wake(self._bell_address(r))
+
     def release(self) -> None:
         """Drop the views into the mapping (it cannot be unmapped while they live)."""
         self._counters.release()
@@ -401,7 +419,7 @@ class PhaseLines:
         wait_until(
             lambda: self.all_reached(phase),
             deadline,
-            quick_check=self._check_abandoned,
+            quick_check=lambda: self._quick_check(phase),
             slow_check=lambda: self._check_peers_alive(phase),
             on_timeout=lambda: GroupcoordTimeoutError(
                 self.what,
@@ -415,15 +433,32 @@ class PhaseLines:
             spin_s=self.spin_s,
         )
 
-    def _check_abandoned(self) -> None:
+    def _quick_check(self, phase: int) -> None:
+        """End the wait if it was abandoned from another thread, or if every rank it
+        still waits for left (while one that has not is due, the wait goes on: a
+        timeout then names it, not a rank that gave up on it first)."""
         if self.abandoned is not None:
             raise ClosedError(f"{self.what}: {self.operation} {self.abandoned}")
+        counters = self._counters
+        left = False
+        for i in self._other_counters:
+            counter = counters[i]
+            if counter == _LEFT:
+                left = True
+            elif counter < phase:
+                return
+        if left:
+            raise PeerLeftError(
+                self.what,
+                self.operation,
+                [self.ranks[r] for r in self._others if counters[r * _QWORDS] == _LEFT],
+                detail=f"shared-memory path, generation {self.generation}",
+            )
 
     def behind(self, phase: int) -> list[int]:
-        """Global ranks whose counter has not reached ``phase``."""
-        return [
-            self.ranks[r] for r in range(self.world_size) if self._counters[r * _QWORDS] < phase
-        ]
+        """Global ranks whose counter has not reached ``phase`` (and that did not leave)."""
+        counters = [self._counters[r * _QWORDS] for r in range(self.world_size)]
+        return [self.ranks[r] for r, c in enumerate(counters) if c < phase and c != _LEFT]
 
     def _sleep(self, phase: int, at_most_s: float) -> None:
         """Sleep until a peer rings this rank's doorbell (or ``at_most_s`` passes)."""

@@ -27,6 +27,7 @@ from shm_broadcast.config import get_config, resolve_timeout
 from .all_reduce_backends import SUSPENDED, AllReduceBackend
 from .errors import (
     ClosedError,
+    DesyncError,
     GroupcoordTimeoutError,
     GroupcoordValueError,
     PeerDiedError,
@@ -63,8 +64,11 @@ def one_at_a_time(method: _Method) -> _Method:
 
 
 class _DesyncGuard:
-    """Marks the owner unusable when a wait or a read of a peer's memory fails: the
-    peers no longer agree on the generation (or wait for a result never published).
+    """Wraps the part of a call that publishes and waits: when anything but a
+    ``DesyncError`` (which every rank raises in step) ends it, the call ended
+    part-way on this rank (a timeout, a dead peer, a failed read, or whatever the
+    caller's signal handler raised: KeyboardInterrupt, SystemExit), and the owner
+    leaves (``ShmBase._ended_part_way``).
 
     A plain class rather than ``contextlib.contextmanager``: it is entered on
     every call, and a generator-based manager costs about a microsecond more.
@@ -76,11 +80,11 @@ class _DesyncGuard:
         self.owner = owner
 
     def __enter__(self) -> None:
-        return None
+        self.owner._unarrived = False  # the call's waits are covered from here
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, (GroupcoordTimeoutError, PeerDiedError, PeerReadError)):
-            self.owner._failure = str(exc)
+        if exc is not None and not isinstance(exc, DesyncError):
+            self.owner._ended_part_way(exc)
 
 
 class ShmBase(AllReduceBackend):
@@ -134,6 +138,9 @@ class ShmBase(AllReduceBackend):
         self._suspended = False
         self.generation = 0
         self._failure: str | None = None
+        # A call was stamped and has not entered its waits (_DesyncGuard) yet: if the
+        # next call finds it still so, the one before ended in between.
+        self._unarrived = False
         self._desync_guard = _DesyncGuard(self)
         # Calls from several threads of this rank run one at a time, whole (the
         # slots, generations and control line are shared); see one_at_a_time.
@@ -252,6 +259,12 @@ class ShmBase(AllReduceBackend):
         ranks' element counts may differ (``shm_phases.VARYING_COUNTS``)."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
+        if self._unarrived:
+            self._unarrived = False
+            self._leave(
+                "its previous call raised after its fingerprint was published and before "
+                "it reached its first barrier"
+            )
         if self._failure is not None:
             raise ClosedError(f"{self.what} is unusable after an earlier failure: {self._failure}")
         lines = self._lines
@@ -264,7 +277,30 @@ class ShmBase(AllReduceBackend):
             if varying:
                 code |= VARYING_COUNTS
             lines.stamp(code | READ_DIRECTLY if direct else code, tensor.numel())
+        self._unarrived = True
         return lines
+
+    def _ended_part_way(self, exc: BaseException) -> None:
+        """A call of this rank ended with ``exc`` after it was stamped and before it
+        was done here: leave (see :meth:`_leave`)."""
+        if isinstance(exc, (GroupcoordTimeoutError, PeerDiedError, PeerReadError, ClosedError)):
+            self._leave(str(exc))
+        else:
+            lines = self._lines
+            call = "" if lines is None else f"{lines.operation} (call #{lines.calls}) "
+            self._leave(f"its {call}ended part-way on this rank with {type(exc).__name__}: {exc}")
+
+    def _leave(self, reason: str) -> None:
+        """This rank's shared-memory calls end for good: the ranks may no longer agree
+        on the generation, a peer may wait for a phase or a result this rank never
+        publishes, or read a buffer it no longer holds. Later calls here raise
+        ``ClosedError`` naming ``reason``; the peers' waits on this rank raise
+        ``PeerLeftError`` at once (``PhaseLines.leave``), so none passes a barrier
+        on a later call's phase and returns what this rank never finished."""
+        if self._failure is None:
+            self._failure = reason
+        if self._lines is not None:
+            self._lines.leave()
 
     def _one_piece(
         self, lines: PhaseLines, tensor: torch.Tensor, turn: WayTurn | None = None

@@ -38,7 +38,7 @@ from torch.distributed import ReduceOp
 
 from shm_broadcast.host_memory import empty_output
 
-from .errors import ClosedError, DesyncError, GroupcoordTimeoutError, PeerDiedError
+from .errors import ClosedError, DesyncError
 from .shm_phases import (
     LAYOUT_MASK,
     PhaseLines,
@@ -77,6 +77,8 @@ class _Owner(Protocol):
     generation: int
     _failure: str | None
     _lines: PhaseLines | None
+
+    def _ended_part_way(self, exc: BaseException) -> None: ...
 
 
 class _Plan:
@@ -494,18 +496,19 @@ class SmallCalls:
         assert lines is not None  # slots attached means mapped
         lines.operation = operation
         lines.stamp(plan.code | expected, plan.count)
-        gen = owner.generation + 1
-        owner.generation = lines.generation = gen
-        s = gen & 1
-        if copy_in and tensor.is_contiguous():
-            _memmove(plan.address[s], tensor.data_ptr(), plan.nbytes)
-        elif copy_in:
-            plan.mine[s].copy_(tensor)
         try:
+            gen = owner.generation + 1
+            owner.generation = lines.generation = gen
+            s = gen & 1
+            if copy_in and tensor.is_contiguous():
+                _memmove(plan.address[s], tensor.data_ptr(), plan.nbytes)
+            elif copy_in:
+                plan.mine[s].copy_(tensor)
             lines.arrive(2 * gen - 1)
-        except (GroupcoordTimeoutError, PeerDiedError) as exc:
-            # The peers no longer agree on the generation: the path is done for.
-            owner._failure = str(exc)
+        except DesyncError:
+            raise  # every rank raises it, in step
+        except BaseException as exc:
+            owner._ended_part_way(exc)  # stamped, maybe not arrived: the path is done for
             raise
         return s
 

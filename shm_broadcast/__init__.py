@@ -12,6 +12,7 @@ from .errors import (
     GroupcoordTypeError,
     GroupcoordValueError,
     PeerDiedError,
+    PeerLeftError,
     ProtocolError,
     ShmSpaceError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "MessageQueue",
     "ObjectGroup",
     "PeerDiedError",
+    "PeerLeftError",
     "ProtocolError",
     "ShmRingBuffer",
     "ShmSegment",

@@ -69,6 +69,20 @@ class PeerDiedError(GroupcoordError, ConnectionError):
         super().__init__(message)
 
 
+class PeerLeftError(PeerDiedError):
+    """A peer this side was waiting on is alive but out of the group for good: a call
+    of its own ended part-way there (interrupted, timed out, failed), so it will not
+    take part again. ``dead`` names those ranks."""
+
+    def __init__(self, what: str, operation: str, left: Iterable[int], detail: str = "") -> None:
+        super().__init__(what, operation, left, detail)
+        message = (
+            f"{what}: {operation} failed: peer rank(s) {self.dead} left the group part-way "
+            "through a call of theirs and will not take part again"
+        )
+        self.args = (f"{message} ({detail})" if detail else message,)
+
+
 class ProtocolError(GroupcoordError):
     """Bytes that do not decode, or a peer that broke the protocol."""
 

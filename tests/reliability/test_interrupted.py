@@ -1,0 +1,111 @@
+"""A rank whose shared-memory collective is interrupted part-way (its signal handler
+raised KeyboardInterrupt while it waited for a late peer) and which then goes on
+calling: no rank may return a value that is not its call's.
+
+Until 2026-11-28 the interrupted rank's next call published a later phase, on
+which its late peer's wait for the interrupted call passed: the peer then read
+the interrupted rank's buffer after it was freed and refilled by the next call
+(an all-gather returned the next call's part, an all-reduce and a broadcast
+garbage such as 1.3e37) with no error, and every call after raised DesyncError
+("... read directly") for ever. Now the interrupted rank leaves the group's
+shared-memory path: its later calls raise ``ClosedError`` naming the
+interruption, and its peers' waits on it raise ``PeerLeftError`` at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator.errors import ClosedError, PeerLeftError
+from coordinator.group_coordinator import GroupCoordinator
+from coordinator.launch import init_gloo, run_ranks
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("interrupted by the test's alarm")
+
+
+def _call(g: GroupCoordinator, op: str, rank: int, n: int, v: int) -> list[float]:
+    t = torch.full((n,), float(v + 100 * rank))
+    if op == "all_reduce":
+        r = g.all_reduce(t)
+        return [r[0].item(), r[-1].item()]
+    if op == "all_gather":
+        r = g.all_gather(t)
+        return [r[0].item(), r[n].item(), r[-1].item()]
+    r = g.broadcast(t, 1)  # the interrupted rank is the root
+    return [r[0].item(), r[-1].item()]
+
+
+def _expected(op: str, v: int) -> list[float]:
+    if op == "all_reduce":
+        return [2.0 * v + 100] * 2
+    if op == "all_gather":
+        return [float(v), v + 100.0, v + 100.0]
+    return [v + 100.0] * 2
+
+
+def _interrupted_rank(rank: int, world: int, op: str, n: int) -> list[Any]:
+    os.environ["GROUPCOORD_TIMEOUT_S"] = "60"
+    init_gloo(rank, world)
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="intr")
+    for _ in range(4):  # the allocator's threshold for fresh mappings rises past n floats,
+        x = torch.empty(n)  # so a freed input's memory is handed out again (silent
+        del x  # garbage before the fix, not a failed read)
+    g.barrier()
+    outcomes: list[Any] = []
+    try:
+        if rank == 1:
+            signal.signal(signal.SIGALRM, _interrupt)
+            signal.setitimer(signal.ITIMER_REAL, 0.3)  # while it waits for rank 0
+            try:
+                _call(g, op, rank, n, 1)
+                outcomes.append(("returned", None))
+            except KeyboardInterrupt:
+                outcomes.append(("interrupted", None))
+            values = (2, 3)
+        else:
+            time.sleep(1.0)
+            values = (1, 2, 3)
+        for v in values:
+            start = time.monotonic()
+            try:
+                got = _call(g, op, rank, n, v)
+                outcomes.append(("value", v, got == _expected(op, v), got))
+            except (ClosedError, PeerLeftError) as exc:
+                outcomes.append((type(exc).__name__, v, str(exc), time.monotonic() - start))
+        return outcomes
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize(
+    "op,n",
+    [
+        ("all_reduce", 1024),  # the lean path
+        ("all_reduce", 262144),  # 1 MiB: reads the peer's memory where allowed
+        ("all_gather", 262144),
+        ("broadcast", 262144),
+    ],
+)
+def test_an_interrupted_call_never_lets_a_peer_return_a_wrong_value(op: str, n: int) -> None:
+    late, interrupted = run_ranks(_interrupted_rank, 2, op, n, timeout=60)
+    assert interrupted[0] == ("interrupted", None)
+    for kind, v, message, _ in interrupted[1:]:
+        assert kind == "ClosedError", (v, message)
+        assert f"its {op}" in message and "KeyboardInterrupt" in message, message
+    first, *later = late
+    if first[0] == "value":  # it met the interrupted rank's published part in time
+        assert first[2], first
+    else:
+        kind, _, message, waited = first
+        assert kind == "PeerLeftError" and "peer rank(s) [1] left" in message, first
+        assert waited < 5, first  # at once, not at the 60 s timeout
+    for outcome in later:
+        assert outcome[0] in ("ClosedError", "PeerLeftError"), outcome
