@@ -151,6 +151,9 @@ class GroupBase:
         # Host identity (liveness.host_key) of each in-group rank (set by _exchange_pids).
         self.host_keys: list[int] = []
         self._destroyed = False
+        # Why this rank's calls are out of step with its peers' (see _ended_part_way).
+        self._failure: str | None = None
+        self._failed_by: BaseException | None = None
         self._plain_comm: DeviceCommunicatorBase | None = None
         self.device_communicator: DeviceCommunicatorBase | None = None
         # The device communicator's lean path for small calls (shm_small.SmallCalls).
@@ -340,8 +343,36 @@ class GroupBase:
     def _check_peer(self, index: int, name: str) -> None:
         checks.rank(index, name, self.world_size, self.rank_in_group, f"group {self.unique_name}")
 
+    def _ended_part_way(self, operation: str, exc: BaseException) -> None:
+        """``exc`` ended ``operation`` on this rank: when it is not an ``Exception`` (a
+        signal handler's ``KeyboardInterrupt`` or ``SystemExit``, raised between two
+        steps of a protocol, say a length and its bytes), this rank's steps are out
+        of step with its peers' for good (its next call would take a step the peers
+        sent for this one, and Gloo aborts the process on a size it did not expect):
+        its later calls over the group raise ``ClosedError`` naming it."""
+        if isinstance(exc, Exception) or (self._failure is not None and self._failed_by is not exc):
+            return
+        self._failed_by = exc  # the same exception leaving an enclosing call names that call
+        self._failure = (
+            f"its {operation} ended part-way on this rank with {type(exc).__name__}, "
+            "out of step with its peers"
+        )
+
+    def _whole(self, operation: str) -> _Whole:
+        """Around a call of several steps (each a ``_collective`` or ``_p2p``): one
+        that ends between them ends part-way (``_ended_part_way``)."""
+        return _Whole(self, operation)
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise ClosedError(
+                f"{self.unique_name} is unusable after an earlier failure: {self._failure}"
+            )
+
     def _collective(self, operation: str, fn: Any, *args: Any) -> Any:
         """Run one collective; a transport failure says which ranks did not arrive."""
+        if self._failure is not None:
+            self._check_usable()
         try:
             out = fn(*args)
         except (GroupcoordError, ValueError, TypeError) as exc:
@@ -355,11 +386,16 @@ class GroupBase:
             raise
         except RuntimeError as exc:
             raise self._diagnose(operation, exc) from exc
+        except BaseException as exc:
+            self._ended_part_way(operation, exc)
+            raise
         self._collective_seq += 1
         return out
 
     def _p2p(self, operation: str, peer: int, fn: Any, *args: Any) -> Any:
         """Run one point-to-point transfer with in-group ``peer``; failures name the peer."""
+        if self._failure is not None:
+            self._check_usable()
         try:
             return fn(*args)
         except (GroupcoordError, ValueError, TypeError):
@@ -374,6 +410,9 @@ class GroupBase:
             raise classify(
                 self.unique_name, operation, self.timeout_s, [peer_rank], exc, known_dead=bool(dead)
             ) from exc
+        except BaseException as exc:
+            self._ended_part_way(operation, exc)
+            raise
 
     def _wait_all(self, operation: str, works: list[Any]) -> None:
         self._collective(operation, lambda: [w.wait() for w in works])
@@ -385,6 +424,22 @@ class GroupBase:
             self.unique_name, seq, self.rank_in_group, self.ranks, self.timeout_s, self._local_pids
         )
         return classify(self.unique_name, operation, self.timeout_s, missing, exc, known_dead=dead)
+
+
+class _Whole:
+    """``GroupBase._whole``'s context (a plain class: no generator per call)."""
+
+    __slots__ = ("group", "operation")
+
+    def __init__(self, group: GroupBase, operation: str) -> None:
+        self.group, self.operation = group, operation
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            self.group._ended_part_way(self.operation, exc)
 
 
 def _check_group_ranks(group_ranks: Any, rank: int, world_size: int) -> list[int]:

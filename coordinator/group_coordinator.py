@@ -285,7 +285,8 @@ class GroupCoordinator(GroupMessaging):
         self._check_index(src, "src")
         if self.world_size == 1:
             return dict(tensor_dict) if tensor_dict is not None else None
-        return tensor_dicts.broadcast(self, tensor_dict, src, group, metadata_group)
+        with self._whole("broadcast_tensor_dict"):
+            return tensor_dicts.broadcast(self, tensor_dict, src, group, metadata_group)
 
     def send_tensor_dict(
         self,
@@ -307,7 +308,8 @@ class GroupCoordinator(GroupMessaging):
             dst = (self.rank_in_group + 1) % self.world_size
         self._check_peer(dst, "dst")
         _check_all_gather_group(all_gather_group)
-        tensor_dicts.send(self, tensor_dict, dst, all_gather_group, all_gather_tensors)
+        with self._whole("send_tensor_dict"):
+            tensor_dicts.send(self, tensor_dict, dst, all_gather_group, all_gather_tensors)
         return None
 
     def recv_tensor_dict(
@@ -327,7 +329,8 @@ class GroupCoordinator(GroupMessaging):
             src = (self.rank_in_group - 1) % self.world_size
         self._check_peer(src, "src")
         _check_all_gather_group(all_gather_group)
-        return tensor_dicts.recv(self, src, all_gather_group)
+        with self._whole("recv_tensor_dict"):
+            return tensor_dicts.recv(self, src, all_gather_group)
 
     def isend_tensor_dict(
         self,

@@ -81,9 +81,10 @@ class GroupMessaging(GroupBase):
             payload = message_bytes(msg) if msg is not None else None
             return self._collective(operation, broadcast_bytes, pg or self.cpu_group, payload, src)
         length = object_bytes.lengths([msg.nbytes if msg is not None else 0])
-        self.broadcast(length, src)
-        tensor, view = object_bytes.message_buffer(object_bytes.read_lengths(length)[0], msg)
-        self.broadcast(tensor, src)
+        with self._whole(operation):
+            self.broadcast(length, src)
+            tensor, view = object_bytes.message_buffer(object_bytes.read_lengths(length)[0], msg)
+            self.broadcast(tensor, src)
         return view
 
     def _called(self, operation: str, src: int) -> str:

@@ -14,7 +14,6 @@ interruption, and its peers' waits on it raise ``PeerLeftError`` at once.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from typing import Any
@@ -22,9 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.errors import ClosedError, PeerLeftError
+from coordinator.errors import ClosedError, GroupcoordError, PeerLeftError
 from coordinator.group_coordinator import GroupCoordinator
 from coordinator.launch import init_gloo, run_ranks
+from shm_broadcast.config import set_config
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -52,7 +52,7 @@ def _expected(op: str, v: int) -> list[float]:
 
 
 def _interrupted_rank(rank: int, world: int, op: str, n: int) -> list[Any]:
-    os.environ["GROUPCOORD_TIMEOUT_S"] = "60"
+    set_config(timeout_s=60.0)
     init_gloo(rank, world)
     g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="intr")
     for _ in range(4):  # the allocator's threshold for fresh mappings rises past n floats,
@@ -109,3 +109,79 @@ def test_an_interrupted_call_never_lets_a_peer_return_a_wrong_value(op: str, n: 
         assert waited < 5, first  # at once, not at the 60 s timeout
     for outcome in later:
         assert outcome[0] in ("ClosedError", "PeerLeftError"), outcome
+
+
+def _gloo_call(g: GroupCoordinator, op: str, rank: int, v: int) -> Any:
+    if op == "broadcast_object":
+        got = g.broadcast_object({"v": v, "pad": "x" * 100 * v} if rank == 0 else None, src=0)
+        return got["v"]
+    if op == "broadcast_tensor_dict":
+        sent = {"v": v, "t": torch.full((100_000 * v,), float(v))} if rank == 0 else None
+        got = g.broadcast_tensor_dict(sent, src=0)
+        return [got["v"], got["t"].numel(), got["t"][0].item()]
+    if op == "all_gatherv":  # the lengths, then the parts
+        return g.all_gatherv(torch.full((3 + v + rank,), float(10 * v + rank)), 0).tolist()
+    if rank == 0:  # an object larger than a message's inline room: a header, then its bytes
+        g.send_object({"v": v, "pad": "x" * 70_000 * v}, 1)
+        return "sent"
+    return g.recv_object(0)["v"]
+
+
+def _gloo_call_expected(op: str) -> Any:
+    """Rank 0's result of ``_gloo_call(..., v=1)``."""
+    return {
+        "broadcast_object": 1,
+        "broadcast_tensor_dict": [1, 100_000, 1.0],
+        "all_gatherv": [10.0] * 4 + [11.0] * 5,
+        "send_recv_object": "sent",
+    }[op]
+
+
+def _interrupted_between_gloo_steps(rank: int, world: int, op: str) -> list[Any]:
+    set_config(timeout_s=20.0, disable_shm_all_reduce=True, disable_shm_p2p=True)
+    init_gloo(rank, world)
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="intr")
+    g.barrier()
+    outcomes: list[Any] = []
+    try:
+        if rank == 1:
+            signal.signal(signal.SIGALRM, _interrupt)
+            # Rank 1 waits in Gloo's first step (C++), so its handler runs as soon as
+            # that step returns: between the steps.
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            try:
+                _gloo_call(g, op, rank, 1)
+                outcomes.append(("returned", None))
+            except KeyboardInterrupt:
+                outcomes.append(("interrupted", None))
+            for v in (2, 3):
+                try:
+                    outcomes.append(("value", _gloo_call(g, op, rank, v)))
+                except ClosedError as exc:
+                    outcomes.append(("ClosedError", str(exc)))
+        else:
+            time.sleep(1.0)
+            try:  # rank 1 took part in its first step only
+                outcomes.append(("value", _gloo_call(g, op, rank, 1)))
+            except GroupcoordError as exc:  # rank 1 closed its group
+                outcomes.append((type(exc).__name__, str(exc)))
+        return outcomes
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize(
+    "op", ["broadcast_object", "broadcast_tensor_dict", "all_gatherv", "send_recv_object"]
+)
+def test_a_call_interrupted_between_two_gloo_steps_closes_the_group_on_that_rank(op: str) -> None:
+    """Until 2026-11-28 the interrupted rank's next call took the step its peer sent
+    for the interrupted one (a length's place held the bytes), and Gloo aborted the
+    process (SIGABRT: "Received data size doesn't match expected size")."""
+    late, interrupted = run_ranks(_interrupted_between_gloo_steps, 2, op, timeout=60)
+    assert interrupted[0] == ("interrupted", None), interrupted
+    if late[0][0] == "value":  # the root's sends may complete without the receiver
+        assert late[0][1] == _gloo_call_expected(op), late
+    name = "recv_object" if op == "send_recv_object" else op
+    for kind, message in interrupted[1:]:
+        assert kind == "ClosedError", message
+        assert f"its {name} ended part-way on this rank with KeyboardInterrupt" in message
