@@ -12,6 +12,7 @@ on another host and dead). The success path costs nothing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -19,6 +20,24 @@ from shm_broadcast.gloo_errors import failure_kind
 from shm_broadcast.liveness import dead_peers
 
 from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError, TransportError
+
+
+class PartWay:
+    """Around a call of several steps (a length, then its bytes; a header, then its
+    data): whatever leaves the block is handed to ``mark(operation, exc)``, which
+    decides whether the call ended part-way (a plain class: no generator per call)."""
+
+    __slots__ = ("mark", "operation")
+
+    def __init__(self, mark: Callable[[str, BaseException], None], operation: str) -> None:
+        self.mark, self.operation = mark, operation
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            self.mark(self.operation, exc)
 
 
 def absent_ranks(

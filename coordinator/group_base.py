@@ -30,7 +30,7 @@ from shm_broadcast.p2p_channels import P2PChannels
 
 from . import custom_ops
 from .errors import ClosedError, GroupcoordError, GroupcoordValueError
-from .failures import absent_ranks, classify
+from .failures import PartWay, absent_ranks, classify
 from .meeting import meet
 
 logger = logging.getLogger("groupcoord.coordinator")
@@ -358,10 +358,10 @@ class GroupBase:
             "out of step with its peers"
         )
 
-    def _whole(self, operation: str) -> _Whole:
+    def _whole(self, operation: str) -> PartWay:
         """Around a call of several steps (each a ``_collective`` or ``_p2p``): one
         that ends between them ends part-way (``_ended_part_way``)."""
-        return _Whole(self, operation)
+        return PartWay(self._ended_part_way, operation)
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -424,22 +424,6 @@ class GroupBase:
             self.unique_name, seq, self.rank_in_group, self.ranks, self.timeout_s, self._local_pids
         )
         return classify(self.unique_name, operation, self.timeout_s, missing, exc, known_dead=dead)
-
-
-class _Whole:
-    """``GroupBase._whole``'s context (a plain class: no generator per call)."""
-
-    __slots__ = ("group", "operation")
-
-    def __init__(self, group: GroupBase, operation: str) -> None:
-        self.group, self.operation = group, operation
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if exc is not None:
-            self.group._ended_part_way(self.operation, exc)
 
 
 def _check_group_ranks(group_ranks: Any, rank: int, world_size: int) -> list[int]:

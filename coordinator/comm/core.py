@@ -30,6 +30,7 @@ from shm_broadcast.forked import owned_here
 from ..errors import (
     ClosedError,
     DesyncError,
+    GroupcoordTimeoutError,
     GroupcoordTypeError,
     GroupcoordValueError,
 )
@@ -109,6 +110,7 @@ class CommCore:
         self._completer = Completer(name)
         self._closed: str | None = None
         self._broken: str | None = None
+        self._broken_by: BaseException | None = None
         self._split_count = 0
         self._agreed = 0  # calls checked by _agree, numbered in its errors
         self._barrier_count = 0
@@ -162,20 +164,21 @@ class CommCore:
             raise ClosedError(f"communicator {self._name!r} was {self._closed}; {op} refused")
         if self._broken is not None:
             raise ClosedError(
-                f"communicator {self._name!r}: {self._broken} timed out earlier, so ranks may "
+                f"communicator {self._name!r}: {self._broken}, so ranks may "
                 f"disagree on what comes next; abort() it and create a new one ({op} refused)"
             )
 
     @staticmethod
-    def _weak_failure_marker(comm: CommCore) -> Callable[[str], None]:
+    def _weak_failure_marker(comm: CommCore) -> Callable[[str, BaseException], None]:
         """What the shared-memory lane calls when a peer was late or died (held weakly,
         like the timeout marker below)."""
         ref = weakref.ref(comm)
 
-        def mark(op: str) -> None:
+        def mark(op: str, exc: BaseException) -> None:
             alive = ref()
             if alive is not None:
-                alive._broken = op
+                late = isinstance(exc, GroupcoordTimeoutError)
+                alive._broken = f"{op} {'timed out' if late else 'lost a peer'} earlier"
 
         return mark
 
@@ -194,7 +197,7 @@ class CommCore:
         def mark(work: Work) -> None:
             alive = ref()
             if alive is not None:
-                alive._broken = work.op
+                alive._broken = f"{work.op} timed out earlier"
 
         return mark
 
@@ -267,23 +270,38 @@ class CommCore:
         hand them to the completer, maybe wait. With ``debug_desync`` on, ``call`` is
         checked against the peers' first (:meth:`_agree`)."""
         work = self._new_work(op, peers, timeout, async_op, hints)
-        if fast is not None:
-            assert self._lane is not None  # fast is only offered with a lane
-            self._lane.run_shm(work, fast, async_op)
-            return work
-        td = datetime.timedelta(seconds=work.timeout_s)
         try:
-            if call is not None and get_config().debug_desync:
-                self._agree(call, td)
-            c10d_works = launch(td)
-        except RuntimeError as exc:
-            raise translate_error(work, exc) from exc
-        if async_op:
-            self._completer.track(work, c10d_works, finish, completes_in_wait)
-        else:
-            Completer.run_inline(work, c10d_works, finish)
-            work.wait()
+            if fast is not None:
+                assert self._lane is not None  # fast is only offered with a lane
+                self._lane.run_shm(work, fast, async_op)
+                return work
+            td = datetime.timedelta(seconds=work.timeout_s)
+            try:
+                if call is not None and get_config().debug_desync:
+                    self._agree(call, td)
+                c10d_works = launch(td)
+            except RuntimeError as exc:
+                raise translate_error(work, exc) from exc
+            if async_op:
+                self._completer.track(work, c10d_works, finish, completes_in_wait)
+            else:
+                Completer.run_inline(work, c10d_works, finish)
+                work.wait()
+        except BaseException as exc:
+            self._ended_part_way(op, exc)
+            raise
         return work
+
+    def _ended_part_way(self, op: str, exc: BaseException) -> None:
+        """A signal handler's ``KeyboardInterrupt`` or ``SystemExit`` (anything but an
+        ``Exception``) left ``op`` part-way, between two of its steps (a header and its
+        data, the checked counts and the parts): this rank's next call would take a
+        step its peers sent for this one (Gloo aborts the process on a size it did
+        not expect), so the comm refuses every call after it."""
+        if isinstance(exc, Exception) or (self._broken is not None and self._broken_by is not exc):
+            return
+        self._broken_by = exc  # the same exception leaving an enclosing call names that call
+        self._broken = f"{op} ended part-way on this rank with {type(exc).__name__}"
 
     def _new_work(
         self,
@@ -314,7 +332,11 @@ class CommCore:
         """A send or receive, on its peer's lane (over the pair's channel or Gloo)."""
         assert self._p2p is not None  # set at creation
         work = self._new_work(kind, [peer], timeout, async_op, hints)
-        self._p2p.run(work, kind, tensor, peer, async_op)
+        try:
+            self._p2p.run(work, kind, tensor, peer, async_op)
+        except BaseException as exc:
+            self._ended_part_way(kind, exc)
+            raise
         return work
 
     def _lean(self, op: str, call: Callable[[SmallCalls], object], *tensors: Any) -> Work | None:

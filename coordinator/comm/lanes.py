@@ -42,10 +42,10 @@ _SETTLE_GRACE_S = 0.5
 class Lane:
     """Runs calls (``call(work)``, which settles ``work``) in issue order.
 
-    ``on_failure`` is told the operation's name when a peer was late or died.
+    ``on_failure`` is told the operation's name and the error when a peer was late or died.
     """
 
-    def __init__(self, name: str, on_failure: Callable[[str], None]) -> None:
+    def __init__(self, name: str, on_failure: Callable[[str, BaseException], None]) -> None:
         self._name = name
         self._on_failure = on_failure
         self._lock = threading.Lock()
@@ -108,7 +108,7 @@ class Lane:
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
             if isinstance(exc, GroupcoordTimeoutError):
                 work._expire()  # TIMED_OUT, and the comm is told through the work
-            self._on_failure(work.op)
+            self._on_failure(work.op, exc)
             if inline:
                 raise
             work._finish(exc)
@@ -172,7 +172,7 @@ class ShmLane(Lane):
         self,
         name: str,
         shm: ShmAllReduce,
-        on_failure: Callable[[str], None],
+        on_failure: Callable[[str, BaseException], None],
         close: Callable[[], None],
     ) -> None:
         super().__init__(f"{name}-shm", on_failure)
@@ -216,8 +216,8 @@ class ShmLane(Lane):
         try:
             self.shm.set_timeout(timeout_s)
             return call()
-        except (GroupcoordTimeoutError, PeerDiedError):
-            self._on_failure(op)
+        except (GroupcoordTimeoutError, PeerDiedError) as exc:
+            self._on_failure(op, exc)
             raise
         finally:
             self._leave(None)

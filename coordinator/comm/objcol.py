@@ -18,6 +18,7 @@ from device_communicators import checks
 from shm_broadcast import codec
 
 from ..errors import GroupcoordTypeError, GroupcoordValueError
+from ..failures import PartWay
 from . import bytes_io
 from .ops import CommOps
 
@@ -57,7 +58,8 @@ def all_gather_object(
     pickle = _pickle_allowed(weights_only)
     _check_list(object_list, "object_list", comm.get_size())
     msg = codec.encode_message(obj, allow_pickle=pickle)
-    gathered = bytes_io.all_gather_messages(comm, msg, timeout)
+    with PartWay(comm._ended_part_way, "all_gather_object"):
+        gathered = bytes_io.all_gather_messages(comm, msg, timeout)
     object_list[:] = [codec.loads(view, allow_pickle=pickle) for view in gathered]
 
 
@@ -75,7 +77,8 @@ def gather_object(
     if comm.get_rank() == root:
         _check_list(object_gather_list, "object_gather_list", comm.get_size())
     msg = codec.encode_message(obj, allow_pickle=pickle)
-    gathered = bytes_io.gather_messages(comm, msg, root, timeout)
+    with PartWay(comm._ended_part_way, "gather_object"):
+        gathered = bytes_io.gather_messages(comm, msg, root, timeout)
     if gathered is not None and object_gather_list is not None:
         object_gather_list[:] = [codec.loads(view, allow_pickle=pickle) for view in gathered]
 
@@ -93,7 +96,8 @@ def broadcast_object_list(
     _check_list(object_list, "object_list")
     mine = comm.get_rank() == root
     msg = codec.encode_message(list(object_list), allow_pickle=pickle) if mine else None
-    received = bytes_io.broadcast_message(comm, msg, root, timeout)
+    with PartWay(comm._ended_part_way, "broadcast_object_list"):
+        received = bytes_io.broadcast_message(comm, msg, root, timeout)
     if not mine:
         _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
 
@@ -112,7 +116,8 @@ def send_object_list(
     dst = checks.rank(dst, "dst", comm.get_size(), self_rank=comm.get_rank())
     _check_list(object_list, "object_list")
     msg = codec.encode_message(list(object_list), allow_pickle=pickle)
-    bytes_io.send_message(comm, msg, dst, timeout)
+    with PartWay(comm._ended_part_way, "send_object_list"):
+        bytes_io.send_message(comm, msg, dst, timeout)
 
 
 def recv_object_list(
@@ -126,7 +131,8 @@ def recv_object_list(
     pickle = _pickle_allowed(weights_only)
     src = checks.rank(src, "src", comm.get_size(), self_rank=comm.get_rank())
     _check_list(object_list, "object_list")
-    received = bytes_io.recv_message(comm, src, timeout)
+    with PartWay(comm._ended_part_way, "recv_object_list"):
+        received = bytes_io.recv_message(comm, src, timeout)
     _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
 
 
@@ -150,7 +156,8 @@ def scatter_object_list(
             scatter_object_input_list, "scatter_object_input_list", comm.get_size()
         )
         msgs = [codec.encode_message(obj, allow_pickle=pickle) for obj in inputs]
-    received = bytes_io.scatter_messages(comm, msgs, root, timeout)
+    with PartWay(comm._ended_part_way, "scatter_object_list"):
+        received = bytes_io.scatter_messages(comm, msgs, root, timeout)
     scatter_object_output_list[0] = codec.loads(received, allow_pickle=pickle)
 
 

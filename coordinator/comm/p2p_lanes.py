@@ -45,7 +45,11 @@ class P2PLanes:
     """The point-to-point lanes of one communicator (see the module docstring)."""
 
     def __init__(
-        self, name: str, channels: P2PChannels, pg: Any, on_failure: Callable[[str], None]
+        self,
+        name: str,
+        channels: P2PChannels,
+        pg: Any,
+        on_failure: Callable[[str, BaseException], None],
     ) -> None:
         self._name = name
         self._channels = channels

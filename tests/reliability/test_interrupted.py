@@ -185,3 +185,63 @@ def test_a_call_interrupted_between_two_gloo_steps_closes_the_group_on_that_rank
     for kind, message in interrupted[1:]:
         assert kind == "ClosedError", message
         assert f"its {name} ended part-way on this rank with KeyboardInterrupt" in message
+
+
+def _comm_interrupted(rank: int, world: int, op: str) -> list[Any]:
+    from coordinator.comm import new_comm
+
+    set_config(disable_shm_all_reduce=True, disable_shm_p2p=True)
+    comm = new_comm("gloo", "cpu", "intr", timeout=20)
+
+    def call(v: int) -> Any:
+        if op == "all_gather_v":  # the counts are checked, then the parts move
+            outs = [torch.empty(3 + v + r) for r in range(world)]
+            comm.all_gather_v(outs, torch.full((3 + v + rank,), float(10 * v + rank)))
+            return [o[0].item() for o in outs]
+        if rank == 0:  # past a header's inline room: a header, then the data
+            comm.send(torch.full((100_000 * v,), float(v)), 1)
+            return "sent"
+        t = torch.empty(100_000 * v)
+        comm.recv(t, 0)
+        return t[0].item()
+
+    comm.barrier()
+    outcomes: list[Any] = []
+    try:
+        if rank == 1:
+            signal.signal(signal.SIGALRM, _interrupt)
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            try:
+                call(1)
+                outcomes.append(("returned", None))
+            except KeyboardInterrupt:
+                outcomes.append(("interrupted", None))
+            for v in (2, 3):
+                try:
+                    outcomes.append(("value", call(v)))
+                except ClosedError as exc:
+                    outcomes.append(("ClosedError", str(exc)))
+        else:
+            time.sleep(1.0)
+            try:
+                outcomes.append(("value", call(1)))
+            except GroupcoordError as exc:
+                outcomes.append((type(exc).__name__, str(exc)))
+        return outcomes
+    finally:
+        comm.finalize()
+
+
+@pytest.mark.parametrize("op", ["all_gather_v", "send_recv"])
+def test_a_comm_call_interrupted_part_way_refuses_the_calls_after_it(op: str) -> None:
+    """``coordinator.comm`` likewise: a receive interrupted between a header and its
+    data made Gloo abort the process at the next receive (SIGABRT) until 2026-11-28,
+    and an interrupted ``all_gather_v`` read garbage counts."""
+    late, interrupted = run_ranks(_comm_interrupted, 2, op, timeout=60)
+    assert interrupted[0] == ("interrupted", None), interrupted
+    name = "recv" if op == "send_recv" else op
+    for kind, message in interrupted[1:]:
+        assert kind == "ClosedError", message
+        assert f"{name} ended part-way on this rank with KeyboardInterrupt" in message
+    if late[0][0] == "value":
+        assert late[0][1] == ("sent" if op == "send_recv" else [10.0, 11.0]), late
