@@ -69,7 +69,7 @@ def _interrupted_rank(rank: int, world: int, op: str, n: int) -> list[Any]:
                 outcomes.append(("returned", None))
             except KeyboardInterrupt:
                 outcomes.append(("interrupted", None))
-            values = (2, 3)
+            values: tuple[int, ...] = (2, 3)
         else:
             time.sleep(1.0)
             values = (1, 2, 3)
@@ -118,9 +118,12 @@ def _gloo_call(g: GroupCoordinator, op: str, rank: int, v: int) -> Any:
     if op == "broadcast_tensor_dict":
         sent = {"v": v, "t": torch.full((100_000 * v,), float(v))} if rank == 0 else None
         got = g.broadcast_tensor_dict(sent, src=0)
+        assert got is not None
         return [got["v"], got["t"].numel(), got["t"][0].item()]
     if op == "all_gatherv":  # the lengths, then the parts
-        return g.all_gatherv(torch.full((3 + v + rank,), float(10 * v + rank)), 0).tolist()
+        joined = g.all_gatherv(torch.full((3 + v + rank,), float(10 * v + rank)), 0)
+        assert isinstance(joined, torch.Tensor)
+        return joined.tolist()
     if rank == 0:  # an object larger than a message's inline room: a header, then its bytes
         g.send_object({"v": v, "pad": "x" * 70_000 * v}, 1)
         return "sent"
@@ -142,32 +145,38 @@ def _interrupted_between_gloo_steps(rank: int, world: int, op: str) -> list[Any]
     init_gloo(rank, world)
     g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="intr")
     g.barrier()
-    outcomes: list[Any] = []
     try:
-        if rank == 1:
-            signal.signal(signal.SIGALRM, _interrupt)
-            # Rank 1 waits in Gloo's first step (C++), so its handler runs as soon as
-            # that step returns: between the steps.
-            signal.setitimer(signal.ITIMER_REAL, 0.3)
-            try:
-                _gloo_call(g, op, rank, 1)
-                outcomes.append(("returned", None))
-            except KeyboardInterrupt:
-                outcomes.append(("interrupted", None))
-            for v in (2, 3):
-                try:
-                    outcomes.append(("value", _gloo_call(g, op, rank, v)))
-                except ClosedError as exc:
-                    outcomes.append(("ClosedError", str(exc)))
-        else:
-            time.sleep(1.0)
-            try:  # rank 1 took part in its first step only
-                outcomes.append(("value", _gloo_call(g, op, rank, 1)))
-            except GroupcoordError as exc:  # rank 1 closed its group
-                outcomes.append((type(exc).__name__, str(exc)))
-        return outcomes
+        # Rank 1 waits in Gloo's first step (C++), so its handler runs as soon as that
+        # step returns: between the steps.
+        return _interrupt_then_go_on(rank, lambda v: _gloo_call(g, op, rank, v))
     finally:
         g.destroy()
+
+
+def _interrupt_then_go_on(rank: int, call: Any) -> list[Any]:
+    """Rank 1: ``call(1)``, interrupted 0.3 s into its wait for rank 0, then
+    ``call(2)`` and ``call(3)``; rank 0: ``call(1)`` after 1 s. What each got."""
+    outcomes: list[Any] = []
+    if rank == 1:
+        signal.signal(signal.SIGALRM, _interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            call(1)
+            outcomes.append(("returned", None))
+        except KeyboardInterrupt:
+            outcomes.append(("interrupted", None))
+        for v in (2, 3):
+            try:
+                outcomes.append(("value", call(v)))
+            except ClosedError as exc:
+                outcomes.append(("ClosedError", str(exc)))
+    else:
+        time.sleep(1.0)
+        try:  # rank 1 took part in its first step only
+            outcomes.append(("value", call(1)))
+        except GroupcoordError as exc:  # rank 1 closed its group
+            outcomes.append((type(exc).__name__, str(exc)))
+    return outcomes
 
 
 @pytest.mark.parametrize(
@@ -206,28 +215,8 @@ def _comm_interrupted(rank: int, world: int, op: str) -> list[Any]:
         return t[0].item()
 
     comm.barrier()
-    outcomes: list[Any] = []
     try:
-        if rank == 1:
-            signal.signal(signal.SIGALRM, _interrupt)
-            signal.setitimer(signal.ITIMER_REAL, 0.3)
-            try:
-                call(1)
-                outcomes.append(("returned", None))
-            except KeyboardInterrupt:
-                outcomes.append(("interrupted", None))
-            for v in (2, 3):
-                try:
-                    outcomes.append(("value", call(v)))
-                except ClosedError as exc:
-                    outcomes.append(("ClosedError", str(exc)))
-        else:
-            time.sleep(1.0)
-            try:
-                outcomes.append(("value", call(1)))
-            except GroupcoordError as exc:
-                outcomes.append((type(exc).__name__, str(exc)))
-        return outcomes
+        return _interrupt_then_go_on(rank, call)
     finally:
         comm.finalize()
 
