@@ -22,6 +22,15 @@ from shm_broadcast.liveness import dead_peers
 from .errors import GroupcoordError, GroupcoordTimeoutError, PeerDiedError, TransportError
 
 
+def ends_part_way(exc: BaseException, noted: BaseException | None) -> bool:
+    """Whether ``exc`` marks a call as ended part-way on this rank, out of step with
+    its peers for good: anything that is not an ``Exception`` (a signal handler's
+    ``KeyboardInterrupt`` or ``SystemExit``: an ``Exception`` of ours is raised in
+    step, or names what failed), unless another one was ``noted`` first (the same
+    one leaving an enclosing call is, so that call is named)."""
+    return not isinstance(exc, Exception) and (noted is None or noted is exc)
+
+
 class PartWay:
     """Around a call of several steps (a length, then its bytes; a header, then its
     data): whatever leaves the block is handed to ``mark(operation, exc)``, which

@@ -30,7 +30,7 @@ from shm_broadcast.p2p_channels import P2PChannels
 
 from . import custom_ops
 from .errors import ClosedError, GroupcoordError, GroupcoordValueError
-from .failures import PartWay, absent_ranks, classify
+from .failures import PartWay, absent_ranks, classify, ends_part_way
 from .meeting import meet
 
 logger = logging.getLogger("groupcoord.coordinator")
@@ -350,9 +350,9 @@ class GroupBase:
         of step with its peers' for good (its next call would take a step the peers
         sent for this one, and Gloo aborts the process on a size it did not expect):
         its later calls over the group raise ``ClosedError`` naming it."""
-        if isinstance(exc, Exception) or (self._failure is not None and self._failed_by is not exc):
+        if not ends_part_way(exc, self._failed_by):
             return
-        self._failed_by = exc  # the same exception leaving an enclosing call names that call
+        self._failed_by = exc
         self._failure = (
             f"its {operation} ended part-way on this rank with {type(exc).__name__}, "
             "out of step with its peers"

@@ -34,6 +34,7 @@ from ..errors import (
     GroupcoordTypeError,
     GroupcoordValueError,
 )
+from ..failures import ends_part_way
 from .lanes import ShmLane
 from .p2p_lanes import Kind, P2PLanes
 from .reduce_ops import ReduceOp
@@ -298,10 +299,10 @@ class CommCore:
         data, the checked counts and the parts): this rank's next call would take a
         step its peers sent for this one (Gloo aborts the process on a size it did
         not expect), so the comm refuses every call after it."""
-        if isinstance(exc, Exception) or (self._broken is not None and self._broken_by is not exc):
-            return
-        self._broken_by = exc  # the same exception leaving an enclosing call names that call
-        self._broken = f"{op} ended part-way on this rank with {type(exc).__name__}"
+        if self._broken is None or self._broken_by is not None:
+            if ends_part_way(exc, self._broken_by):
+                self._broken_by = exc
+                self._broken = f"{op} ended part-way on this rank with {type(exc).__name__}"
 
     def _new_work(
         self,
