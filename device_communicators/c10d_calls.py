@@ -122,7 +122,7 @@ def _reducible(tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
         raise GroupcoordTypeError(
             f"op={op}: Gloo cannot reduce {tensor.dtype} (the shared-memory path, between "
             "ranks on one node, reduces int16 and the wider unsigned dtypes by SUM, "
-            "PRODUCT and the bitwise ops): cast it to one of "
+            "PRODUCT, MIN, MAX and the bitwise ops): cast it to one of "
             f"{sorted(str(d) for d in _GLOO_DTYPES)} first"
         )
     return _wire(tensor)

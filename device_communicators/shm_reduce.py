@@ -38,8 +38,8 @@ SHM_DTYPES = (
 _HALF = (torch.float16, torch.bfloat16)
 # Dtypes torch has too little arithmetic for, reduced as the dtype of their width
 # that has it: complex32 as its fp16 parts; the unsigned ones as signed integers,
-# whose sums, products and bitwise results have the same bits (not their order:
-# MIN and MAX are refused).
+# whose sums, products and bitwise results have the same bits, and whose order is
+# the signed order of the bits with the top one flipped (MIN and MAX).
 _CARRIERS = {
     torch.complex32: torch.float16,
     torch.uint16: torch.int16,
@@ -70,7 +70,13 @@ def combine(
     carrier = _CARRIERS.get(parts[0].dtype)
     if carrier is not None:
         carried = [p.view(carrier) for p in parts]
-        result = combine(carried, None if out is None else out.view(carrier), op)
+        if op in (ReduceOp.MIN, ReduceOp.MAX):  # unsigned (complex32 has no order)
+            top = torch.iinfo(carrier).min  # the top bit alone
+            ordered = combine([c ^ top for c in carried], None, op)
+            ordered ^= top
+            result = ordered if out is None else out.view(carrier).copy_(ordered)
+        else:
+            result = combine(carried, None if out is None else out.view(carrier), op)
         return result.view(parts[0].dtype)
     if op == ReduceOp.AVG:
         return _average(parts, out)
@@ -183,8 +189,6 @@ def refused_op(op: object, dtype: torch.dtype) -> str | None:
     What it refuses goes to c10d, which reduces it or says why not."""
     if op not in _OPS:
         return f"reduce op {op} is not one of {[str(o).rsplit('.', 1)[-1] for o in _OPS]}"
-    if dtype in _CARRIERS and op in (ReduceOp.MIN, ReduceOp.MAX):
-        return f"torch has no {str(op).rsplit('.', 1)[-1]} of {dtype}"
     try:
         checks.reduce_op(op, dtype)
     except (GroupcoordTypeError, GroupcoordValueError) as exc:
