@@ -154,6 +154,15 @@ def _reduce_ops(comm: Comm) -> None:
     comm.reduce(t, 0, ReduceOp.AVG)
     if r == 0:
         assert t.tolist() == pytest.approx([sum(values) / w] * 2)
+    # Complex tensors average and premultiply as torch.distributed lets them (refused
+    # until 2026-11-28), on the shared-memory path and over Gloo (reduce_scatter's).
+    z = torch.full((3,), complex(values[r], -values[r]), dtype=torch.complex64)
+    comm.all_reduce(z, ReduceOp.AVG)
+    assert z.tolist() == pytest.approx([complex(sum(values), -sum(values)) / w] * 3)
+    z = torch.full((w,), complex(values[r], 1.0), dtype=torch.complex128)
+    out = torch.empty(1, dtype=torch.complex128)
+    comm.reduce_scatter_single(out, z, ReduceOp.PREMUL_SUM(2.0))
+    assert out.item() == pytest.approx(complex(2 * sum(values), 2.0 * w))
 
 
 def _bad_input_leaves_comm_usable(comm: Comm) -> None:
@@ -161,7 +170,7 @@ def _bad_input_leaves_comm_usable(comm: Comm) -> None:
     cases = [
         (
             GroupcoordTypeError,
-            "needs a floating dtype",
+            "needs a floating or complex dtype",
             lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), ReduceOp.AVG),
         ),
         (

@@ -3,7 +3,7 @@
 Gloo reduces natively with SUM, PRODUCT, MIN, MAX, BAND, BOR and BXOR. Two
 operators are emulated so that they mean the same on every torch version:
 ``AVG`` runs a SUM and then divides the result by the group size (floating
-dtypes only: an integer average would silently truncate), and
+and complex dtypes only: an integer average would silently truncate), and
 ``PREMUL_SUM(factor)`` multiplies the input by ``factor`` and then runs a SUM
 (Gloo refuses c10d's PREMUL_SUM outright).
 """
@@ -104,8 +104,10 @@ class ReduceOp:
             raise GroupcoordTypeError(
                 f"{argument}: {self!r} needs an integer or bool dtype, got {dtype}"
             )
-        if self.name in _FLOAT_ONLY and not dtype.is_floating_point:
-            raise GroupcoordTypeError(f"{argument}: {self!r} needs a floating dtype, got {dtype}")
+        if self.name in _FLOAT_ONLY and not (dtype.is_floating_point or dtype.is_complex):
+            raise GroupcoordTypeError(
+                f"{argument}: {self!r} needs a floating or complex dtype, got {dtype}"
+            )
 
     def premultiply(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor to send: scaled for PREMUL_SUM (a new tensor), else itself."""
@@ -115,8 +117,8 @@ class ReduceOp:
 
     def finish(self, result: torch.Tensor, group_size: int) -> None:
         """Complete an emulated reduction in place on the reduced result."""
-        if self.name == "AVG":
-            result.div_(group_size)
+        if self.name == "AVG":  # a complex one's parts apart, as GroupCoordinator's AVG
+            (torch.view_as_real(result) if result.is_complex() else result).div_(group_size)
 
 
 ReduceOp.SUM = ReduceOp(RedOpType.SUM)
