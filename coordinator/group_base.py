@@ -359,8 +359,11 @@ class GroupBase:
         )
 
     def _whole(self, operation: str) -> PartWay:
-        """Around a call of several steps (each a ``_collective`` or ``_p2p``): one
-        that ends between them ends part-way (``_ended_part_way``)."""
+        """Around a call of several steps, or one that goes outside ``_collective`` and
+        ``_p2p`` (the message queue's broadcasts): refused once the group is out of
+        step, and ended part-way if it ends before it is done (``_ended_part_way``)."""
+        if self._failure is not None:
+            self._check_usable()
         return PartWay(self._ended_part_way, operation)
 
     def _check_usable(self) -> None:

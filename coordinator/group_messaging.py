@@ -56,7 +56,10 @@ class GroupMessaging(GroupBase):
             return obj
         mine = self.rank_in_group == src
         if self.mq_broadcaster is not None and src == 0:
-            got = self._mq_broadcast(obj)
+            # An interrupted read consumes nothing: the next call would return this
+            # call's object, so it ends the group here (_ended_part_way).
+            with self._whole("broadcast_object"):
+                got = self._mq_broadcast(obj)
         else:
             msg = encode_message(obj) if mine else None  # refuses what it cannot carry, first
             data = self._broadcast_bytes("broadcast_object", msg, src)

@@ -234,3 +234,37 @@ def test_a_comm_call_interrupted_part_way_refuses_the_calls_after_it(op: str) ->
         assert f"{name} ended part-way on this rank with KeyboardInterrupt" in message
     if late[0][0] == "value":
         assert late[0][1] == ("sent" if op == "send_recv" else [10.0, 11.0]), late
+
+
+def _queue_broadcasts(rank: int, world: int, op: str) -> list[Any]:
+    set_config(timeout_s=20.0)
+    init_gloo(rank, world)
+    g = GroupCoordinator(
+        [[0, 1]], rank, "gloo", True, use_message_queue_broadcaster=True, group_name="intr"
+    )
+    assert g.mq_broadcaster is not None
+
+    def call(v: int) -> Any:
+        if op == "broadcast_object":
+            return g.broadcast_object({"v": v} if rank == 0 else None, src=0)["v"]
+        got = g.broadcast_tensor_dict({"v": v, "t": torch.full((4,), v)} if rank == 0 else None)
+        assert got is not None
+        return got["v"]
+
+    g.barrier()
+    try:
+        return _interrupt_then_go_on(rank, call)
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize("op", ["broadcast_object", "broadcast_tensor_dict"])
+def test_a_queue_broadcast_interrupted_before_its_message_came_closes_the_group(op: str) -> None:
+    """The queue's reader, interrupted while it waited, consumed nothing: its next
+    call returned the interrupted call's object (2026-11-28: [1, 2] for calls 2 and 3)."""
+    late, interrupted = run_ranks(_queue_broadcasts, 2, op, timeout=60)
+    assert late == [("value", 1)]
+    assert interrupted[0] == ("interrupted", None)
+    for kind, message in interrupted[1:]:
+        assert kind == "ClosedError", message
+        assert f"its {op} ended part-way on this rank with KeyboardInterrupt" in message
