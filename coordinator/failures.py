@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any
 
 import torch.distributed as dist
 
@@ -34,19 +37,36 @@ def ends_part_way(exc: BaseException, noted: BaseException | None) -> bool:
 class PartWay:
     """Around a call of several steps (a length, then its bytes; a header, then its
     data): whatever leaves the block is handed to ``mark(operation, exc)``, which
-    decides whether the call ended part-way (a plain class: no generator per call)."""
+    decides whether the call ended part-way (a plain class: no generator per call).
+    With a ``lock``, the block holds it: no other thread's call comes between the
+    steps."""
 
-    __slots__ = ("mark", "operation")
+    __slots__ = ("lock", "mark", "operation")
 
-    def __init__(self, mark: Callable[[str, BaseException], None], operation: str) -> None:
-        self.mark, self.operation = mark, operation
+    def __init__(
+        self,
+        mark: Callable[[str, BaseException], None],
+        operation: str,
+        lock: AbstractContextManager[Any] | None = None,
+    ) -> None:
+        self.mark, self.operation, self.lock = mark, operation, lock
 
     def __enter__(self) -> None:
-        return None
+        if self.lock is not None:
+            self.lock.__enter__()
 
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if exc is not None:
-            self.mark(self.operation, exc)
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc is not None:
+                self.mark(self.operation, exc)
+        finally:
+            if self.lock is not None:
+                self.lock.__exit__(kind, exc, tb)
 
 
 def absent_ranks(

@@ -10,6 +10,7 @@ import datetime
 import importlib
 import logging
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -155,6 +156,12 @@ class GroupBase:
         self._failure: str | None = None
         self._failed_by: BaseException | None = None
         self._plain_comm: DeviceCommunicatorBase | None = None
+        # Calls from several threads of this rank take turns, each whole: a call of
+        # several steps (a length, then its bytes) must not have another thread's
+        # call come between its steps, or the ranks pair steps of different calls
+        # (Gloo aborts the process on a size it did not expect). The device
+        # communicator's lock once it is built, so its lean path takes turns too.
+        self._call_lock: Any = threading.RLock()
         self.device_communicator: DeviceCommunicatorBase | None = None
         # The device communicator's lean path for small calls (shm_small.SmallCalls).
         self._small: SmallCalls | None = None
@@ -203,6 +210,7 @@ class GroupBase:
                 timeout_s=self.timeout_s,
             )
         if self.device_communicator is not None:
+            self._call_lock = self.device_communicator.call_lock
             self._small = self.device_communicator.small_calls
             channels = self.device_communicator.p2p_channels
             if channels is not None:
@@ -330,11 +338,13 @@ class GroupBase:
         if self._destroyed:
             raise ClosedError(f"{self.unique_name} was destroyed")
         if self._plain_comm is None:
-            # Groups built without a device communicator still move tensors,
-            # with plain torch.distributed calls.
-            self._plain_comm = DeviceCommunicatorBase(
-                self.cpu_group, self.device, self.device_group, self.unique_name
-            )
+            with self._call_lock:  # built once, by the first call's thread (a collective)
+                if self._plain_comm is None:
+                    # Groups built without a device communicator still move tensors,
+                    # with plain torch.distributed calls.
+                    self._plain_comm = DeviceCommunicatorBase(
+                        self.cpu_group, self.device, self.device_group, self.unique_name
+                    )
         return self._plain_comm
 
     def _check_index(self, index: int, name: str) -> None:
@@ -358,13 +368,15 @@ class GroupBase:
             "out of step with its peers"
         )
 
-    def _whole(self, operation: str) -> PartWay:
+    def _whole(self, operation: str, collective: bool = True) -> PartWay:
         """Around a call of several steps, or one that goes outside ``_collective`` and
         ``_p2p`` (the message queue's broadcasts): refused once the group is out of
-        step, and ended part-way if it ends before it is done (``_ended_part_way``)."""
+        step, and ended part-way if it ends before it is done (``_ended_part_way``).
+        A ``collective`` one holds the call lock throughout; a point-to-point one
+        takes its pair's turn instead (a rank's send and receive may overlap)."""
         if self._failure is not None:
             self._check_usable()
-        return PartWay(self._ended_part_way, operation)
+        return PartWay(self._ended_part_way, operation, self._call_lock if collective else None)
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -377,7 +389,8 @@ class GroupBase:
         if self._failure is not None:
             self._check_usable()
         try:
-            out = fn(*args)
+            with self._call_lock:
+                out = fn(*args)
         except (GroupcoordError, ValueError, TypeError) as exc:
             # Ours already name what failed; bad arguments are raised before any send.
             # A Gloo failure the communicator translated is diagnosed here again:

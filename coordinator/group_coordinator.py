@@ -168,8 +168,14 @@ class GroupCoordinator(GroupMessaging):
         if self.world_size == 1:
             return input_
         # Lengths along dim may differ by rank; the rest must not.
-        self._in_step("gather", lambda: f"{_shape_of(input_.narrow(dim, 0, 0))}, dst={dst}")
-        return self._collective("gather", self._tensor_comm().gather, input_, dst, dim)
+        return self._checked(
+            "gather",
+            lambda: f"{_shape_of(input_.narrow(dim, 0, 0))}, dst={dst}",
+            self._tensor_comm().gather,
+            input_,
+            dst,
+            dim,
+        )
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s ``input_`` on every rank, in place (out of place under torch.compile)."""
@@ -205,34 +211,69 @@ class GroupCoordinator(GroupMessaging):
         return None if small is None or get_config().debug_desync else small
 
     def _all_reduce_eager(self, input_: torch.Tensor) -> torch.Tensor:
-        self._in_step("all_reduce", lambda: _shape_of(input_))
-        return self._collective("all_reduce", self._tensor_comm().all_reduce, input_)
+        return self._checked(
+            "all_reduce", lambda: _shape_of(input_), self._tensor_comm().all_reduce, input_
+        )
 
     def _all_gather_eager(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
-        self._in_step("all_gather", lambda: f"{_shape_of(input_)}, dim={dim}")
-        return self._collective("all_gather", self._tensor_comm().all_gather, input_, dim)
+        return self._checked(
+            "all_gather",
+            lambda: f"{_shape_of(input_)}, dim={dim}",
+            self._tensor_comm().all_gather,
+            input_,
+            dim,
+        )
 
     def _all_gatherv_eager(
         self, input_: torch.Tensor | list[torch.Tensor], dim: int, sizes: list[int] | None
     ) -> Any:
         # Lengths along dim may differ by rank; given sizes may not.
-        self._in_step("all_gatherv", lambda: f"dim={dim}, sizes={sizes}")
-        return self._collective("all_gatherv", self._tensor_comm().all_gatherv, input_, dim, sizes)
+        comm = self._tensor_comm()
+        return self._checked(
+            "all_gatherv", lambda: f"dim={dim}, sizes={sizes}", comm.all_gatherv, input_, dim, sizes
+        )
 
     def _reduce_scatter_eager(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
-        self._in_step("reduce_scatter", lambda: f"{_shape_of(input_)}, dim={dim}")
-        return self._collective("reduce_scatter", self._tensor_comm().reduce_scatter, input_, dim)
+        comm = self._tensor_comm()
+        return self._checked(
+            "reduce_scatter",
+            lambda: f"{_shape_of(input_)}, dim={dim}",
+            comm.reduce_scatter,
+            input_,
+            dim,
+        )
 
     def _reduce_scatterv_eager(
         self, input_: torch.Tensor, dim: int, sizes: list[int] | None
     ) -> torch.Tensor:
-        self._in_step("reduce_scatterv", lambda: f"{_shape_of(input_)}, dim={dim}, sizes={sizes}")
         comm = self._tensor_comm()
-        return self._collective("reduce_scatterv", comm.reduce_scatterv, input_, dim, sizes)
+        return self._checked(
+            "reduce_scatterv",
+            lambda: f"{_shape_of(input_)}, dim={dim}, sizes={sizes}",
+            comm.reduce_scatterv,
+            input_,
+            dim,
+            sizes,
+        )
 
     def _broadcast_eager(self, input_: torch.Tensor, src: int) -> torch.Tensor:
-        self._in_step("broadcast", lambda: f"{_shape_of(input_)}, src={src}")
-        return self._collective("broadcast", self._tensor_comm().broadcast, input_, src)
+        return self._checked(
+            "broadcast",
+            lambda: f"{_shape_of(input_)}, src={src}",
+            self._tensor_comm().broadcast,
+            input_,
+            src,
+        )
+
+    def _checked(self, operation: str, call: Callable[[], str], fn: Any, *args: Any) -> Any:
+        """Collective ``fn(*args)``, shown to the peers first when ``debug_desync`` is
+        on (:meth:`_in_step`, ``call`` says what it is): the two steps are one call,
+        whole (no other thread's call comes between them)."""
+        if not get_config().debug_desync:
+            return self._collective(operation, fn, *args)
+        with self._whole(operation):
+            self._in_step(operation, call)
+            return self._collective(operation, fn, *args)
 
     def _in_step(self, operation: str, call: Callable[[], str]) -> None:
         """With ``debug_desync`` on: every rank shows the others the call it is about
@@ -308,7 +349,7 @@ class GroupCoordinator(GroupMessaging):
             dst = (self.rank_in_group + 1) % self.world_size
         self._check_peer(dst, "dst")
         _check_all_gather_group(all_gather_group)
-        with self._whole("send_tensor_dict"):
+        with self._whole("send_tensor_dict", collective=False):
             tensor_dicts.send(self, tensor_dict, dst, all_gather_group, all_gather_tensors)
         return None
 
@@ -329,7 +370,7 @@ class GroupCoordinator(GroupMessaging):
             src = (self.rank_in_group - 1) % self.world_size
         self._check_peer(src, "src")
         _check_all_gather_group(all_gather_group)
-        with self._whole("recv_tensor_dict"):
+        with self._whole("recv_tensor_dict", collective=False):
             return tensor_dicts.recv(self, src, all_gather_group)
 
     def isend_tensor_dict(

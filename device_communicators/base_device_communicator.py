@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import zlib
 from contextlib import AbstractContextManager
 from typing import Any
@@ -82,6 +83,9 @@ class DeviceCommunicatorBase:
         # The lean path of small all_reduce/all_gather/reduce_scatter calls
         # (shm_small.SmallCalls), when a fast back end offers one.
         self.small_calls: SmallCalls | None = None
+        # Under which a group's calls from several threads of this rank take turns,
+        # whole (the lean path's, when there is one): GroupCoordinator holds it.
+        self.call_lock: Any = threading.RLock()
         self._recv_like: dict[torch.dtype, torch.Tensor] = {}  # see _like
         register_communicator(self)  # managers built from cpu_group alone find this one
         # Errors start with the group's name, like the coordinator's own errors.

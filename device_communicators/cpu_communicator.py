@@ -81,6 +81,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
             self.cpu_group, unique_name=self.unique_name, timeout_s=self.timeout_s, ranks=self.ranks
         )
         self.small_calls = self.shm_all_reduce.small
+        self.call_lock = self.shm_all_reduce.call_lock
         return [self.shm_all_reduce]
 
     def _fast_transports(self) -> list[Transport]:

@@ -6,6 +6,7 @@ import functools
 import operator
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from coordinator.comm import Comm, ReduceOp, Work, WorkStatus, new_comm
 from coordinator.errors import (
     ClosedError,
     DesyncError,
+    GroupcoordError,
     GroupcoordTimeoutError,
     GroupcoordTypeError,
     GroupcoordValueError,
@@ -745,3 +747,57 @@ def test_a_comms_calls_need_only_equal_counts_not_shapes(world: int) -> None:
     # GroupCoordinator's all_gather and reduce_scatter check the ranks' shapes
     # (tests/test_desync.py, case "shape"); a Comm follows torch, which does not.
     assert run_ranks(_flat_shapes, world, timeout=120) == [[]] * world
+
+
+def _threads_on_one_comm(rank: int, world: int, shm: bool) -> list[str]:
+    import threading
+
+    from coordinator.comm.objcol import all_gather_object
+    from shm_broadcast.config import set_config
+
+    set_config(disable_shm_all_reduce=not shm, timeout_s=30.0)
+    comm = new_comm("gloo", "cpu", "threads", timeout=30)
+    problems: list[str] = []
+    phase = threading.Barrier(2)  # the threads make one kind of call at a time
+
+    def calls(k: int) -> None:
+        # The ranks' threads may pair up either way; each call must be one whole
+        # pairing: an object's length and its bytes, a part's count and its data.
+        for i in range(30):
+            got: list[Any] = [None] * world
+            all_gather_object(comm, got, {"k": k, "i": i, "pad": "y" * (k * 3000 + i)})
+            if any(o["pad"] != "y" * (o["k"] * 3000 + o["i"]) for o in got):
+                problems.append(f"all_gather_object {k}/{i}: a mixed object")
+        for base in (3, 70_000):  # in the slots; padded past them
+            phase.wait()
+            for i in range(20):
+                outs = [torch.empty(base + r) for r in range(world)]
+                comm.all_gather_v(outs, torch.full((base + rank,), float(10 * rank + k)))
+                for r, o in enumerate(outs):
+                    if o[0].item() not in (10 * r, 10 * r + 1) or not torch.equal(
+                        o, o[0].expand_as(o)
+                    ):
+                        problems.append(f"all_gather_v {base} {k}/{i}: rank {r}'s {o[:3]}")
+
+    def run(k: int) -> None:
+        try:
+            calls(k)
+        except (GroupcoordError, RuntimeError) as exc:
+            problems.append(f"thread {k}: {type(exc).__name__}: {exc}")  # the test fails on it
+            phase.abort()  # the other thread stops waiting for this one
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    comm.finalize()
+    return problems
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_two_threads_making_a_comms_calls_of_several_steps_take_turns_whole(shm: bool) -> None:
+    # Until 2026-11-28 an object collective's length and bytes, and over Gloo an
+    # all_gather_v's counts and data, interleaved with the other thread's: the steps
+    # paired across calls on the peer (DesyncError; over Gloo, Gloo aborted the process).
+    assert run_ranks(_threads_on_one_comm, 2, shm, timeout=120) == [[], []]

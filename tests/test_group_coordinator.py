@@ -706,6 +706,89 @@ def test_two_threads_calling_one_group_take_turns() -> None:
     assert run_ranks(_two_threads_on_one_group, 2, timeout=120) == [[], []]
 
 
+def _threads_making_calls_of_several_steps(rank: int, world_size: int, mode: str) -> list[str]:
+    import threading
+
+    from shm_broadcast.config import set_config
+
+    set_config(timeout_s=30.0)  # a pairing gone wrong waits this long, not the default
+    init_gloo(rank, world_size)
+    # "queue": objects and tensor dicts through the message queue; "shm": through
+    # the group's shared-memory broadcasts; "gloo": no device communicator (built on
+    # the first tensor call: both threads' first calls race to build it).
+    g = GroupCoordinator(
+        [list(range(world_size))], rank, "gloo", mode != "gloo", mode == "queue", group_name="t"
+    )
+    problems: list[str] = []
+    sent: list[tuple[int, int]] = []
+    received: list[tuple[int, int]] = []
+
+    phase = threading.Barrier(2)  # the threads make one kind of call at a time
+
+    def calls(k: int) -> None:
+        # The ranks' threads may pair up either way; each call must be one whole
+        # pairing (a length, then its bytes; a description, then its tensors).
+        for i in range(40):
+            size = 1 + (i % 3) * 300 + k * 5000  # another size for each thread's calls
+            obj = {"k": k, "i": i, "pad": "x" * size} if rank == 0 else None
+            got = g.broadcast_object(obj, 0)
+            if got["pad"] != "x" * (1 + (got["i"] % 3) * 300 + got["k"] * 5000):
+                problems.append(f"broadcast_object {k}/{i}: a mixed object")
+            (sent if rank == 0 else received).append((got["k"], got["i"]))
+        phase.wait()
+        for i in range(40):
+            size = 1 + (i % 3) * 300 + k * 5000
+            d = {"t": torch.full((size,), float(k)), "k": k} if rank == 0 else None
+            got_d = g.broadcast_tensor_dict(d, 0)
+            assert got_d is not None
+            if not torch.equal(got_d["t"], torch.full((got_d["t"].numel(),), float(got_d["k"]))):
+                problems.append(f"broadcast_tensor_dict {k}/{i}: {got_d['t'][:3]}")
+        phase.wait()
+        for i in range(40):
+            part = torch.full((1 + rank + 2 * k,), float(10 * rank + k))
+            rows = g.all_gatherv(part, 0)
+            assert isinstance(rows, torch.Tensor)
+            at = 0
+            for r in range(world_size):  # rank r's part: 1 + r + 2k' rows of 10r + k'
+                theirs = int(rows[at].item()) - 10 * r
+                n = 1 + r + 2 * theirs
+                if theirs not in (0, 1) or not torch.equal(rows[at : at + n], rows[at].expand(n)):
+                    problems.append(f"all_gatherv {k}/{i}: {rows.tolist()}")
+                    return
+                at += n
+            if at != rows.numel():
+                problems.append(f"all_gatherv {k}/{i}: {rows.numel()} rows, parts of {at}")
+
+    def run(k: int) -> None:
+        try:
+            calls(k)
+        except (GroupcoordError, RuntimeError, AssertionError, KeyError) as exc:
+            problems.append(f"thread {k}: {type(exc).__name__}: {exc}")  # the test fails on it
+            phase.abort()  # the other thread stops waiting for this one
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    everything = sorted(sent) if rank == 0 else sorted(received)
+    if everything != sorted((k, i) for k in range(2) for i in range(40)):
+        problems.append(f"objects: {everything[:6]}...")
+    g.destroy()
+    return problems
+
+
+@pytest.mark.parametrize("mode", ["queue", "shm", "gloo"])
+def test_two_threads_making_calls_of_several_steps_take_turns_whole(mode: str) -> None:
+    # Until 2026-11-28 only the shared-memory calls took turns: the steps of two
+    # threads' broadcast_object (a length, then its bytes), all_gatherv and
+    # broadcast_tensor_dict interleaved, so a step of one paired with another's on
+    # the peer: DesyncError on shared memory, Gloo aborting the process (SIGABRT)
+    # without it; and both threads of a group without a device communicator built
+    # one (a collective on one rank only: a hang).
+    assert run_ranks(_threads_making_calls_of_several_steps, 2, mode, timeout=120) == [[], []]
+
+
 RANDOM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_gatherv", "gather",
               "reduce_scatterv", "broadcast")  # fmt: skip
 

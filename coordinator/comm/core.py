@@ -10,6 +10,7 @@ depend on these parts, never on ``comm``, so nothing imports in a circle.
 from __future__ import annotations
 
 import datetime
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
@@ -122,6 +123,13 @@ class CommCore:
         self._lane: ShmLane | None = None  # None: no shared-memory path for this comm
         self._p2p: P2PLanes | None = None  # send/recv/batches (``Comm._connect_local``)
         self._done: dict[str, Work] = {}  # the finished work lean calls return, by operation
+        # Held by a collective of several steps (an object collective's lengths, then
+        # its bytes; a check of the call, then its data over Gloo) from its first step
+        # to its last's launch, so another thread's call of the same kind cannot come
+        # between them. Calls of one step need not take it (the lane, or Gloo's issue
+        # order, keeps each whole); threads racing calls of different kinds pair them
+        # as they come, as in torch.
+        self._call_lock = threading.RLock()
         self._on_timeout = self._weak_timeout_marker(self)
         owned_here(self, f"communicator {name!r}", _DESCRIPTIVE)
 
@@ -278,9 +286,10 @@ class CommCore:
                 return work
             td = datetime.timedelta(seconds=work.timeout_s)
             try:
-                if call is not None and get_config().debug_desync:
-                    self._agree(call, td)
-                c10d_works = launch(td)
+                with self._call_lock:  # a check, then the data: whole
+                    if call is not None and get_config().debug_desync:
+                        self._agree(call, td)
+                    c10d_works = launch(td)
             except RuntimeError as exc:
                 raise translate_error(work, exc) from exc
             if async_op:

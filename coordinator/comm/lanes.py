@@ -214,8 +214,9 @@ class ShmLane(Lane):
             if self._queued or not self._admit():
                 return None
         try:
-            self.shm.set_timeout(timeout_s)
-            return call()
+            with self._running:  # whole: a call may take several steps (all_gather_v)
+                self.shm.set_timeout(timeout_s)
+                return call()
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
             self._on_failure(op, exc)
             raise

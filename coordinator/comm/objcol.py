@@ -58,7 +58,7 @@ def all_gather_object(
     pickle = _pickle_allowed(weights_only)
     _check_list(object_list, "object_list", comm.get_size())
     msg = codec.encode_message(obj, allow_pickle=pickle)
-    with PartWay(comm._ended_part_way, "all_gather_object"):
+    with PartWay(comm._ended_part_way, "all_gather_object", comm._call_lock):
         gathered = bytes_io.all_gather_messages(comm, msg, timeout)
     object_list[:] = [codec.loads(view, allow_pickle=pickle) for view in gathered]
 
@@ -77,7 +77,7 @@ def gather_object(
     if comm.get_rank() == root:
         _check_list(object_gather_list, "object_gather_list", comm.get_size())
     msg = codec.encode_message(obj, allow_pickle=pickle)
-    with PartWay(comm._ended_part_way, "gather_object"):
+    with PartWay(comm._ended_part_way, "gather_object", comm._call_lock):
         gathered = bytes_io.gather_messages(comm, msg, root, timeout)
     if gathered is not None and object_gather_list is not None:
         object_gather_list[:] = [codec.loads(view, allow_pickle=pickle) for view in gathered]
@@ -96,7 +96,7 @@ def broadcast_object_list(
     _check_list(object_list, "object_list")
     mine = comm.get_rank() == root
     msg = codec.encode_message(list(object_list), allow_pickle=pickle) if mine else None
-    with PartWay(comm._ended_part_way, "broadcast_object_list"):
+    with PartWay(comm._ended_part_way, "broadcast_object_list", comm._call_lock):
         received = bytes_io.broadcast_message(comm, msg, root, timeout)
     if not mine:
         _fill(object_list, codec.loads(received, allow_pickle=pickle), "object_list")
@@ -156,7 +156,7 @@ def scatter_object_list(
             scatter_object_input_list, "scatter_object_input_list", comm.get_size()
         )
         msgs = [codec.encode_message(obj, allow_pickle=pickle) for obj in inputs]
-    with PartWay(comm._ended_part_way, "scatter_object_list"):
+    with PartWay(comm._ended_part_way, "scatter_object_list", comm._call_lock):
         received = bytes_io.scatter_messages(comm, msgs, root, timeout)
     scatter_object_output_list[0] = codec.loads(received, allow_pickle=pickle)
 
