@@ -30,7 +30,7 @@ from shm_broadcast.liveness import dead_peers, host_key
 from shm_broadcast.p2p_channels import P2PChannels
 
 from . import custom_ops
-from .errors import ClosedError, GroupcoordError, GroupcoordValueError
+from .errors import ClosedError, DesyncError, GroupcoordError, GroupcoordValueError
 from .failures import PartWay, absent_ranks, classify, ends_part_way
 from .meeting import meet
 
@@ -119,12 +119,7 @@ class GroupBase:
         deadline = datetime.timedelta(seconds=self.timeout_s)
         device_group: ProcessGroup | None = None
         cpu_group: ProcessGroup | None = None
-        if len(my_ranks) > 1:
-            # Before c10d's connect, which waits out the timeout for a dead member.
-            store = dist.distributed_c10d._get_default_store()
-            key = f"groupcoord/meet/{self.unique_name}"
-            count = store.add(f"{key}/count/{self.rank}", 1)  # the same on every member
-            meet(store, f"{key}/{count}", self.rank, my_ranks, self.unique_name, self.timeout_s)
+        self._meet(group_ranks, my_ranks, backend)
         # Every rank creates every group, in the same order: c10d requires it.
         for ranks in group_ranks:
             dev = dist.new_group(list(ranks), backend=backend, timeout=deadline)
@@ -181,6 +176,35 @@ class GroupBase:
             raise
         custom_ops.register_group(self.unique_name, self)
         owned_here(self, f"group {self.unique_name}", _DESCRIPTIVE)
+
+    def _meet(self, group_ranks: list[list[int]], my_ranks: list[int], backend: str) -> None:
+        """Meet the members, and the ranks on either side of this one in the layout,
+        through the store before c10d's connect (which waits out the timeout for a
+        dead member), each saying how it builds the groups: c10d joins the members
+        of each ``new_group`` call by its place in the sequence, so ranks whose
+        ``group_ranks`` (or backend) differ would be joined into groups they do not
+        think they are in, or wait out the timeout; here they raise ``DesyncError``
+        naming both sides. Every rank that differs from a neighbour or a member
+        raises; the ranks that agree with theirs wait for the others at the connect."""
+        everyone = sorted(r for ranks in group_ranks for r in ranks)
+        if len(everyone) == 1:
+            return
+        at = everyone.index(self.rank)
+        watched = sorted({*my_ranks, everyone[at - 1], everyone[(at + 1) % len(everyone)]})
+        mine = f"{[list(ranks) for ranks in group_ranks]} on {backend}"
+        store = dist.distributed_c10d._get_default_store()
+        key = f"groupcoord/meet/{self.unique_name}"
+        count = store.add(f"{key}/count/{self.rank}", 1)  # the same on every rank
+        posts = meet(
+            store, f"{key}/{count}", self.rank, watched, self.unique_name, self.timeout_s, post=mine
+        )
+        for r, theirs in posts.items():
+            if theirs != mine:
+                raise DesyncError(
+                    f"{self.unique_name}: rank {self.rank} builds the groups from "
+                    f"group_ranks={mine}, rank {r} from {theirs}: every rank must pass the "
+                    "same group_ranks and backend"
+                )
 
     def _exchange_pids(self) -> dict[int, int]:
         if self.world_size == 1:

@@ -47,25 +47,27 @@ def meet(
     what: str,
     timeout_s: float,
     known_pids: Mapping[int, int] | None = None,
-) -> None:
+    post: str | None = None,
+) -> dict[int, str]:
     """Collective among ``members`` (``rank`` is this process's): return once every
     member has arrived at ``key``. Members whose process is known to be gone raise
     ``PeerDiedError``; at ``timeout_s``, those still missing are named in a
     ``GroupcoordTimeoutError``. ``known_pids`` (member -> pid, on this host): the
     processes to watch; by default the members are numbered as the store's pid
-    table and this rank enters it."""
+    table and this rank enters it. With a ``post`` (what this rank says it is
+    building), the others' posts come back, by member, for the caller to compare."""
     if known_pids is None:
         publish_pid(store, rank)
-    store.set(f"{key}/{rank}", "here")
+    store.set(f"{key}/{rank}", "here" if post is None else post)
     waiting = {r: f"{key}/{r}" for r in members if r != rank}
     deadline = time.monotonic() + timeout_s
     poll_s = _FIRST_POLL_S
     while waiting:
         if store.check(list(waiting.values())):
-            return
+            break
         waiting = {r: k for r, k in waiting.items() if not store.check([k])}
         if not waiting:
-            return
+            break
         dead = _dead(store, list(waiting), known_pids)
         if dead:
             raise PeerDiedError(what, "connect", dead, "before it joined the group")
@@ -79,6 +81,9 @@ def meet(
             )
         time.sleep(poll_s)
         poll_s = min(poll_s * 2, _MAX_POLL_S)
+    if post is None:
+        return {}
+    return {r: store.get(f"{key}/{r}").decode() for r in members if r != rank}
 
 
 def _dead(store: dist.Store, missing: list[int], known_pids: Mapping[int, int] | None) -> list[int]:

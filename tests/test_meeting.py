@@ -103,3 +103,32 @@ def test_a_member_that_never_comes_is_named_in_the_timeout() -> None:
     (kind, message), _ = start_ranks(_one_never_comes, 2, timeout=60).collect()
     assert kind == "timeout"
     assert "late:0" in message and "connect" in message and "[1]" in message
+
+
+def _layouts_disagree(rank: int, world: int, theirs: list[list[int]]) -> str:
+    from coordinator.errors import DesyncError
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    layout = [[0, 1], [2, 3]] if rank < 2 else theirs
+    try:
+        GroupCoordinator(layout, rank, "gloo", True, group_name="tp").destroy()
+    except DesyncError as exc:
+        return str(exc)
+    return "made"
+
+
+@pytest.mark.parametrize(
+    "theirs", [[[0, 2], [1, 3]], [[2, 3], [0, 1]]], ids=["other groups", "another order"]
+)
+def test_ranks_whose_group_ranks_differ_all_raise_naming_both(theirs: list[list[int]]) -> None:
+    # c10d joins the members of each new_group call by its place in the sequence.
+    # Until 2026-11-28, with ranks 2 and 3 building [[0, 2], [1, 3]], rank 0's
+    # all_reduce in what it took for [0, 1] summed rank 2's input (101 for inputs
+    # 1, 10, 100, 1000; 11 was right) with no error, and rank 1 got Gloo's "Connection
+    # reset by peer"; with [[2, 3], [0, 1]], ranks 0 and 1 waited out the timeout.
+    got = start_ranks(_layouts_disagree, 4, theirs, timeout=60).collect()
+    for rank, message in enumerate(got):
+        mine, other = ([[0, 1], [2, 3]], theirs) if rank < 2 else (theirs, [[0, 1], [2, 3]])
+        assert f"rank {rank} builds the groups from group_ranks={mine} on gloo" in message
+        assert f"from {other} on gloo" in message
