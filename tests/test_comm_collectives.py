@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from two_threads import in_two_threads
 
 from coordinator.comm import Comm, ReduceOp, Work, WorkStatus, new_comm
 from coordinator.errors import (
     ClosedError,
     DesyncError,
-    GroupcoordError,
     GroupcoordTimeoutError,
     GroupcoordTypeError,
     GroupcoordValueError,
@@ -758,9 +758,8 @@ def _threads_on_one_comm(rank: int, world: int, shm: bool) -> list[str]:
     set_config(disable_shm_all_reduce=not shm, timeout_s=30.0)
     comm = new_comm("gloo", "cpu", "threads", timeout=30)
     problems: list[str] = []
-    phase = threading.Barrier(2)  # the threads make one kind of call at a time
 
-    def calls(k: int) -> None:
+    def calls(k: int, phase: threading.Barrier) -> None:
         # The ranks' threads may pair up either way; each call must be one whole
         # pairing: an object's length and its bytes, a part's count and its data.
         for i in range(30):
@@ -779,18 +778,7 @@ def _threads_on_one_comm(rank: int, world: int, shm: bool) -> list[str]:
                     ):
                         problems.append(f"all_gather_v {base} {k}/{i}: rank {r}'s {o[:3]}")
 
-    def run(k: int) -> None:
-        try:
-            calls(k)
-        except (GroupcoordError, RuntimeError) as exc:
-            problems.append(f"thread {k}: {type(exc).__name__}: {exc}")  # the test fails on it
-            phase.abort()  # the other thread stops waiting for this one
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_two_threads(calls, problems)
     comm.finalize()
     return problems
 

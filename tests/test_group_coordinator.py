@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from ready_flags import mark, wait_for
+from two_threads import in_two_threads
 
 from coordinator import custom_ops
 from coordinator.errors import (
@@ -723,9 +724,7 @@ def _threads_making_calls_of_several_steps(rank: int, world_size: int, mode: str
     sent: list[tuple[int, int]] = []
     received: list[tuple[int, int]] = []
 
-    phase = threading.Barrier(2)  # the threads make one kind of call at a time
-
-    def calls(k: int) -> None:
+    def calls(k: int, phase: threading.Barrier) -> None:
         # The ranks' threads may pair up either way; each call must be one whole
         # pairing (a length, then its bytes; a description, then its tensors).
         for i in range(40):
@@ -759,18 +758,7 @@ def _threads_making_calls_of_several_steps(rank: int, world_size: int, mode: str
             if at != rows.numel():
                 problems.append(f"all_gatherv {k}/{i}: {rows.numel()} rows, parts of {at}")
 
-    def run(k: int) -> None:
-        try:
-            calls(k)
-        except (GroupcoordError, RuntimeError, AssertionError, KeyError) as exc:
-            problems.append(f"thread {k}: {type(exc).__name__}: {exc}")  # the test fails on it
-            phase.abort()  # the other thread stops waiting for this one
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_two_threads(calls, problems)
     everything = sorted(sent) if rank == 0 else sorted(received)
     if everything != sorted((k, i) for k in range(2) for i in range(40)):
         problems.append(f"objects: {everything[:6]}...")
