@@ -338,6 +338,12 @@ class GroupBase:
         if self._destroyed:
             return
         self._destroyed = True
+        if self._call_lock.acquire(blocking=False):
+            self._call_lock.release()
+        elif self.device_communicator is not None:
+            # Another thread is inside a call (waiting for a peer, say): end it now
+            # rather than wait out its timeout to close what it uses.
+            self.device_communicator.abandon("ended: the group was destroyed by another thread")
         custom_ops.unregister_group(self.unique_name)
         self._p2p_channels.close()
         if self.mq_broadcaster is not None:

@@ -545,6 +545,11 @@ class DeviceCommunicatorBase:
         if self.all2all_manager is not None:
             self.all2all_manager.prepare_communication_buffer_for_model(model)
 
+    def abandon(self, reason: str) -> None:
+        """From another thread: end the call in progress at once (it raises
+        ``ClosedError`` naming ``reason``) where a back end can, before ``destroy``.
+        None here can: a c10d wait ends when its peers' does, or at its timeout."""
+
     def destroy(self) -> None:
         """Release back ends and the all2all manager (idempotent)."""
         self.all_reduce_chain.close()

@@ -142,6 +142,9 @@ class CpuCommunicator(DeviceCommunicatorBase):
             )
         return got
 
+    def abandon(self, reason: str) -> None:
+        self.shm_all_reduce.abandon(reason)  # its peers' waits on it end too (they see it leave)
+
     def destroy(self) -> None:
         self.p2p_channels.close()
         super().destroy()

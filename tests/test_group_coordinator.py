@@ -777,6 +777,53 @@ def test_two_threads_making_calls_of_several_steps_take_turns_whole(mode: str) -
     assert run_ranks(_threads_making_calls_of_several_steps, 2, mode, timeout=120) == [[], []]
 
 
+def _destroyed_while_a_thread_waits(rank: int, world_size: int, numel: int) -> list[str]:
+    import threading
+
+    from coordinator.errors import ClosedError
+    from shm_broadcast.config import set_config
+
+    set_config(timeout_s=20.0)
+    init_gloo(rank, world_size)
+    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="d")
+    g.barrier()
+    seen: list[str] = []
+    if rank == 1:
+        time.sleep(1.5)  # rank 0's call waits for this one meanwhile
+        start = time.monotonic()
+        with pytest.raises(PeerDiedError, match="left the group"):  # not the 20 s timeout
+            g.all_reduce(torch.ones(numel))
+        seen.append(f"peer heard in {time.monotonic() - start:.1f} s")
+        g.destroy()
+        return seen
+
+    def waits() -> None:
+        start = time.monotonic()
+        with pytest.raises(ClosedError, match="all_reduce ended: the group was destroyed"):
+            g.all_reduce(torch.ones(numel))
+        seen.append(f"call ended in {time.monotonic() - start:.1f} s")
+
+    thread = threading.Thread(target=waits)
+    thread.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    g.destroy()
+    seen.append(f"destroy took {time.monotonic() - start:.1f} s")
+    thread.join(30)
+    return seen
+
+
+@pytest.mark.parametrize("numel", [1024, 1 << 20])  # the lean path; the general one
+def test_destroy_from_another_thread_ends_the_call_it_waits_in(numel: int) -> None:
+    # Until 2026-11-28 destroy() waited for the call in progress to end (it holds the
+    # shared memory destroy unmaps): until the peer came, or the timeout.
+    zero, one = run_ranks(_destroyed_while_a_thread_waits, 2, numel, timeout=60)
+    assert sorted(line.rsplit(" ", 2)[0] for line in zero) == ["call ended in", "destroy took"]
+    assert [line.rsplit(" ", 2)[0] for line in one] == ["peer heard in"]
+    for line in zero + one:
+        assert float(line.rsplit(" ", 2)[1]) < 2.0, (zero, one)
+
+
 RANDOM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_gatherv", "gather",
               "reduce_scatterv", "broadcast")  # fmt: skip
 
