@@ -15,6 +15,7 @@ the group arguments already.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -206,12 +207,6 @@ def _recv_parts(
     else:
         described = decode(group._recv_bytes(src, "recv_tensor_dict"), called, src)
     slices = all_gather_group.world_size if all_gather_group is not None else 1
-    for n in {i.slices for i in described.separate.values() if i.slices}:
-        if all_gather_group is None or slices != n:
-            raise GroupcoordValueError(
-                f"all_gather_group: the sender sliced tensors {n} ways, so the receiver "
-                f"needs an all_gather_group of that size (got {slices})"
-            )
 
     def fetch(item: SeparateTensor, shape: tuple[int, ...]) -> torch.Tensor:
         if shm is not None and item.device == "cpu":
@@ -224,6 +219,17 @@ def _recv_parts(
             lambda: c10d_calls.recv_blocking(pg, out, src, group.unique_name).wait(),
         )
         return out
+
+    for n in {i.slices for i in described.separate.values() if i.slices}:
+        if all_gather_group is None or slices != n:
+            # Take what the sender sends for this dict (its slices), so that this
+            # pair's next message is the next dict's, then refuse.
+            for item in described.separate.values():
+                fetch(item, (math.prod(item.shape) // item.slices,) if item.slices else item.shape)
+            raise GroupcoordValueError(
+                f"all_gather_group: the sender sliced tensors {n} ways, so the receiver "
+                f"needs an all_gather_group of that size (got {slices}); this dict is dropped"
+            )
 
     def receive(item: SeparateTensor) -> torch.Tensor:
         if not item.slices:

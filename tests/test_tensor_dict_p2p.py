@@ -17,7 +17,7 @@ import pytest
 import torch
 from ready_flags import mark, wait_for
 
-from coordinator.errors import GroupcoordTimeoutError, PeerDiedError
+from coordinator.errors import GroupcoordTimeoutError, GroupcoordValueError, PeerDiedError
 from coordinator.group_coordinator import GroupCoordinator
 from coordinator.launch import init_gloo, run_ranks, start_ranks
 from shm_broadcast import p2p_channels
@@ -150,6 +150,42 @@ def _pipeline_slices(rank: int, world: int, mode: str) -> Any:
 @pytest.mark.parametrize("mode", ["shm", "shm-split"])
 def test_all_gather_group_slices_travel_through_shared_memory(mode: str) -> None:
     assert run_ranks(_pipeline_slices, 4, mode, timeout=90) == [True] * 4
+
+
+def _slices_the_receiver_did_not_expect(rank: int, world: int, mode: str) -> Any:
+    """TP2 x PP2: stage 0 sends 1/2 slices; stage 1 receives without an
+    all_gather_group (refused), then the next dict."""
+    set_config(timeout_s=20.0)
+    _setup(mode)
+    init_gloo(rank, world)
+    tp = GroupCoordinator([[0, 1], [2, 3]], rank, "gloo", True, group_name="tp")
+    pp = GroupCoordinator([[0, 2], [1, 3]], rank, "gloo", True, group_name="pp")
+    out: Any = None
+    if pp.is_first_rank:
+        sliced = {"a": torch.full((4, 3000), 1.0), "b": torch.full((8,), 2.0), "tag": "x"}
+        pp.send_tensor_dict(sliced, all_gather_group=tp)
+        pp.send_tensor_dict({"next": torch.full((5000,), 7.0)})
+    else:
+        with pytest.raises(GroupcoordValueError, match="sliced tensors 2 ways"):
+            pp.recv_tensor_dict()
+        got = pp.recv_tensor_dict()  # the pair is still in step
+        assert got is not None and list(got) == ["next"]
+        out = torch.equal(got["next"], torch.full((5000,), 7.0))
+    pp.barrier()
+    tp.destroy()
+    pp.destroy()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["shm", "gloo"])
+def test_a_receiver_without_the_senders_all_gather_group_raises_and_stays_in_step(
+    mode: str,
+) -> None:
+    # Until 2026-11-28 the receiver raised once the description came and left the
+    # slices in flight: its next receive took the first slice for a dict's
+    # description (DesyncError), and so on until they were used up.
+    assert run_ranks(_slices_the_receiver_did_not_expect, 4, mode, timeout=90) == [
+        None, None, True, True]  # fmt: skip
 
 
 def _killed_sender(rank: int, world: int, attached: bool, flag_dir: str) -> float:
