@@ -398,15 +398,17 @@ class GroupBase:
             "out of step with its peers"
         )
 
-    def _whole(self, operation: str, collective: bool = True) -> PartWay:
+    def _whole(self, operation: str, lock: bool = True) -> PartWay:
         """Around a call of several steps, or one that goes outside ``_collective`` and
         ``_p2p`` (the message queue's broadcasts): refused once the group is out of
         step, and ended part-way if it ends before it is done (``_ended_part_way``).
-        A ``collective`` one holds the call lock throughout; a point-to-point one
-        takes its pair's turn instead (a rank's send and receive may overlap)."""
+        With ``lock`` it holds the call lock throughout; a call whose steps all go
+        through one channel that keeps its own turns does not: a point-to-point
+        pair's (a rank's send and receive may overlap), or one message of the queue
+        (whose read may wait as long as the writer lives)."""
         if self._failure is not None:
             self._check_usable()
-        return PartWay(self._ended_part_way, operation, self._call_lock if collective else None)
+        return PartWay(self._ended_part_way, operation, self._call_lock if lock else None)
 
     def _check_usable(self) -> None:
         if self._failure is not None:

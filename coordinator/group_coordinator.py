@@ -349,7 +349,7 @@ class GroupCoordinator(GroupMessaging):
             dst = (self.rank_in_group + 1) % self.world_size
         self._check_peer(dst, "dst")
         _check_all_gather_group(all_gather_group)
-        with self._whole("send_tensor_dict", collective=False):
+        with self._whole("send_tensor_dict", lock=False):
             tensor_dicts.send(self, tensor_dict, dst, all_gather_group, all_gather_tensors)
         return None
 
@@ -370,7 +370,7 @@ class GroupCoordinator(GroupMessaging):
             src = (self.rank_in_group - 1) % self.world_size
         self._check_peer(src, "src")
         _check_all_gather_group(all_gather_group)
-        with self._whole("recv_tensor_dict", collective=False):
+        with self._whole("recv_tensor_dict", lock=False):
             return tensor_dicts.recv(self, src, all_gather_group)
 
     def isend_tensor_dict(
