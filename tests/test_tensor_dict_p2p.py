@@ -118,12 +118,18 @@ def test_disable_shm_p2p_reads_its_environment_variable() -> None:
     assert from_env({}).disable_shm_p2p is False
 
 
-def _pipeline_slices(rank: int, world: int, mode: str) -> Any:
-    """TP2 x PP2: stage 0 (ranks 0,1) sends 1/2 slices to stage 1 (ranks 2,3)."""
+def _tp2_pp2(rank: int, world: int, mode: str) -> tuple[GroupCoordinator, GroupCoordinator]:
+    """The TP and PP groups of TP2 x PP2 on world 4: stages (0, 1) and (2, 3)."""
     _setup(mode)
     init_gloo(rank, world)
     tp = GroupCoordinator([[0, 1], [2, 3]], rank, "gloo", True, group_name="tp")
     pp = GroupCoordinator([[0, 2], [1, 3]], rank, "gloo", True, group_name="pp")
+    return tp, pp
+
+
+def _pipeline_slices(rank: int, world: int, mode: str) -> Any:
+    """TP2 x PP2: stage 0 (ranks 0,1) sends 1/2 slices to stage 1 (ranks 2,3)."""
+    tp, pp = _tp2_pp2(rank, world, mode)
     out: Any = None
     if pp.is_first_rank:
         me = float(tp.rank_in_group)
@@ -156,10 +162,7 @@ def _slices_the_receiver_did_not_expect(rank: int, world: int, mode: str) -> Any
     """TP2 x PP2: stage 0 sends 1/2 slices; stage 1 receives without an
     all_gather_group (refused), then the next dict."""
     set_config(timeout_s=20.0)
-    _setup(mode)
-    init_gloo(rank, world)
-    tp = GroupCoordinator([[0, 1], [2, 3]], rank, "gloo", True, group_name="tp")
-    pp = GroupCoordinator([[0, 2], [1, 3]], rank, "gloo", True, group_name="pp")
+    tp, pp = _tp2_pp2(rank, world, mode)
     out: Any = None
     if pp.is_first_rank:
         sliced = {"a": torch.full((4, 3000), 1.0), "b": torch.full((8,), 2.0), "tag": "x"}
