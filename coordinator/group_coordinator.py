@@ -276,11 +276,9 @@ class GroupCoordinator(GroupMessaging):
             return self._collective(operation, fn, *args)
 
     def _in_step(self, operation: str, call: Callable[[], str]) -> None:
-        """With ``debug_desync`` on: every rank shows the others the call it is about
-        to make (a checksum; the calls themselves only when they differ); ranks that
-        disagree all raise DesyncError naming both sides."""
-        if not get_config().debug_desync:
-            return
+        """For ``debug_desync`` (:meth:`_checked`): every rank shows the others the call
+        it is about to make (a checksum; the calls themselves only when they differ);
+        ranks that disagree all raise DesyncError naming both sides."""
         seq = self._desync_seq
         self._desync_seq += 1
         mine = f"{operation}({call()})"
