@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,7 +31,13 @@ from shm_broadcast.liveness import dead_peers, host_key
 from shm_broadcast.p2p_channels import P2PChannels
 
 from . import custom_ops
-from .errors import ClosedError, DesyncError, GroupcoordError, GroupcoordValueError
+from .errors import (
+    ClosedError,
+    DesyncError,
+    GroupcoordError,
+    GroupcoordValueError,
+    NotSupportedError,
+)
 from .failures import PartWay, absent_ranks, classify, ends_part_way
 from .meeting import meet
 
@@ -44,11 +51,38 @@ _COMMUNICATORS: dict[str, tuple[str, str]] = {
 }
 
 _name_counters: dict[str, int] = defaultdict(int)
+# Held while a thread of this process builds c10d groups (``one_builder``). c10d
+# names a group by its place in the order its groups are built, so two threads
+# building at once would give one group different names on different ranks: its
+# connections cross (a sum with another group's rank) or hang past the timeout.
+_BUILDING = threading.Lock()
+_builder = [""]  # what the thread holding _BUILDING builds
 # What a forked child may still read of its parent's group (shm_broadcast.forked).
 _DESCRIPTIVE = (
     "unique_name", "rank", "ranks", "world_size", "rank_in_group", "local_rank", "device",
     "first_rank", "last_rank", "is_first_rank", "is_last_rank", "next_rank", "prev_rank",
 )  # fmt: skip
+
+
+@contextmanager
+def building(what: str) -> Iterator[NotSupportedError | None]:
+    """Around building c10d groups (``what``): holds ``_BUILDING`` and yields None,
+    or yields the error to raise when another thread of this process holds it (at
+    once, without waiting)."""
+    if not _BUILDING.acquire(blocking=False):
+        yield NotSupportedError(
+            "building groups from two threads at once",
+            "groupcoord",
+            f"{what}: another thread of this process is building {_builder[0]} now; "
+            "c10d names a group by the order groups are built in, so build them one at "
+            "a time, in the same order on every rank",
+        )
+        return
+    _builder[0] = what
+    try:
+        yield None
+    finally:
+        _BUILDING.release()
 
 
 def unread_broadcasts_dropper(mq: Any) -> Callable[[], str]:
@@ -119,18 +153,19 @@ class GroupBase:
         deadline = datetime.timedelta(seconds=self.timeout_s)
         device_group: ProcessGroup | None = None
         cpu_group: ProcessGroup | None = None
-        self._meet(group_ranks, my_ranks, backend)
-        # Every rank creates every group, in the same order: c10d requires it.
-        for ranks in group_ranks:
-            dev = dist.new_group(list(ranks), backend=backend, timeout=deadline)
-            # On Gloo one group serves both roles; a second would only add sockets.
-            cpu = (
-                dev
-                if backend == "gloo"
-                else dist.new_group(list(ranks), backend="gloo", timeout=deadline)
-            )
-            if list(ranks) == my_ranks:
-                device_group, cpu_group = dev, cpu
+        with building(f"group {self.unique_name}") as refused:
+            self._meet(group_ranks, backend, refused)
+            # Every rank creates every group, in the same order: c10d requires it.
+            for ranks in group_ranks:
+                dev = dist.new_group(list(ranks), backend=backend, timeout=deadline)
+                # On Gloo one group serves both roles; a second would only add sockets.
+                cpu = (
+                    dev
+                    if backend == "gloo"
+                    else dist.new_group(list(ranks), backend="gloo", timeout=deadline)
+                )
+                if list(ranks) == my_ranks:
+                    device_group, cpu_group = dev, cpu
         assert device_group is not None and cpu_group is not None
         self.ranks: list[int] = list(my_ranks)
         self.world_size = len(self.ranks)
@@ -177,34 +212,52 @@ class GroupBase:
         custom_ops.register_group(self.unique_name, self)
         owned_here(self, f"group {self.unique_name}", _DESCRIPTIVE)
 
-    def _meet(self, group_ranks: list[list[int]], my_ranks: list[int], backend: str) -> None:
-        """Meet the members, and the ranks on either side of this one in the layout,
-        through the store before c10d's connect (which waits out the timeout for a
-        dead member), each saying how it builds the groups: c10d joins the members
-        of each ``new_group`` call by its place in the sequence, so ranks whose
-        ``group_ranks`` (or backend) differ would be joined into groups they do not
-        think they are in, or wait out the timeout; here they raise ``DesyncError``
-        naming both sides. Every rank that differs from a neighbour or a member
-        raises; the ranks that agree with theirs wait for the others at the connect."""
-        everyone = sorted(r for ranks in group_ranks for r in ranks)
+    def _meet(
+        self, group_ranks: list[list[int]], backend: str, refused: NotSupportedError | None
+    ) -> None:
+        """Meet every rank of the layout through the store before c10d's connect
+        (which waits out the timeout for a dead member), each saying how it builds
+        the groups: c10d names each ``new_group`` by its place in the sequence, so
+        ranks whose ``group_ranks`` (or backend) differ would be joined into groups
+        they do not think they are in (two groups that each agree within, built
+        from different layouts, share a name and cross their connections: a wrong
+        sum, or a connect that hangs past the timeout), or wait out the timeout.
+        Here every rank that finds another's layout different raises
+        ``DesyncError`` naming both, so every rank raises and none connects. A rank
+        ``refused`` the building (another of its threads builds groups) meets the
+        others with that reason, so they raise at once too, and raises ``refused``."""
+        everyone = sorted({r for ranks in group_ranks for r in ranks})
         if len(everyone) == 1:
             return
-        at = everyone.index(self.rank)
-        watched = sorted({*my_ranks, everyone[at - 1], everyone[(at + 1) % len(everyone)]})
-        mine = f"{[list(ranks) for ranks in group_ranks]} on {backend}"
+        # The name c10d gives the first of these groups: the same on every rank
+        # unless the ranks built other groups before, or in another order.
+        first = dist.distributed_c10d._world.group_count
+        last = first + len(group_ranks) * (1 if backend == "gloo" else 2) - 1
+        layout = [list(ranks) for ranks in group_ranks]
+        mine = f"{layout} on {backend} (c10d's groups #{first}-#{last})"
+        if refused is not None:
+            mine = f"nothing ({refused})"
         store = dist.distributed_c10d._get_default_store()
         key = f"groupcoord/meet/{self.unique_name}"
         count = store.add(f"{key}/count/{self.rank}", 1)  # the same on every rank
-        posts = meet(
-            store, f"{key}/{count}", self.rank, watched, self.unique_name, self.timeout_s, post=mine
+        differ = meet(
+            store,
+            f"{key}/{count}",
+            self.rank,
+            everyone,
+            self.unique_name,
+            self.timeout_s,
+            post=mine,
         )
-        for r, theirs in posts.items():
-            if theirs != mine:
-                raise DesyncError(
-                    f"{self.unique_name}: rank {self.rank} builds the groups from "
-                    f"group_ranks={mine}, rank {r} from {theirs}: every rank must pass the "
-                    "same group_ranks and backend"
-                )
+        if refused is not None:
+            raise refused
+        if differ:
+            r, theirs = min(differ.items())
+            raise DesyncError(
+                f"{self.unique_name}: rank {self.rank} builds the groups from "
+                f"group_ranks={mine}, rank {r} from {theirs}: every rank must pass the "
+                "same group_ranks and backend, and build its groups in the same order"
+            )
 
     def _exchange_pids(self) -> dict[int, int]:
         if self.world_size == 1:

@@ -29,7 +29,7 @@ from shm_broadcast.group_io import all_gather_bytes
 
 from . import tensor_dicts
 from .errors import DesyncError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
-from .group_base import get_device_communicator_cls, unread_broadcasts_dropper
+from .group_base import building, get_device_communicator_cls, unread_broadcasts_dropper
 from .group_messaging import COMPLETED, GroupMessaging, Handle
 
 __all__ = ["GraphCaptureContext", "GroupCoordinator", "Handle", "get_device_communicator_cls"]
@@ -417,13 +417,16 @@ class GroupCoordinator(GroupMessaging):
 
     def make_sibling_device_group(self, group_desc: str | None = None) -> ProcessGroup:
         """A second device process group over the same ranks (made by these ranks only)."""
-        return dist.new_group(
-            self.ranks,
-            backend=dist.get_backend(self.device_group),
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-            use_local_synchronization=True,
-            group_desc=group_desc,
-        )
+        with building(f"a sibling of group {self.unique_name}") as refused:
+            if refused is not None:
+                raise refused
+            return dist.new_group(
+                self.ranks,
+                backend=dist.get_backend(self.device_group),
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+                use_local_synchronization=True,
+                group_desc=group_desc,
+            )
 
     # ---- control --------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ once, and a member that never comes raises ``GroupcoordTimeoutError`` naming it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -55,48 +56,69 @@ def meet(
     ``GroupcoordTimeoutError``. ``known_pids`` (member -> pid, on this host): the
     processes to watch; by default the members are numbered as the store's pid
     table and this rank enters it. With a ``post`` (what this rank says it is
-    building), the others' posts come back, by member, for the caller to compare."""
+    building), the posts of the members whose post differs from this one come
+    back, by member, for the caller to name.
+
+    Each member appends ``rank:digest;`` to one list, so a poll is one read of the
+    store whatever the number of members (a rank of a world of 64 reads one key,
+    not 63); a member's whole post is read only when its digest differs."""
     if known_pids is None:
         publish_pid(store, rank)
-    store.set(f"{key}/{rank}", "here" if post is None else post)
-    waiting = {r: f"{key}/{r}" for r in members if r != rank}
+    digest = "" if post is None else hashlib.blake2b(post.encode(), digest_size=8).hexdigest()
+    if post is not None:
+        store.set(f"{key}/{rank}", post)  # before the arrival that points to it
+    # (torch's stubs lack Store.append; every store has it: TCP, file, hash, prefix)
+    store.append(f"{key}/arrived", f"{rank}:{digest};")  # type: ignore[attr-defined]
+    wanted = set(members) - {rank}
     deadline = time.monotonic() + timeout_s
     poll_s = _FIRST_POLL_S
-    while waiting:
-        if store.check(list(waiting.values())):
-            break
-        waiting = {r: k for r, k in waiting.items() if not store.check([k])}
+    pids: dict[int, tuple[int, int]] = {}  # the pid table's entries read so far
+    while True:
+        arrived = _arrivals(store.get(f"{key}/arrived"))
+        waiting = sorted(wanted - arrived.keys())
         if not waiting:
             break
-        dead = _dead(store, list(waiting), known_pids)
+        dead = _dead(store, waiting, known_pids, pids)
         if dead:
             raise PeerDiedError(what, "connect", dead, "before it joined the group")
         if time.monotonic() >= deadline:
             raise GroupcoordTimeoutError(
-                what,
-                "connect",
-                timeout_s,
-                sorted(waiting),
-                detail="not yet at the group's creation",
+                what, "connect", timeout_s, waiting, detail="not yet at the group's creation"
             )
         time.sleep(poll_s)
         poll_s = min(poll_s * 2, _MAX_POLL_S)
-    if post is None:
-        return {}
-    return {r: store.get(f"{key}/{r}").decode() for r in members if r != rank}
+    return {r: store.get(f"{key}/{r}").decode() for r in sorted(wanted) if arrived[r] != digest}
 
 
-def _dead(store: dist.Store, missing: list[int], known_pids: Mapping[int, int] | None) -> list[int]:
-    """The ``missing`` members whose process on this host is gone."""
+def _arrivals(listed: bytes) -> dict[int, str]:
+    """The arrival list (``rank:digest;`` each) as rank -> digest."""
+    out = {}
+    for entry in listed.decode().split(";")[:-1]:
+        r, _, digest = entry.partition(":")
+        out[int(r)] = digest
+    return out
+
+
+def _dead(
+    store: dist.Store,
+    missing: list[int],
+    known_pids: Mapping[int, int] | None,
+    pids: dict[int, tuple[int, int]],
+) -> list[int]:
+    """The ``missing`` members whose process on this host is gone (``pids``: the pid
+    table's entries already read, which do not change while the members meet)."""
     if known_pids is not None:
         return [r for r in missing if r in known_pids and not process_alive(known_pids[r])]
     here = host_key()
     dead = []
     for r in missing:
-        entry = f"{_PID_TABLE}{r}"
-        if not store.check([entry]):
-            continue  # never published: nothing to watch
-        pid, host = (int(part) for part in store.get(entry).decode().split(":"))
+        if r not in pids:
+            entry = f"{_PID_TABLE}{r}"
+            if not store.check([entry]):
+                continue  # never published: nothing to watch
+            pid, host = (int(part) for part in store.get(entry).decode().split(":"))
+            pids[r] = (pid, host)
+        pid, host = pids[r]
         if host == here and not process_alive(pid):
             dead.append(r)
     return dead

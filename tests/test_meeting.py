@@ -132,3 +132,110 @@ def test_ranks_whose_group_ranks_differ_all_raise_naming_both(theirs: list[list[
         mine, other = ([[0, 1], [2, 3]], theirs) if rank < 2 else (theirs, [[0, 1], [2, 3]])
         assert f"rank {rank} builds the groups from group_ranks={mine} on gloo" in message
         assert f"from {other} on gloo" in message
+
+
+def _halves_disagree(rank: int, world: int) -> tuple[str, float, str]:
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    # Each half agrees within itself, and groups [1, 2] and [5, 6] are each the
+    # second group of their half's layout: c10d gives both the same name.
+    layout = [[0, 3], [1, 2], [4, 5], [6, 7]] if rank < 4 else [[4, 7], [5, 6], [0, 1], [2, 3]]
+    start = time.monotonic()
+    try:
+        group = GroupCoordinator(layout, rank, "gloo", True, group_name="tp")
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    total = group.all_reduce(__import__("torch").tensor([10.0**rank])).item()
+    group.destroy()
+    return "made", time.monotonic() - start, f"{group.ranks} summed {total}"
+
+
+def test_halves_whose_layouts_differ_far_apart_all_raise_and_none_connects() -> None:
+    # Until 2026-11-29 only the ranks whose members or layout neighbours differed
+    # raised (0, 3, 4 and 7); ranks 1, 2, 5 and 6 connected groups [1, 2] and
+    # [5, 6] under one c10d name: in one run of four rank 1 summed 1000010 (its
+    # input and rank 6's; 110 was right), in another two ranks hung in c10d's
+    # connect past the 20 s timeout.
+    results = start_ranks(_halves_disagree, 8, timeout=90).collect()
+    for rank, (kind, took, message) in enumerate(results):
+        assert kind == "DesyncError", (rank, message)
+        assert took < 10.0, f"rank {rank} took {took:.1f} s"
+        other = 4 if rank < 4 else 0  # the lowest rank whose layout differs
+        assert f"rank {rank} builds the groups from" in message and f"rank {other} from" in message
+
+
+def _one_built_another_group_first(rank: int, world: int) -> tuple[str, float, str]:
+    import torch.distributed as dist
+
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    if rank == 0:
+        dist.new_group([0])  # c10d names groups in order: rank 0's next group is #2
+    start = time.monotonic()
+    try:
+        GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="tp").destroy()
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    return "made", time.monotonic() - start, ""
+
+
+def test_ranks_whose_c10d_groups_are_out_of_order_raise_naming_both() -> None:
+    # Before, rank 0 connected c10d group "2" and rank 1 group "1", each waiting
+    # for the other until the timeout.
+    results = start_ranks(_one_built_another_group_first, 2, timeout=60).collect()
+    for rank, (kind, took, message) in enumerate(results):
+        assert kind == "DesyncError", (rank, message)
+        assert took < 10.0, f"rank {rank} took {took:.1f} s"
+    assert (
+        "rank 0 builds the groups from group_ranks=[[0, 1]] on gloo (c10d's groups #2-#2), "
+        "rank 1 from [[0, 1]] on gloo (c10d's groups #1-#1)"
+    ) in results[0][2]
+
+
+def _two_threads_build(rank: int, world: int) -> dict[str, tuple[str, float, str]]:
+    import threading
+
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    results: dict[str, tuple[str, float, str]] = {}
+    # Even ranks start building tp, odd ranks pp, and each starts the other 0.3 s later.
+    first = "tp" if rank % 2 == 0 else "pp"
+
+    def build(name: str, layout: list[list[int]]) -> None:
+        time.sleep(0.0 if name == first else 0.3)
+        start = time.monotonic()
+        try:
+            GroupCoordinator(layout, rank, "gloo", True, group_name=name).destroy()
+        except Exception as exc:  # noqa: BLE001 - the test judges it
+            results[name] = (type(exc).__name__, time.monotonic() - start, str(exc))
+        else:
+            results[name] = ("made", time.monotonic() - start, "")
+
+    threads = [
+        threading.Thread(target=build, args=("tp", [[0, 1], [2, 3]])),
+        threading.Thread(target=build, args=("pp", [[0, 2], [1, 3]])),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_groups_built_from_two_threads_at_once_fail_at_once_on_every_rank() -> None:
+    # Before, every rank hung in c10d's connect past the timeout: the two threads'
+    # groups got c10d names in different orders on different ranks.
+    for rank, results in enumerate(start_ranks(_two_threads_build, 4, timeout=60).collect()):
+        first, second = ("tp", "pp") if rank % 2 == 0 else ("pp", "tp")
+        kind, took, message = results[second]
+        assert kind == "NotSupportedError", (rank, message)
+        assert (
+            f"group {second}:0: another thread of this process is building group {first}:0"
+            in message
+        )
+        kind, took, message = results[first]
+        assert kind == "DesyncError" and took < 10.0, (rank, took, message)
+        assert "from nothing (group" in message and "another thread" in message
