@@ -33,6 +33,7 @@ __all__ = [
     "checked",
     "decode",
     "describe",
+    "dropped",
     "encode",
     "expect",
     "object_message",
@@ -199,6 +200,18 @@ def checked(message: Any, called: str, src: int) -> Described:
         separate[key] = SeparateTensor(torch_dtype(name), shape, device, n)
         at += 5 + ndim
     return Described(values, separate)
+
+
+def dropped(exc: ProtocolError) -> Described | None:
+    """What a tensor dict whose message did not decode (``exc``: a class this side has
+    not declared, say) sends after its message, so the receiver can take those
+    transfers before it raises: then its pair or group stays in step, and its next
+    receive gets the next dict. None when the message was no tensor dict's, or
+    not msgpack at all (nothing can be known of what follows)."""
+    try:
+        return checked(exc.outline, "", 0)
+    except (ProtocolError, DesyncError):
+        return None
 
 
 def rebuild(

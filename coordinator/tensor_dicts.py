@@ -27,8 +27,17 @@ from device_communicators import c10d_calls
 from shm_broadcast.codec import EncodedMessage, message_bytes
 from shm_broadcast.p2p_channels import P2PChannels
 
-from .errors import GroupcoordTypeError, GroupcoordValueError
-from .metadata import Described, SeparateTensor, checked, decode, describe, encode, rebuild
+from .errors import GroupcoordTypeError, GroupcoordValueError, ProtocolError
+from .metadata import (
+    Described,
+    SeparateTensor,
+    checked,
+    decode,
+    describe,
+    dropped,
+    encode,
+    rebuild,
+)
 
 
 class Group(Protocol):
@@ -105,12 +114,6 @@ def broadcast(
         ]
         group._wait_all("broadcast_tensor_dict", works)
         return dict(tensor_dict)
-    called = group._called("broadcast_tensor_dict", src)
-    if via_mq:
-        described = checked(group._mq_broadcast(None), called, src)
-    else:
-        data = group._broadcast_bytes("broadcast_tensor_dict", None, src, metadata_group)
-        described = decode(data, called, src)
     works = []
 
     def receive(item: SeparateTensor) -> torch.Tensor:
@@ -121,9 +124,26 @@ def broadcast(
         works.append(dist.broadcast(out, src=src_rank, group=pg, async_op=True))
         return out
 
-    result = rebuild(described, receive)
-    group._wait_all("broadcast_tensor_dict", works)
-    return result
+    def received(described: Described) -> dict[str, Any]:
+        result = rebuild(described, receive)
+        group._wait_all("broadcast_tensor_dict", works)
+        return result
+
+    called = group._called("broadcast_tensor_dict", src)
+    try:
+        if via_mq:
+            described = checked(group._mq_broadcast(None), called, src)
+        else:
+            data = group._broadcast_bytes("broadcast_tensor_dict", None, src, metadata_group)
+            described = decode(data, called, src)
+    except ProtocolError as exc:
+        # The message did not decode here (an undeclared class): take the tensors
+        # the source sends after it, so the group stays in step, then raise.
+        left = dropped(exc)
+        if left is not None:
+            received(left)
+        raise
+    return received(described)
 
 
 def send(
@@ -201,12 +221,6 @@ def _recv_parts(
 ) -> dict[str, Any]:
     channels = group._p2p_channels
     shm = channels if channels.open_from(peer, "recv_tensor_dict") else None
-    called = group._called("recv_tensor_dict", src)
-    if shm is not None:
-        described = checked(shm.recv_message(peer, "recv_tensor_dict"), called, src)
-    else:
-        described = decode(group._recv_bytes(src, "recv_tensor_dict"), called, src)
-    slices = all_gather_group.world_size if all_gather_group is not None else 1
 
     def fetch(item: SeparateTensor, shape: tuple[int, ...]) -> torch.Tensor:
         if shm is not None and item.device == "cpu":
@@ -220,12 +234,28 @@ def _recv_parts(
         )
         return out
 
+    def drop(described: Described) -> None:
+        """Take what the sender sends after the dict's message (whole tensors or its
+        slices), so that this pair's next message is the next dict's."""
+        for item in described.separate.values():
+            fetch(item, (math.prod(item.shape) // item.slices,) if item.slices else item.shape)
+
+    called = group._called("recv_tensor_dict", src)
+    try:
+        if shm is not None:
+            described = checked(shm.recv_message(peer, "recv_tensor_dict"), called, src)
+        else:
+            described = decode(group._recv_bytes(src, "recv_tensor_dict"), called, src)
+    except ProtocolError as exc:  # did not decode here (an undeclared class)
+        left = dropped(exc)
+        if left is not None:
+            drop(left)
+        raise
+    slices = all_gather_group.world_size if all_gather_group is not None else 1
+
     for n in {i.slices for i in described.separate.values() if i.slices}:
         if all_gather_group is None or slices != n:
-            # Take what the sender sends for this dict (its slices), so that this
-            # pair's next message is the next dict's, then refuse.
-            for item in described.separate.values():
-                fetch(item, (math.prod(item.shape) // item.slices,) if item.slices else item.shape)
+            drop(described)  # then refuse
             raise GroupcoordValueError(
                 f"all_gather_group: the sender sliced tensors {n} ways, so the receiver "
                 f"needs an all_gather_group of that size (got {slices}); this dict is dropped"

@@ -92,10 +92,13 @@ class MessageDecoder:
         """Decode a message that has no frames (the common small-object case)."""
         try:
             return self._dec.decode(header)
-        except UndeclaredTypeError:
+        except UndeclaredTypeError as exc:
+            exc.outline = _outline(header)
             raise  # names the class and the fix
         except _MALFORMED as exc:
-            raise ProtocolError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
+            error = ProtocolError(f"cannot decode message: {type(exc).__name__}: {exc}")
+            error.outline = _outline(header)
+            raise error from exc
 
     def _frame(self, idx: Any) -> memoryview:
         if type(idx) is not int or not 0 <= idx < len(self._in_frames):
@@ -166,6 +169,15 @@ class MessageDecoder:
                 "message holds a pickled object but this side has allow_pickle=False"
             )
         return pickle.loads(data)  # noqa: S301 - explicit opt-in by both sides
+
+
+def _outline(header: bytes | memoryview) -> Any:
+    """``header`` as plain values, its extension values left undecoded (see
+    ``ProtocolError.outline``); None when it is not msgpack at all."""
+    try:
+        return msgspec.msgpack.decode(header)
+    except _MALFORMED:  # bad UTF-8, nesting too deep ...: no outline either
+        return None
 
 
 def _decode_bigint(data: memoryview) -> Any:

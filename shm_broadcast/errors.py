@@ -86,6 +86,12 @@ class PeerLeftError(PeerDiedError):
 class ProtocolError(GroupcoordError):
     """Bytes that do not decode, or a peer that broke the protocol."""
 
+    # When the bytes were a message but a value in it could not be rebuilt (an
+    # undeclared class, a constructor that refused its fields): the message as
+    # plain values, extension values left as ``msgspec.msgpack.Ext``, so that the
+    # caller can still take what travels after it (a tensor dict's tensors).
+    outline: Any = None
+
 
 class GroupcoordValueError(GroupcoordError, ValueError):
     """An argument with a bad value (shape, size, rank, dim ...)."""

@@ -247,3 +247,67 @@ def test_broadcast_send_tensor_dict_and_store_carry_engine_objects():
 
     results = run_ranks(_engine_objects, 2, free_port(), timeout=60)
     assert results[1] == {"checks": [True] * 4, "phase": True}
+
+
+class Stage(enum.Enum):  # declared by rank 0 only, and by no other test
+    ONE = 1
+
+
+def _one_rank_has_not_declared(rank: int, world: int, how: str) -> list[str]:
+    from coordinator.group_coordinator import GroupCoordinator
+    from coordinator.launch import init_gloo
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import UndeclaredTypeError
+
+    set_config(disable_shm_p2p=how == "p2p gloo", timeout_s=20.0)
+    if rank == 0:
+        add_safe_types([Stage])  # the other ranks have not
+    init_gloo(rank, world)
+    g = GroupCoordinator(
+        [list(range(world))],
+        rank,
+        "gloo",
+        how != "broadcast gloo",
+        how == "broadcast queue",
+        group_name="eng",
+    )
+    sent = [
+        {"stage": Stage.ONE, "t": torch.full((100_000,), 1.0)},  # t travels on its own
+        {"x": 2, "t": torch.full((100_000,), 2.0)},
+        {"x": 3, "t": torch.full((100_000,), 3.0)},
+    ]
+    got = []
+    for d in sent:
+        try:
+            if how.startswith("broadcast"):
+                out = g.broadcast_tensor_dict(d if rank == 0 else None)
+            elif rank == 0:
+                g.send_tensor_dict(d, dst=1)
+                out = d
+            else:
+                out = g.recv_tensor_dict(src=0)
+        except UndeclaredTypeError:
+            got.append("undeclared")
+            continue
+        assert out is not None
+        right = out.keys() == d.keys() and torch.equal(out["t"], d["t"])
+        got.append("right" if right and out.get("x") == d.get("x") else f"wrong: {out}")
+    g.barrier()
+    g.destroy()
+    return got
+
+
+@pytest.mark.parametrize(
+    "how", ["broadcast shm", "broadcast gloo", "broadcast queue", "p2p shm", "p2p gloo"]
+)
+def test_a_rank_that_has_not_declared_a_class_raises_and_stays_in_step(how: str) -> None:
+    # Until 2026-11-29 the dict's tensors stayed in flight when its message did not
+    # decode: over Gloo the receiver's next call met them and Gloo aborted the
+    # process (SIGABRT, "Received data size doesn't match expected size"); through
+    # shared memory the receiver's next broadcast raised DesyncError and the one
+    # after returned the dict before it (x=2 for x=3) with no error, as did every
+    # later recv_tensor_dict. The queue took every tensor with the message already.
+    from coordinator.launch import run_ranks
+
+    results = run_ranks(_one_rank_has_not_declared, 2, how, timeout=60)
+    assert results == [["right"] * 3, ["undeclared", "right", "right"]]
