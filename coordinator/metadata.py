@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from device_communicators import checks
 from shm_broadcast.codec import EncodedMessage, dtype_name, encode_message, loads, torch_dtype
 from shm_broadcast.p2p_channels import TENSOR_OBJECT
 
@@ -109,6 +110,7 @@ class Described(NamedTuple):
 
 def describe(
     tensor_dict: Mapping[str, Any],
+    device: torch.device,
     inline_max_bytes: int | None,
     slices: Callable[[str, torch.Tensor], int] | None = None,
 ) -> tuple[Described, list[torch.Tensor]]:
@@ -116,8 +118,11 @@ def describe(
 
     CPU tensors up to ``inline_max_bytes`` (every CPU tensor with None) stay in
     the dict; ``slices(key, tensor)`` gives N > 0 for tensors that go as 1/N
-    slices (never inside). Raises ``GroupcoordTypeError`` for a non-dict or a
-    non-str key before anything is sent.
+    slices (never inside). Raises before anything is sent for a non-dict, a
+    non-str key, or a tensor no transfer can carry (``checks.dict_tensor``: sparse,
+    nested, on a device other than the CPU and the group's ``device``), which
+    used to fail after the dict's message had gone, leaving the receivers waiting
+    for its tensors.
     """
     if not isinstance(tensor_dict, Mapping):
         raise GroupcoordTypeError(
@@ -130,6 +135,7 @@ def describe(
         if not isinstance(key, str):
             raise GroupcoordTypeError(f"tensor_dict keys must be str, got {key!r}")
         if isinstance(value, torch.Tensor):
+            checks.dict_tensor(value, f"tensor_dict[{key!r}]", device)
             n = slices(key, value) if slices is not None else 0
             on_cpu = value.is_cpu
             if (
@@ -137,8 +143,8 @@ def describe(
                 or not on_cpu
                 or (inline_max_bytes is not None and value.nbytes > inline_max_bytes)
             ):
-                device = "cpu" if on_cpu else value.device.type
-                separate[key] = SeparateTensor(value.dtype, tuple(value.shape), device, n)
+                kind = "cpu" if on_cpu else value.device.type
+                separate[key] = SeparateTensor(value.dtype, tuple(value.shape), kind, n)
                 tensors.append(value)
                 value = None
         values[key] = value

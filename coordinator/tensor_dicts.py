@@ -94,10 +94,10 @@ def broadcast(
         if via_mq:
             # The queue's codec writes CPU tensors straight into shared
             # memory, so all of them ride inside; only device tensors follow.
-            described, tensors = describe(tensor_dict, None)
+            described, tensors = describe(tensor_dict, group.device, None)
             group._mq_broadcast(encode(described))
         else:
-            described, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES)
+            described, tensors = describe(tensor_dict, group.device, INLINE_TENSOR_MAX_BYTES)
             group._broadcast_bytes("broadcast_tensor_dict", encode(described), src, metadata_group)
         if own:
             for t in tensors:
@@ -170,7 +170,7 @@ def send(
         return slices if use else 0
 
     # describe() and encode() raise on a bad dict before anything is sent.
-    described, tensors = describe(tensor_dict, INLINE_TENSOR_MAX_BYTES, slices_of)
+    described, tensors = describe(tensor_dict, group.device, INLINE_TENSOR_MAX_BYTES, slices_of)
     msg = encode(described)
     peer = group.ranks[dst]
     # The dict and its tensors as one unit: another thread's sends to this peer wait.

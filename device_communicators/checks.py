@@ -21,6 +21,7 @@ from shm_broadcast.array_frames import not_its_values
 from .errors import GroupcoordTypeError, GroupcoordValueError
 
 __all__ = [
+    "dict_tensor",
     "dim",
     "dtype_match",
     "flag",
@@ -71,11 +72,7 @@ def tensor(
         problem = not_its_values(type(value))
         if problem is not None:
             raise GroupcoordTypeError(f"{argument} is {problem}")
-    if value.is_nested:
-        raise GroupcoordTypeError(
-            f"{argument} is a nested tensor, which has no one shape: pass its components "
-            "(unbind()) or a padded tensor"
-        )
+    _not_nested(value, argument)
     if value.is_conj() or value.is_neg():
         # Its memory holds other values than it reads as: every path that moves
         # memory (shared memory, c10d) would return those (torch.distributed refuses
@@ -94,6 +91,25 @@ def tensor(
     if value.requires_grad or (type(value) is not _Tensor and isinstance(value, _Parameter)):
         return value.detach()  # (Parameter's isinstance is Python: plain tensors skip it)
     return value
+
+
+def _not_nested(value: torch.Tensor, argument: str) -> None:
+    if value.is_nested:
+        raise GroupcoordTypeError(
+            f"{argument} is a nested tensor, which has no one shape: pass its components "
+            "(unbind()) or a padded tensor"
+        )
+
+
+def dict_tensor(value: torch.Tensor, argument: str, device: torch.device) -> None:
+    """A tensor a tensor dict may carry: dense (not sparse, not mkldnn), not nested, and
+    on the CPU or the group's ``device`` (a CPU group's dict takes no CUDA or meta
+    tensor), checked before any of the dict is sent."""
+    traced_tensor(value, argument)
+    _not_nested(value, argument)
+    if not value.is_cpu and not _on_device(value, device):
+        where = "CPU tensors only" if device.type == "cpu" else f"tensors on the CPU and {device}"
+        raise GroupcoordValueError(f"{argument} is on {value.device}, but this group moves {where}")
 
 
 def _on_device(value: torch.Tensor, device: torch.device) -> bool:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from coordinator.errors import DesyncError, GroupcoordTypeError, ProtocolError
+from coordinator.errors import DesyncError, GroupcoordTypeError, GroupcoordValueError, ProtocolError
 from coordinator.metadata import TENSOR_DICT, SeparateTensor, describe, encode, rebuild
 from coordinator.metadata import decode as decode_from
 from shm_broadcast.codec import dumps, encode_message, message_bytes
+
+CPU = torch.device("cpu")
 
 
 def decode(data: bytes) -> object:
@@ -30,7 +34,7 @@ def _dict() -> dict:
 
 def test_round_trip_with_small_tensors_inline_and_large_ones_separate() -> None:
     original = _dict()
-    described, separate = describe(original, inline_max_bytes=1024)
+    described, separate = describe(original, CPU, inline_max_bytes=1024)
     assert [t.shape for t in separate] == [torch.Size([100, 100])]
     assert described.separate == {"big": SeparateTensor(torch.float32, (100, 100), "cpu")}
     wire = message_bytes(encode(described))
@@ -57,13 +61,14 @@ def test_round_trip_with_small_tensors_inline_and_large_ones_separate() -> None:
 
 
 def test_every_cpu_tensor_rides_inside_without_a_limit() -> None:
-    described, separate = describe(_dict(), inline_max_bytes=None)
+    described, separate = describe(_dict(), CPU, inline_max_bytes=None)
     assert separate == [] and described.separate == {}
 
 
 def test_slicing_choice_is_recorded_and_keeps_tensors_out_of_line() -> None:
     described, separate = describe(
         {"x": torch.ones(4), "y": torch.ones(3)},
+        CPU,
         inline_max_bytes=1 << 20,
         slices=lambda key, t: 2 if key == "x" else 0,
     )
@@ -75,11 +80,33 @@ def test_slicing_choice_is_recorded_and_keeps_tensors_out_of_line() -> None:
 
 def test_refusals_name_the_key() -> None:
     with pytest.raises(GroupcoordTypeError, match="keys must be str"):
-        describe({1: torch.ones(1)}, 0)  # type: ignore[dict-item]
+        describe({1: torch.ones(1)}, CPU, 0)  # type: ignore[dict-item]
     with pytest.raises(GroupcoordTypeError, match=r"tensor_dict\['fn'\]"):
-        encode(describe({"ok": 1, "fn": object()}, 0)[0])
+        encode(describe({"ok": 1, "fn": object()}, CPU, 0)[0])
     with pytest.raises(GroupcoordTypeError, match="must be a dict"):
-        describe([("a", 1)], 0)  # type: ignore[arg-type]
+        describe([("a", 1)], CPU, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize(
+    "kind, tensor, error",
+    [
+        ("sparse", lambda: torch.eye(4).to_sparse(), "dense"),
+        ("sparse_csr", lambda: torch.eye(4).to_sparse_csr(), "dense"),
+        ("mkldnn", lambda: torch.ones(4).to_mkldnn(), "dense"),
+        ("nested", lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+        ("meta", lambda: torch.empty(4, device="meta"), "is on meta, but this group moves CPU"),
+    ],
+)
+def test_a_tensor_no_transfer_can_carry_is_refused_before_anything_is_sent(
+    kind: str, tensor: Any, error: str
+) -> None:
+    # Until 2026-11-29 a meta, sparse CSR or mkldnn tensor large enough to travel
+    # on its own failed only when its turn came, after the dict's message had
+    # gone (a sparse or nested one with torch's own words).
+    with pytest.raises((GroupcoordTypeError, GroupcoordValueError), match=error) as raised:
+        describe({"ok": torch.ones(3), kind: tensor()}, CPU, 1024)
+    assert f"tensor_dict[{kind!r}]" in str(raised.value)
 
 
 def test_bad_bytes_raise_protocol_error() -> None:

@@ -17,7 +17,12 @@ import pytest
 import torch
 from ready_flags import mark, wait_for
 
-from coordinator.errors import GroupcoordTimeoutError, GroupcoordValueError, PeerDiedError
+from coordinator.errors import (
+    GroupcoordTimeoutError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+    PeerDiedError,
+)
 from coordinator.group_coordinator import GroupCoordinator
 from coordinator.launch import init_gloo, run_ranks, start_ranks
 from shm_broadcast import p2p_channels
@@ -588,3 +593,39 @@ def test_threads_sending_to_one_peer_keep_each_message_whole(mode: str) -> None:
     # never arrived: the receiver timed out), and a tensor dict's parts interleaved
     # with another thread's (DesyncError "sent a list, not a tensor").
     assert run_ranks(_threads_rank, 2, mode, 150, timeout=120) == [[], []]
+
+
+def _refused_then_next(rank: int, world: int, mode: str) -> list[str]:
+    _setup(mode)
+    init_gloo(rank, world)
+    # "gloo": no device communicator either, so broadcasts go through Gloo too.
+    g = GroupCoordinator([[0, 1]], rank, "gloo", mode != "gloo", group_name="d")
+    got = []
+    for n, bad in enumerate((torch.empty(100_000, device="meta"), torch.eye(300).to_sparse_csr())):
+        good = {"x": torch.full((100_000,), float(n)), "n": n}
+        if rank == 0:
+            for call in (lambda d: g.broadcast_tensor_dict(d), lambda d: g.send_tensor_dict(d, 1)):
+                with pytest.raises((GroupcoordTypeError, GroupcoordValueError), match="'bad'"):
+                    call({"ok": 1, "bad": bad})
+                call(good)
+        else:
+            for received in (g.broadcast_tensor_dict(None), g.recv_tensor_dict(0)):
+                assert received is not None and received["n"] == good["n"]
+                got.append("right" if torch.equal(received["x"], good["x"]) else "wrong")
+        got.append("next")
+    g.barrier()
+    g.destroy()
+    return got
+
+
+@pytest.mark.parametrize("mode", ["shm", "gloo"])
+def test_a_dict_holding_a_tensor_no_transfer_carries_is_refused_and_the_next_arrives(
+    mode: str,
+) -> None:
+    # Until 2026-11-29 a meta or sparse CSR tensor was refused only when its turn
+    # came, after the dict's message had gone: over Gloo the receiver's next
+    # broadcast met the next dict's message where it waited for the tensor and
+    # Gloo aborted the process (SIGABRT); through shared memory both ranks raised
+    # DesyncError; a recv_tensor_dict waited out its timeout.
+    results = run_ranks(_refused_then_next, 2, mode, timeout=60)
+    assert results[1] == ["right", "right", "next", "right", "right", "next"]
