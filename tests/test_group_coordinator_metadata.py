@@ -88,6 +88,7 @@ def test_refusals_name_the_key() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
 @pytest.mark.parametrize(
     "kind, tensor, error",
     [
