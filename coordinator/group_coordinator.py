@@ -324,7 +324,17 @@ class GroupCoordinator(GroupMessaging):
         self._check_index(src, "src")
         if self.world_size == 1:
             return dict(tensor_dict) if tensor_dict is not None else None
-        with self._whole("broadcast_tensor_dict"):
+        # Through a CPU group's queue the dict is one message (every tensor rides
+        # in it), which keeps the queue end's turns: its read may wait as long as
+        # the writer lives, and holding the call lock through it would stall
+        # another thread's collective that the writer waits in (as broadcast_object).
+        one_message = (
+            self.mq_broadcaster is not None
+            and src == 0
+            and metadata_group is None
+            and self.device.type == "cpu"
+        )
+        with self._whole("broadcast_tensor_dict", lock=not one_message):
             return tensor_dicts.broadcast(self, tensor_dict, src, group, metadata_group)
 
     def send_tensor_dict(

@@ -777,7 +777,7 @@ def test_two_threads_making_calls_of_several_steps_take_turns_whole(mode: str) -
     assert run_ranks(_threads_making_calls_of_several_steps, 2, mode, timeout=120) == [[], []]
 
 
-def _a_queue_read_beside_a_collective(rank: int, world_size: int) -> list[str]:
+def _a_queue_read_beside_a_collective(rank: int, world_size: int, call: str) -> list[str]:
     from shm_broadcast.config import set_config
 
     set_config(timeout_s=20.0)
@@ -788,9 +788,16 @@ def _a_queue_read_beside_a_collective(rank: int, world_size: int) -> list[str]:
     def calls(k: int, phase: object) -> None:
         if k == 0:  # rank 1 waits in the queue read while rank 0 is in the all_reduce
             time.sleep(0.5 if rank == 0 else 0.0)
-            got = g.broadcast_object("hello" if rank == 0 else None, 0)
+            if call == "broadcast_object":
+                got = g.broadcast_object("hello" if rank == 0 else None, 0)
+            else:
+                sent = {"hello": torch.arange(100_000)}  # rides in the queue's message
+                got = g.broadcast_tensor_dict(sent if rank == 0 else None, 0)
+                got = (
+                    "hello" if got is not None and torch.equal(got["hello"], sent["hello"]) else got
+                )
             if got != "hello":
-                problems.append(f"broadcast_object: {got!r}")
+                problems.append(f"{call}: {got!r}")
         else:
             time.sleep(0.2 if rank == 1 else 0.0)
             if g.all_reduce(torch.ones(4)).tolist() != [2.0] * 4:
@@ -804,12 +811,14 @@ def _a_queue_read_beside_a_collective(rank: int, world_size: int) -> list[str]:
     return problems
 
 
-def test_a_queue_read_waiting_on_one_thread_holds_up_no_collective_on_another() -> None:
+@pytest.mark.parametrize("call", ["broadcast_object", "broadcast_tensor_dict"])
+def test_a_queue_read_waiting_on_one_thread_holds_up_no_collective_on_another(call: str) -> None:
     # The queue's read waits as long as the writer lives, and the queue keeps the
     # threads' turns itself: it does not hold the group's call lock, or rank 1's
     # all_reduce would wait behind it while rank 0 waits in its all_reduce before it
-    # writes (both until the timeout).
-    assert run_ranks(_a_queue_read_beside_a_collective, 2, timeout=60) == [[], []]
+    # writes (both until the timeout). A CPU group's broadcast_tensor_dict held the
+    # lock until 2026-11-29.
+    assert run_ranks(_a_queue_read_beside_a_collective, 2, call, timeout=60) == [[], []]
 
 
 def _destroyed_while_a_thread_waits(rank: int, world_size: int, numel: int) -> list[str]:
