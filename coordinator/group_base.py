@@ -153,8 +153,15 @@ class GroupBase:
         deadline = datetime.timedelta(seconds=self.timeout_s)
         device_group: ProcessGroup | None = None
         cpu_group: ProcessGroup | None = None
+        # What the ranks must agree on besides the layout: a rank with another
+        # communicator or queue would meet its peers at other set-up steps.
+        options = (
+            f"use_device_communicator={bool(use_device_communicator)}, "
+            f"use_message_queue_broadcaster={bool(use_message_queue_broadcaster)}, "
+            f"use_all2all={bool(use_all2all)}"
+        )
         with building(f"group {self.unique_name}") as refused:
-            self._meet(group_ranks, backend, refused)
+            self._meet(group_ranks, backend, options, refused)
             # Every rank creates every group, in the same order: c10d requires it.
             for ranks in group_ranks:
                 dev = dist.new_group(list(ranks), backend=backend, timeout=deadline)
@@ -213,12 +220,17 @@ class GroupBase:
         owned_here(self, f"group {self.unique_name}", _DESCRIPTIVE)
 
     def _meet(
-        self, group_ranks: list[list[int]], backend: str, refused: NotSupportedError | None
+        self,
+        group_ranks: list[list[int]],
+        backend: str,
+        options: str,
+        refused: NotSupportedError | None,
     ) -> None:
         """Meet every rank of the layout through the store before c10d's connect
         (which waits out the timeout for a dead member), each saying how it builds
-        the groups: c10d names each ``new_group`` by its place in the sequence, so
-        ranks whose ``group_ranks`` (or backend) differ would be joined into groups
+        the groups (with the backend and ``options``): c10d names each
+        ``new_group`` by its place in the sequence, so ranks whose ``group_ranks``
+        (or backend) differ would be joined into groups
         they do not think they are in (two groups that each agree within, built
         from different layouts, share a name and cross their connections: a wrong
         sum, or a connect that hangs past the timeout), or wait out the timeout.
@@ -234,7 +246,7 @@ class GroupBase:
         first = dist.distributed_c10d._world.group_count
         last = first + len(group_ranks) * (1 if backend == "gloo" else 2) - 1
         layout = [list(ranks) for ranks in group_ranks]
-        mine = f"{layout} on {backend} (c10d's groups #{first}-#{last})"
+        mine = f"{layout} on {backend} with {options} (c10d's groups #{first}-#{last})"
         if refused is not None:
             mine = f"nothing ({refused})"
         store = dist.distributed_c10d._get_default_store()
@@ -256,7 +268,7 @@ class GroupBase:
             raise DesyncError(
                 f"{self.unique_name}: rank {self.rank} builds the groups from "
                 f"group_ranks={mine}, rank {r} from {theirs}: every rank must pass the "
-                "same group_ranks and backend, and build its groups in the same order"
+                "same group_ranks, backend and options, and build its groups in the same order"
             )
 
     def _exchange_pids(self) -> dict[int, int]:

@@ -188,10 +188,41 @@ def test_ranks_whose_c10d_groups_are_out_of_order_raise_naming_both() -> None:
     for rank, (kind, took, message) in enumerate(results):
         assert kind == "DesyncError", (rank, message)
         assert took < 10.0, f"rank {rank} took {took:.1f} s"
+    options = "use_device_communicator=True, use_message_queue_broadcaster=False, use_all2all=False"
     assert (
-        "rank 0 builds the groups from group_ranks=[[0, 1]] on gloo (c10d's groups #2-#2), "
-        "rank 1 from [[0, 1]] on gloo (c10d's groups #1-#1)"
+        f"rank 0 builds the groups from group_ranks=[[0, 1]] on gloo with {options} (c10d's "
+        f"groups #2-#2), rank 1 from [[0, 1]] on gloo with {options} (c10d's groups #1-#1)"
     ) in results[0][2]
+
+
+def _options_differ(rank: int, world: int, option: str) -> tuple[str, float, str]:
+    from coordinator.group_coordinator import GroupCoordinator
+
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    flags = {"use_device_communicator": True, "use_message_queue_broadcaster": False}
+    if rank == 1:
+        flags[option] = not flags[option]
+    start = time.monotonic()
+    try:
+        GroupCoordinator([[0, 1, 2]], rank, "gloo", group_name="tp", **flags).destroy()  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    return "made", time.monotonic() - start, ""
+
+
+@pytest.mark.parametrize("option", ["use_device_communicator", "use_message_queue_broadcaster"])
+def test_ranks_whose_options_differ_raise_naming_both(option: str) -> None:
+    # Until 2026-11-29 the ranks met at another set-up step each: the ranks with
+    # a queue waited out the timeout in its creation, those without it in their
+    # first collective; without a device communicator on one rank, its peers
+    # timed out making theirs and the rank itself got PeerDiedError naming a
+    # living peer in its first call.
+    results = start_ranks(_options_differ, 3, option, timeout=60).collect()
+    for rank, (kind, took, message) in enumerate(results):
+        assert kind == "DesyncError" and took < 10.0, (rank, took, message)
+        base = option == "use_device_communicator"  # every rank's value but rank 1's
+        mine, theirs = (base, not base) if rank != 1 else (not base, base)
+        assert f"{option}={mine}" in message and f"{option}={theirs}" in message, message
 
 
 def _two_threads_build(rank: int, world: int) -> dict[str, tuple[str, float, str]]:
