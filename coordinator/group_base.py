@@ -51,7 +51,7 @@ _COMMUNICATORS: dict[str, tuple[str, str]] = {
 }
 
 _name_counters: dict[str, int] = defaultdict(int)
-# Held while a thread of this process builds c10d groups (``one_builder``). c10d
+# Held while a thread of this process builds c10d groups (``building``). c10d
 # names a group by its place in the order its groups are built, so two threads
 # building at once would give one group different names on different ranks: its
 # connections cross (a sum with another group's rank) or hang past the timeout.
@@ -228,16 +228,17 @@ class GroupBase:
     ) -> None:
         """Meet every rank of the layout through the store before c10d's connect
         (which waits out the timeout for a dead member), each saying how it builds
-        the groups (with the backend and ``options``): c10d names each
-        ``new_group`` by its place in the sequence, so ranks whose ``group_ranks``
-        (or backend) differ would be joined into groups
+        the groups: the layout, the backend, ``options`` and the names c10d will
+        give them. c10d names each ``new_group`` by its place in the sequence, so
+        ranks whose ``group_ranks`` (or backend) differ would be joined into groups
         they do not think they are in (two groups that each agree within, built
         from different layouts, share a name and cross their connections: a wrong
-        sum, or a connect that hangs past the timeout), or wait out the timeout.
-        Here every rank that finds another's layout different raises
-        ``DesyncError`` naming both, so every rank raises and none connects. A rank
-        ``refused`` the building (another of its threads builds groups) meets the
-        others with that reason, so they raise at once too, and raises ``refused``."""
+        sum, or a connect that hangs past the timeout), or wait out the timeout;
+        ranks whose options differ would meet at other set-up steps. Here every
+        rank that finds another's post different raises ``DesyncError`` naming
+        both, so every rank raises and none connects. A rank ``refused`` the
+        building (another of its threads builds groups) meets the others with that
+        reason, so they raise at once too, and raises ``refused``."""
         everyone = sorted({r for ranks in group_ranks for r in ranks})
         if len(everyone) == 1:
             return

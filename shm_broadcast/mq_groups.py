@@ -54,7 +54,7 @@ def create_from_process_group(
         raise GroupcoordValueError(f"writer_rank={writer_rank} is not in a group of {world_size}")
     # Errors of the set-up collectives name this call (the queue has no name yet).
     names = {"what": "MessageQueue", "operation": "create_from_process_group"}
-    same_node = in_the_same_node_as(pg, writer_rank, **names)
+    same_node = in_the_same_node_as(pg, writer_rank, argument="writer_rank", **names)
     mq: Any = None
     data: bytes | None = None
     refused: ShmSpaceError | None = None
@@ -136,7 +136,7 @@ def create_from_process_group_single_reader(
     if not 0 <= reader_rank < world_size:
         raise GroupcoordValueError(f"reader_rank={reader_rank} is not in a group of {world_size}")
     names = {"what": "MessageQueue", "operation": "create_from_process_group_single_reader"}
-    same_node = in_the_same_node_as(pg, reader_rank, **names)
+    same_node = in_the_same_node_as(pg, reader_rank, argument="reader_rank", **names)
     mq: Any = None
     try:
         mq = cls(

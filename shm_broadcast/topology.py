@@ -14,8 +14,8 @@ import socket
 from typing import Any
 
 from .codec import dumps, loads
-from .errors import GroupcoordValueError
-from .group_io import all_gather_bytes, broadcast_bytes, group_rank_and_size
+from .errors import DesyncError, GroupcoordValueError
+from .group_io import all_gather_bytes, group_rank_and_size
 from .segments import ShmSegment
 
 __all__ = ["in_the_same_node_as"]
@@ -31,10 +31,14 @@ def in_the_same_node_as(
     *,
     what: str = "process group",
     operation: str = "in_the_same_node_as",
+    argument: str = "source_rank",
 ) -> list[bool]:
     """For each rank of ``pg`` (group order): does it share /dev/shm with ``source_rank``?
 
     ``what`` and ``operation`` name the caller in a timeout or lost-peer error.
+    Ranks that pass different ``source_rank``s (the caller's ``argument``) raise
+    ``DesyncError`` naming both, on every rank: each used to send as the source,
+    and they waited on each other until the group's timeout.
     """
     rank, world_size = group_rank_and_size(pg)
     if isinstance(source_rank, bool) or not isinstance(source_rank, int):
@@ -59,15 +63,24 @@ def in_the_same_node_as(
                     source_rank,
                     exc,
                 )
-                announce = dumps((None, None))
+                announce = dumps((source_rank, None, None))
             else:
                 segment.buf[:_TOKEN_BYTES] = token
-                announce = dumps((segment.name, token))
+                announce = dumps((source_rank, segment.name, token))
         else:
-            announce = None
-        name, token = loads(
-            broadcast_bytes(pg, announce, source_rank, what=what, operation=operation)
-        )
+            announce = dumps((source_rank, None, None))
+        # Gathered, not broadcast: every rank sees which source each rank named.
+        announced = [
+            loads(a) for a in all_gather_bytes(pg, announce, what=what, operation=operation)
+        ]
+        for r, (theirs, _, _) in enumerate(announced):
+            if theirs != source_rank:
+                raise DesyncError(
+                    f"{what}: {operation}: rank {rank} of the group passed "
+                    f"{argument}={source_rank}, rank {r} {argument}={theirs}: every rank "
+                    "must pass the same"
+                )
+        _, name, token = announced[source_rank]
         same = rank == source_rank or (name is not None and _can_read_token(name, token))
         gathered = all_gather_bytes(
             pg, dumps((same, socket.gethostname())), what=what, operation=operation

@@ -148,3 +148,38 @@ def test_in_the_same_node_as_detects_shared_and_unshared_memory():
         assert full == [True, True, True]
         assert from_last == [True, True, True]
         assert split == [True, True, False]
+
+
+def _sources_differ(rank, world_size):
+    import torch.distributed as dist
+
+    from shm_broadcast.errors import DesyncError
+    from shm_broadcast.message_queue import MessageQueue
+
+    init_gloo(rank, world_size)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+    said = []
+    for call in (
+        lambda: in_the_same_node_as(group, source_rank=rank),
+        lambda: MessageQueue.create_from_process_group(group, 1 << 16, 4, writer_rank=rank),
+    ):
+        with pytest.raises(DesyncError) as raised:
+            call()
+        said.append(str(raised.value))
+    assert in_the_same_node_as(group, source_rank=1) == [True, True]  # the group goes on
+    return said
+
+
+def test_ranks_naming_different_sources_raise_naming_both():
+    # Until 2026-11-29 each rank sent as the source (a writer_rank each, say)
+    # and they waited on each other until the group's timeout (30 min here).
+    for rank, (topology, queue) in enumerate(run_ranks(_sources_differ, 2, timeout=60)):
+        other = 1 - rank
+        assert (
+            f"rank {rank} of the group passed source_rank={rank}, rank {other} source_rank={other}"
+            in topology
+        )
+        assert (
+            f"create_from_process_group: rank {rank} of the group passed writer_rank={rank}"
+            in queue
+        )
