@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import threading
 import weakref
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -22,6 +23,7 @@ from shm_broadcast.liveness import dead_peers
 from . import checks
 from .errors import (
     ClosedError,
+    DesyncError,
     GroupcoordTypeError,
     GroupcoordValueError,
     unsupported,
@@ -165,6 +167,8 @@ class All2AllManagerBase:
         self._stated_counts: list[int] | None = None
         # Counts of the last dispatch, waiting for their combine.
         self._pending_counts: list[int] | None = None
+        # A dispatch's description -> its checksum and bytes (see _counts_for).
+        self._layouts: dict[Any, tuple[int, bytes]] = {}
         self._closed = False
         self._local_only = False  # inside mask_remote_ranks()
         # The dead-rank mask at the last recovery point (construction, clean_buffers).
@@ -401,12 +405,13 @@ class All2AllManagerBase:
         extras = self._check_dispatch_args(named, extra_tensors)
         hidden_states = named[0][1]
         tensors = [t for _, t in named] + extras
+        names = [n for n, _ in named] + [f"extra_tensors[{i}]" for i in range(len(extras))]
         if self._local_only:
             counts = [0] * self.world_size
             counts[self.rank] = hidden_states.shape[0]
             gathered = [t.clone() for t in tensors]  # nothing leaves this rank
         else:
-            counts = self._counts_for(hidden_states.shape[0])
+            counts = self._counts_for(hidden_states.shape[0], names, tensors)
             # No rank has a token: every rank knows it, so all skip the collective.
             gathered = (
                 [t.new_empty(t.shape) for t in tensors]
@@ -455,7 +460,16 @@ class All2AllManagerBase:
             )
         return extras
 
-    def _counts_for(self, local_tokens: int) -> list[int]:
+    def _counts_for(
+        self, local_tokens: int, names: list[str], tensors: list[torch.Tensor]
+    ) -> list[int]:
+        """Every rank's token count, from one small all-gather that also carries a
+        checksum of what each rank dispatches (each tensor's dtype and dims after the
+        first): ranks whose tensors differ raise ``DesyncError`` naming both, on every
+        rank, before any token moves. The broadcasts and all-gathers that follow
+        would pair pieces of different sizes: Gloo aborts the process on that, and
+        NCCL checks nothing. (Counts stated with ``token_counts()`` skip the
+        exchange, and this check with it.)"""
         if self._stated_counts is not None:
             if self._stated_counts[self.rank] != local_tokens:
                 raise GroupcoordValueError(
@@ -463,9 +477,35 @@ class All2AllManagerBase:
                     f"{self._stated_counts[self.rank]} for rank {self.rank}"
                 )
             return list(self._stated_counts)
-        # One small all-gather: every rank learns every rank's token count.
-        mine = torch.tensor([local_tokens], dtype=torch.int64)
-        return [int(c) for c in self.communicator.all_gather(mine, dim=0).tolist()]
+        key = (tuple(names), tuple((t.dtype, t.shape[1:]) for t in tensors))
+        known = self._layouts.get(key)
+        if known is None:  # made once per kind of dispatch (2 us against 5)
+            text = ", ".join(
+                f"{n} {str(t.dtype).removeprefix('torch.')}{list(t.shape[1:])}"
+                for n, t in zip(names, tensors)
+            ).encode()
+            if len(self._layouts) >= 64:
+                self._layouts.clear()
+            known = self._layouts[key] = (zlib.crc32(text), text)
+        checksum, layout = known
+        mine = torch.tensor([local_tokens, checksum, len(layout)], dtype=torch.int64)
+        table = self.communicator.all_gather(mine, dim=0).view(-1, 3).tolist()
+        if any(row[1] != table[self.rank][1] for row in table):
+            # Every rank sees the same table: all gather the layouts and raise alike.
+            lengths = [row[2] for row in table]
+            data = torch.frombuffer(bytearray(layout), dtype=torch.uint8)
+            joined = self.communicator.all_gatherv(data, dim=0, sizes=lengths)
+            assert isinstance(joined, torch.Tensor)
+            raw = bytes(joined.cpu().numpy())
+            starts = self._offsets(lengths)
+            said = [raw[a:b].decode() for a, b in itertools.pairwise(starts)]
+            other = next(r for r, row in enumerate(table) if row[1] != table[self.rank][1])
+            raise DesyncError(
+                f"{self.name} all2all: dispatch: rank {self.rank} dispatches {said[self.rank]}, "
+                f"rank {other} dispatches {said[other]}: every rank must dispatch tensors of "
+                "the same dtypes and sizes after the first dim"
+            )
+        return [row[0] for row in table]
 
     @staticmethod
     def _offsets(counts: list[int]) -> list[int]:

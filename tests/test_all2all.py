@@ -393,3 +393,31 @@ def test_fault_queries_see_a_dead_peer_until_the_next_recovery_point():
     results = start_ranks(_fault_query_rank, 3, timeout=60).collect(killed=[2])
     for r in results[:2]:
         assert r == {"mask": [0, 0, 1], "fault": True, "fault_after_clean": False}
+
+
+def _widths_differ_rank(rank: int, world_size: int, backend: str) -> tuple[str, list[float]]:
+    from coordinator.errors import DesyncError
+    from device_communicators.all2all import create_all2all_manager
+
+    init_gloo(rank, world_size)
+    manager = create_all2all_manager(backend, _communicator(world_size))  # Gloo alone
+    width = 6 if rank == 1 else 8
+    with pytest.raises(DesyncError) as raised:
+        manager.dispatch_router_logits(torch.ones(3, width), torch.ones(3, 4))
+    # The manager is still usable: the next dispatch and combine are right.
+    hidden, _ = manager.dispatch_router_logits(torch.full((3, 8), rank + 1.0), torch.ones(3, 4))
+    out = manager.combine(hidden)
+    manager.destroy()
+    return str(raised.value), out[:, 0].tolist()
+
+
+@pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
+def test_ranks_dispatching_tensors_of_other_widths_raise_naming_both(backend: str) -> None:
+    # Until 2026-11-29 the naive manager's broadcasts over Gloo paired pieces of
+    # different sizes and Gloo aborted the process (SIGABRT); NCCL checks nothing.
+    results = run_ranks(_widths_differ_rank, 2, backend, timeout=60)
+    for rank, (message, combined) in enumerate(results):
+        mine, theirs = ("float32[6]", "float32[8]") if rank == 1 else ("float32[8]", "float32[6]")
+        assert f"rank {rank} dispatches hidden_states {mine}" in message, message
+        assert f"rank {1 - rank} dispatches hidden_states {theirs}" in message, message
+        assert combined == [2.0 * (rank + 1)] * 3  # its own rows, summed over both ranks
