@@ -49,6 +49,8 @@ def in_the_same_node_as(
         )
     segment: ShmSegment | None = None
     try:
+        # Every rank says which source it names; the source adds its segment.
+        announce = dumps((source_rank, None, None))
         if rank == source_rank:
             token = secrets.token_bytes(_TOKEN_BYTES)
             try:
@@ -63,12 +65,9 @@ def in_the_same_node_as(
                     source_rank,
                     exc,
                 )
-                announce = dumps((source_rank, None, None))
             else:
                 segment.buf[:_TOKEN_BYTES] = token
                 announce = dumps((source_rank, segment.name, token))
-        else:
-            announce = dumps((source_rank, None, None))
         # Gathered, not broadcast: every rank sees which source each rank named.
         announced = [
             loads(a) for a in all_gather_bytes(pg, announce, what=what, operation=operation)
