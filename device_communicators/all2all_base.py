@@ -13,11 +13,12 @@ import itertools
 import threading
 import weakref
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from shm_broadcast.config import get_config
 from shm_broadcast.liveness import dead_peers
 
 from . import checks
@@ -251,6 +252,8 @@ class All2AllManagerBase:
         elif self._local_only:
             out = hidden_states.clone()  # only this rank's rows were dispatched
         else:
+            if get_config().debug_desync:
+                self._agree_on_combine(hidden_states, counts)
             out = self._combine(hidden_states.contiguous(), counts)
         self._pending_counts = None
         return out
@@ -468,42 +471,95 @@ class All2AllManagerBase:
         first): ranks whose tensors differ raise ``DesyncError`` naming both, on every
         rank, before any token moves. The broadcasts and all-gathers that follow
         would pair pieces of different sizes: Gloo aborts the process on that, and
-        NCCL checks nothing. (Counts stated with ``token_counts()`` skip the
-        exchange, and this check with it.)"""
-        if self._stated_counts is not None:
-            if self._stated_counts[self.rank] != local_tokens:
+        NCCL checks nothing. Counts stated with ``token_counts()`` skip the
+        exchange, unless ``debug_desync`` is on: then the stated counts are
+        checked too (the same on every rank, and each rank's own)."""
+        stated = self._stated_counts
+        if stated is not None:
+            if stated[self.rank] != local_tokens:
                 raise GroupcoordValueError(
                     f"hidden_states has {local_tokens} rows but token_counts() states "
-                    f"{self._stated_counts[self.rank]} for rank {self.rank}"
+                    f"{stated[self.rank]} for rank {self.rank}"
                 )
-            return list(self._stated_counts)
-        key = (tuple(names), tuple((t.dtype, t.shape[1:]) for t in tensors))
-        known = self._layouts.get(key)
-        if known is None:  # made once per kind of dispatch (2 us against 5)
-            text = ", ".join(
+            if not get_config().debug_desync:
+                return list(stated)
+
+        def describe() -> str:
+            return "dispatches " + ", ".join(
                 f"{n} {str(t.dtype).removeprefix('torch.')}{list(t.shape[1:])}"
                 for n, t in zip(names, tensors)
-            ).encode()
+            )
+
+        key = (tuple(names), tuple((t.dtype, t.shape[1:]) for t in tensors))
+        if stated is None:
+            hint = (
+                "every rank must dispatch tensors of the same dtypes and sizes after the first dim"
+            )
+            return self._agree("dispatch", local_tokens, key, describe, hint)
+        counts = tuple(stated)
+        # Each rank checked its own entry above: counts every rank states alike are right.
+        return self._agree(
+            "dispatch",
+            local_tokens,
+            (key, counts),
+            lambda: f"{describe()} with token_counts({list(counts)})",
+            "every rank must dispatch the same tensors and state the same token counts "
+            "(debug_desync check)",
+        )
+
+    def _agree_on_combine(self, hidden_states: torch.Tensor, counts: list[int]) -> None:
+        """``debug_desync``'s check of a combine: every rank combines a tensor of the
+        same dtype and shape for the same counts (a rank that dispatches meanwhile,
+        or combines another shape, raises ``DesyncError`` naming both)."""
+        dtype, shape = hidden_states.dtype, list(hidden_states.shape)
+        self._agree(
+            "combine",
+            0,
+            ("combine", dtype, tuple(shape), tuple(counts)),
+            lambda: (
+                f"combines hidden_states {str(dtype).removeprefix('torch.')}{shape} "
+                f"for token counts {counts}"
+            ),
+            "every rank must make the same dispatch and combine calls, in the same order, "
+            "with tensors of the same dtype and shape (debug_desync check)",
+        )
+
+    def _agree(
+        self,
+        operation: str,
+        tokens: int,
+        key: Any,
+        describe: Callable[[], str],
+        hint: str,
+    ) -> list[int]:
+        """Every rank's ``tokens``, from one small all-gather that carries a checksum
+        of what each rank is about to do (``describe()``, made once per ``key``):
+        when the checksums differ every rank gathers the descriptions and raises
+        ``DesyncError`` naming both, before anything else moves."""
+        known = self._layouts.get(key)
+        if known is None:  # made once per kind of call (2 us against 5)
+            text = describe().encode()
             if len(self._layouts) >= 64:
                 self._layouts.clear()
             known = self._layouts[key] = (zlib.crc32(text), text)
-        checksum, layout = known
-        mine = torch.tensor([local_tokens, checksum, len(layout)], dtype=torch.int64)
+        checksum, said_here = known
+        mine = torch.tensor([tokens, checksum, len(said_here)], dtype=torch.int64)
         table = self.communicator.all_gather(mine, dim=0).view(-1, 3).tolist()
-        if any(row[1] != table[self.rank][1] for row in table):
-            # Every rank sees the same table: all gather the layouts and raise alike.
+        if any(row[1] != checksum for row in table):
+            # Every rank sees the same table: all gather the descriptions and raise alike.
             lengths = [row[2] for row in table]
-            data = torch.frombuffer(bytearray(layout), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(said_here), dtype=torch.uint8)
             joined = self.communicator.all_gatherv(data, dim=0, sizes=lengths)
             assert isinstance(joined, torch.Tensor)
             raw = bytes(joined.cpu().numpy())
             starts = self._offsets(lengths)
             said = [raw[a:b].decode() for a, b in itertools.pairwise(starts)]
-            other = next(r for r, row in enumerate(table) if row[1] != table[self.rank][1])
+            other = next(r for r, row in enumerate(table) if row[1] != checksum)
+            if said[other].split()[0] != said[self.rank].split()[0]:
+                hint = "the ranks' dispatch and combine calls are out of step"
             raise DesyncError(
-                f"{self.name} all2all: dispatch: rank {self.rank} dispatches {said[self.rank]}, "
-                f"rank {other} dispatches {said[other]}: every rank must dispatch tensors of "
-                "the same dtypes and sizes after the first dim"
+                f"{self.name} all2all: {operation}: rank {self.rank} {said[self.rank]}, "
+                f"rank {other} {said[other]}: {hint}"
             )
         return [row[0] for row in table]
 

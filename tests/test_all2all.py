@@ -421,3 +421,54 @@ def test_ranks_dispatching_tensors_of_other_widths_raise_naming_both(backend: st
         assert f"rank {rank} dispatches hidden_states {mine}" in message, message
         assert f"rank {1 - rank} dispatches hidden_states {theirs}" in message, message
         assert combined == [2.0 * (rank + 1)] * 3  # its own rows, summed over both ranks
+
+
+def _out_of_step_in_debug_mode_rank(
+    rank: int, world_size: int, backend: str, case: str
+) -> tuple[str, list[float]]:
+    from coordinator.errors import DesyncError
+    from device_communicators.all2all import create_all2all_manager
+    from shm_broadcast.config import set_config
+
+    set_config(debug_desync=True)
+    init_gloo(rank, world_size)
+    manager = create_all2all_manager(backend, _communicator(world_size))  # Gloo alone
+    with pytest.raises(DesyncError) as raised:
+        if case == "stated counts":  # each rank right about itself, wrong about the other
+            with manager.token_counts([2, 3] if rank == 0 else [3, 2]):
+                manager.dispatch_router_logits(torch.ones(2, 8), torch.ones(2, 4))
+        elif rank == 0:  # "dispatch or combine"
+            manager.dispatch_router_logits(torch.ones(2, 8), torch.ones(2, 4))
+        else:
+            with manager.token_counts([2, 2]):
+                manager.combine(torch.ones(4, 8))
+    # The manager is still usable: the next dispatch and combine are right.
+    hidden, _ = manager.dispatch_router_logits(torch.full((3, 8), rank + 1.0), torch.ones(3, 4))
+    out = manager.combine(hidden)
+    manager.destroy()
+    return str(raised.value), out[:, 0].tolist()
+
+
+@pytest.mark.parametrize("case", ["stated counts", "dispatch or combine"])
+@pytest.mark.parametrize("backend", ["naive", "allgather_reducescatter"])
+def test_in_debug_mode_ep_ranks_out_of_step_over_gloo_raise_naming_both(
+    backend: str, case: str
+) -> None:
+    # Until 2026-11-29, over Gloo with debug_desync on: counts stated differently
+    # returned other ranks' rows cut short or padded with garbage (naive), and a
+    # dispatch against a combine waited until the group's timeout.
+    results = run_ranks(_out_of_step_in_debug_mode_rank, 2, backend, case, timeout=60)
+    if case == "stated counts":
+        sides = [
+            "dispatches hidden_states float32[8], router_logits float32[4] with token_counts([2, 3])",
+            "dispatches hidden_states float32[8], router_logits float32[4] with token_counts([3, 2])",
+        ]
+    else:
+        sides = [
+            "dispatches hidden_states float32[8], router_logits float32[4]",
+            "combines hidden_states float32[4, 8] for token counts [2, 2]",
+        ]
+    for rank, (message, combined) in enumerate(results):
+        assert f"rank {rank} {sides[rank]}" in message, message
+        assert f"rank {1 - rank} {sides[1 - rank]}" in message, message
+        assert combined == [2.0 * (rank + 1)] * 3  # its own rows, summed over both ranks
