@@ -170,7 +170,7 @@ class GroupCoordinator(GroupMessaging):
         # Lengths along dim may differ by rank; the rest must not.
         return self._checked(
             "gather",
-            lambda: f"{_shape_of(input_.narrow(dim, 0, 0))}, dst={dst}",
+            lambda: f"{_shape_of(input_, dim)}, dst={dst}",
             self._tensor_comm().gather,
             input_,
             dst,
@@ -230,7 +230,12 @@ class GroupCoordinator(GroupMessaging):
         # Lengths along dim may differ by rank; given sizes may not.
         comm = self._tensor_comm()
         return self._checked(
-            "all_gatherv", lambda: f"dim={dim}, sizes={sizes}", comm.all_gatherv, input_, dim, sizes
+            "all_gatherv",
+            lambda: f"{_shape_of(input_, dim)}, dim={dim}, sizes={sizes}",
+            comm.all_gatherv,
+            input_,
+            dim,
+            sizes,
         )
 
     def _reduce_scatter_eager(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
@@ -530,10 +535,20 @@ class GroupCoordinator(GroupMessaging):
             self.device_communicator.prepare_communication_buffer_for_model(model)
 
 
-def _shape_of(tensor: Any) -> str:
+def _shape_of(tensor: Any, free_dim: int | None = None) -> str:
+    """How a debug_desync check names a call's tensor: ``float32[4, 8]``; a list's
+    tensors in brackets (a list of one as that tensor: the same call); ``free_dim``'s
+    length as ``*`` (it may differ by rank)."""
+    if isinstance(tensor, list) and len(tensor) == 1:
+        return _shape_of(tensor[0], free_dim)
+    if isinstance(tensor, list):
+        return f"[{', '.join(_shape_of(t, free_dim) for t in tensor)}]"
     if not isinstance(tensor, torch.Tensor):  # checked later, by the communicator
         return type(tensor).__name__
-    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+    sizes: list[Any] = list(tensor.shape)
+    if type(free_dim) is int and -len(sizes) <= free_dim < len(sizes):
+        sizes[free_dim] = "*"
+    return f"{str(tensor.dtype).removeprefix('torch.')}[{', '.join(map(str, sizes))}]"
 
 
 def _check_all_gather_group(group: Any) -> None:

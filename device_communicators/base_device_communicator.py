@@ -239,7 +239,15 @@ class DeviceCommunicatorBase:
         if sizes is not None:
             for t, d in zip(tensors, dims):
                 self._check_own_size(t, d, dim, sizes)
-        moved = [self._all_gatherv_one(small, t, d, sizes) for t, d in zip(tensors, dims)]
+        # The first of several tensors goes as a gather_v stamped with their number
+        # too: ranks whose lists differ in length raise before anything moves
+        # (each tensor's own call is checked as usual). Without it the shorter list's
+        # next gather met the longer list's next tensor and returned it.
+        listed = len(tensors) if small is not None and len(tensors) > 1 else 0
+        moved = [
+            self._all_gatherv_one(small, t, d, sizes, listed if i == 0 else 0)
+            for i, (t, d) in enumerate(zip(tensors, dims))
+        ]
         # The other ranks' entries, once every tensor moved: a rank with a wrong one
         # that stopped half-way through the list left its peers in the next gather.
         for (_, lengths), d in zip(moved, dims):
@@ -258,13 +266,20 @@ class DeviceCommunicatorBase:
             )
 
     def _all_gatherv_one(
-        self, small: SmallCalls | None, tensor: torch.Tensor, dim: int, sizes: list[int] | None
+        self,
+        small: SmallCalls | None,
+        tensor: torch.Tensor,
+        dim: int,
+        sizes: list[int] | None,
+        listed: int = 0,
     ) -> tuple[torch.Tensor, list[int]]:
-        """One tensor's all_gatherv and the lengths its parts had (unchecked)."""
-        if small is not None and small.equal_parts(tensor, dim, sizes):
+        """One tensor's all_gatherv and the lengths its parts had (unchecked);
+        ``listed``: the number of tensors in the caller's list, for the first one
+        (``SmallCalls.gather_v`` stamps it)."""
+        if not listed and small is not None and small.equal_parts(tensor, dim, sizes):
             assert sizes is not None  # equal_parts says so
             return self._as_all_gather(small, tensor, dim), list(sizes)
-        done = None if small is None else small.gather_v(tensor, dim, sizes=sizes)
+        done = None if small is None else small.gather_v(tensor, dim, sizes=sizes, listed=listed)
         if done is not None:
             return self._gathered(tensor, dim, done), done.lengths
         if sizes is not None and not tensor.is_cpu:

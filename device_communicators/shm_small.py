@@ -294,6 +294,7 @@ class SmallCalls:
         dst: int = -1,
         into: list[torch.Tensor] | None = None,
         sizes: list[int] | None = None,
+        listed: int = 0,
     ) -> VaryingParts | None:
         """Every rank's ``tensor`` joined along ``dim`` on in-group rank ``dst`` (-1:
         on every rank), where the lengths along ``dim`` may differ by rank
@@ -313,7 +314,9 @@ class SmallCalls:
         ``sizes`` (an all-gather's): the lengths the caller expects, this rank's own
         entry already checked; stamped as a checksum, so ranks whose ``sizes`` differ
         all raise ``DesyncError`` before anything moves, not only the ranks whose
-        entries the parts' true lengths contradict.
+        entries the parts' true lengths contradict. ``listed`` (an all_gatherv of a
+        list's first tensor): the list's length, stamped in the same checksum, so
+        ranks whose lists differ in length raise too.
         """
         assert into is None or (tensor.dim() == 1 and dst == -1)
         assert sizes is None or dst == -1
@@ -336,7 +339,7 @@ class SmallCalls:
                 return None
             if not _as_is(tensor):
                 return None  # the general path says why not, or detaches it
-            return self._run_gather_v(plan, tensor, into, sizes)
+            return self._run_gather_v(plan, tensor, into, sizes, listed)
 
     def _run_gather_v(
         self,
@@ -344,23 +347,30 @@ class SmallCalls:
         tensor: torch.Tensor,
         into: list[torch.Tensor] | None,
         sizes: list[int] | None,
+        listed: int,
     ) -> VaryingParts:
         slots, owner = self.slots, self.owner
         assert slots is not None and owner._lines is not None
         limit = min(LEAN_MAX_BYTES, slots.max_bytes)
         size = tensor.element_size()
+        expected = 0  # the stamp's root field: the sizes given and the list's length
+        if listed:
+            expected = sizes_checksum([*(sizes or ()), -listed])  # (no size is negative)
+        elif sizes is not None:
+            expected = sizes_checksum(sizes)
         try:
             s = self._exchange(
                 plan,
                 tensor,
                 plan.operation,
                 copy_in=plan.nbytes <= limit,
-                expected=0 if sizes is None else sizes_checksum(sizes),
+                expected=expected,
             )
         except DesyncError as exc:
+            first = f", the first of a list of {listed} tensors," if listed else ""
             raise DesyncError(
-                f"{exc}; this rank's part: shape {tuple(tensor.shape)} joined along dim "
-                f"{plan.dim} (lengths along it may differ by rank, the other dims may not)"
+                f"{exc}; this rank's part{first}: shape {tuple(tensor.shape)} joined along "
+                f"dim {plan.dim} (lengths along it may differ by rank, the other dims may not)"
             ) from exc
         counts = owner._lines.counts()
         if into is not None and all(n * size <= limit for n in counts):

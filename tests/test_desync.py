@@ -154,6 +154,14 @@ CASES = {
             f"reduce_scatter(float32[131072], SUM, {_shape((512, 256), 1)})",
         ),
     ),
+    # A list's tensors are gathered one call each: the shorter list's next gather
+    # met the longer one's next tensor and returned it (the first call now carries
+    # the list's length).
+    "list length": (
+        lambda g: g.all_gatherv([torch.ones(2, 3), torch.ones(2, 3)], 0, [2] * g.world_size),
+        lambda g: g.all_gatherv([torch.ones(2, 3)], 0, [2] * g.world_size),
+        ("all_gather(float32[6], sizes #", f"all_gather(float32[6], {_shape((2, 3))})"),
+    ),
     "gather or all_gather": (
         lambda g: g.device_communicator.shm_all_reduce.gather(torch.ones(16), 0),
         lambda g: g.device_communicator.shm_all_reduce.all_gather(torch.ones(16)),
@@ -168,7 +176,10 @@ GLOO_ONLY_CASES = {
     "all_gatherv sizes": (
         lambda g: g.all_gatherv(torch.ones(2, 3), 0, [2] * g.world_size),
         lambda g: g.all_gatherv(torch.ones(2, 3), 0, [1] + [2] * (g.world_size - 1)),
-        ("all_gatherv(dim=0, sizes=[2, 2", "all_gatherv(dim=0, sizes=[1, 2"),
+        (
+            "all_gatherv(float32[*, 3], dim=0, sizes=[2, 2",
+            "all_gatherv(float32[*, 3], dim=0, sizes=[1, 2",
+        ),
     ),
 }
 
@@ -177,6 +188,10 @@ GLOO_ONLY_CASES = {
 GLOO_DEBUG_SIDES = {
     "all_gatherv sizes": GLOO_ONLY_CASES["all_gatherv sizes"][2],
     "size": ("all_reduce(float32[4096])", "all_reduce(float32[8192])"),
+    "list length": (
+        "all_gatherv([float32[*, 3], float32[*, 3]], dim=0",
+        "all_gatherv(float32[*, 3], dim=0",
+    ),
     "operation": ("all_reduce(float32[64])", "all_gather(float32[64], dim=0)"),
     "dtype": ("broadcast(float32[32], src=0)", "broadcast(int32[32], src=0)"),
     "root": ("broadcast(float32[8], src=0)", "broadcast(float32[8], src=1)"),
