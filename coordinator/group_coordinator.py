@@ -451,9 +451,9 @@ class GroupCoordinator(GroupMessaging):
         if self.world_size == 1:
             return
         if self.device_communicator is not None:
-            self._collective("barrier", self.device_communicator.barrier)
+            self._checked("barrier", str, self.device_communicator.barrier)
         else:
-            self._collective("barrier", dist.barrier, self.cpu_group)
+            self._checked("barrier", str, dist.barrier, self.cpu_group)
 
     def _moe(self, operation: str, alone: Any, *args: Any) -> Any:
         """An EP call through the device communicator's all2all manager; a group of

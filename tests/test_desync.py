@@ -195,6 +195,7 @@ GLOO_DEBUG_SIDES = {
     "operation": ("all_reduce(float32[64])", "all_gather(float32[64], dim=0)"),
     "dtype": ("broadcast(float32[32], src=0)", "broadcast(int32[32], src=0)"),
     "root": ("broadcast(float32[8], src=0)", "broadcast(float32[8], src=1)"),
+    "barrier": ("barrier()", "all_reduce(float32[1])"),
     "shape": ("all_gather(float32[4, 8], dim=1)", "all_gather(float32[8, 4], dim=1)"),
 }
 
