@@ -52,6 +52,15 @@ def _splits(rank: int, world_size: int) -> str:
     with pytest.raises(GroupcoordValueError, match="rank 0 asked for \\[0, 1\\] but rank 1"):
         parent.split(wanted, "overlap")
 
+    # Disjoint children may have names of their own (the parity split above, named
+    # alike, now named by parity); members of one child that name it differently all
+    # raise at once, naming both (until 2026-11-29 each waited at its own name until
+    # the timeout, "not yet at the group's creation").
+    child = parent.split(mine, f"parity{rank % 2}")
+    assert child is not None and child.get_size() == len(mine)
+    with pytest.raises(GroupcoordValueError, match="rank 0 named the child of .* 'n0' but rank 1"):
+        parent.split(list(range(w)), f"n{rank}")
+
     # A list without the caller, and a rank listed twice, raise before anything is sent.
     with pytest.raises(GroupcoordValueError, match="does not include this rank"):
         parent.split([(rank + 1) % w], "notme")
