@@ -24,7 +24,14 @@ from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
-from shm_broadcast.config import get_config, resolve_timeout
+from shm_broadcast.config import (
+    ALL2ALL_SETTINGS,
+    CUDA_SETTINGS,
+    GROUP_SETTINGS,
+    describe_settings,
+    get_config,
+    resolve_timeout,
+)
 from shm_broadcast.errors import ShmSpaceError
 from shm_broadcast.forked import owned_here
 from shm_broadcast.liveness import dead_peers, host_key
@@ -155,10 +162,13 @@ class GroupBase:
         cpu_group: ProcessGroup | None = None
         # What the ranks must agree on besides the layout: a rank with another
         # communicator or queue would meet its peers at other set-up steps.
+        settings = GROUP_SETTINGS + (ALL2ALL_SETTINGS if use_all2all else ())
+        if backend != "gloo":
+            settings += CUDA_SETTINGS
         options = (
             f"use_device_communicator={bool(use_device_communicator)}, "
             f"use_message_queue_broadcaster={bool(use_message_queue_broadcaster)}, "
-            f"use_all2all={bool(use_all2all)}"
+            f"use_all2all={bool(use_all2all)}; {describe_settings(settings)}"
         )
         with building(f"group {self.unique_name}") as refused:
             self._meet(group_ranks, backend, options, refused)
@@ -269,7 +279,8 @@ class GroupBase:
             raise DesyncError(
                 f"{self.unique_name}: rank {self.rank} builds the groups from "
                 f"group_ranks={mine}, rank {r} from {theirs}: every rank must pass the "
-                "same group_ranks, backend and options, and build its groups in the same order"
+                "same group_ranks, backend and options, set the same GROUPCOORD_* settings "
+                "named here, and build its groups in the same order"
             )
 
     def _exchange_pids(self) -> dict[int, int]:

@@ -149,6 +149,27 @@ def from_env(environ: Mapping[str, str] | None = None) -> GroupcoordConfig:
 _config: GroupcoordConfig | None = None
 
 
+# Settings every rank of a group must share (a group's ranks compare them when it
+# is built): with another value a rank takes other steps than its peers (the
+# debug all-gather, another transport for tensor dicts, another EP manager,
+# another CUDA all-reduce).
+GROUP_SETTINGS = ("debug_desync", "disable_shm_p2p")
+ALL2ALL_SETTINGS = ("all2all_backend",)
+CUDA_SETTINGS = (
+    "disable_custom_all_reduce",
+    "custom_all_reduce_algo",
+    "custom_all_reduce_max_bytes",
+    "disable_pynccl",
+)
+
+
+def describe_settings(names: tuple[str, ...]) -> str:
+    """``name=value, ...`` of the effective settings ``names``, as
+    ``GROUPCOORD_NAME`` would set them (for a group's ranks to compare)."""
+    config = get_config()
+    return ", ".join(f"{ENV_PREFIX}{name.upper()}={getattr(config, name)!r}" for name in names)
+
+
 def get_config() -> GroupcoordConfig:
     """The effective config, read from the environment on first use."""
     global _config

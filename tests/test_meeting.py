@@ -188,7 +188,10 @@ def test_ranks_whose_c10d_groups_are_out_of_order_raise_naming_both() -> None:
     for rank, (kind, took, message) in enumerate(results):
         assert kind == "DesyncError", (rank, message)
         assert took < 10.0, f"rank {rank} took {took:.1f} s"
-    options = "use_device_communicator=True, use_message_queue_broadcaster=False, use_all2all=False"
+    options = (
+        "use_device_communicator=True, use_message_queue_broadcaster=False, use_all2all=False; "
+        "GROUPCOORD_DEBUG_DESYNC=False, GROUPCOORD_DISABLE_SHM_P2P=False"
+    )
     assert (
         f"rank 0 builds the groups from group_ranks=[[0, 1]] on gloo with {options} (c10d's "
         f"groups #2-#2), rank 1 from [[0, 1]] on gloo with {options} (c10d's groups #1-#1)"
@@ -223,6 +226,81 @@ def test_ranks_whose_options_differ_raise_naming_both(option: str) -> None:
         base = option == "use_device_communicator"  # every rank's value but rank 1's
         mine, theirs = (base, not base) if rank != 1 else (not base, base)
         assert f"{option}={mine}" in message and f"{option}={theirs}" in message, message
+
+
+def _settings_differ(rank: int, world: int, setting: str) -> tuple[str, float, str]:
+    import torch
+
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+
+    if rank == 1:
+        set_config(**{setting: "naive" if setting == "all2all_backend" else True})
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        group = GroupCoordinator([[0, 1, 2]], rank, "gloo", True, group_name="tp", use_all2all=True)
+        # The group works: rank 0 sends rank 1 a tensor dict, then all reduce.
+        if rank == 0:
+            group.send_tensor_dict({"x": torch.ones(4)}, 1)
+        elif rank == 1:
+            group.recv_tensor_dict(0)
+        group.all_reduce(torch.ones(4))
+        group.destroy()
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    return "made", time.monotonic() - start, ""
+
+
+@pytest.mark.parametrize("setting", ["debug_desync", "disable_shm_p2p", "all2all_backend"])
+def test_ranks_whose_settings_differ_raise_naming_both(setting: str) -> None:
+    # Until 2026-11-29 the groups were made and the ranks parted at the first call
+    # the setting changes: debug_desync's all-gather against a shared-memory
+    # all_reduce, and a tensor dict sent through shared memory to a rank listening
+    # on Gloo, waited out the timeout (the first naming a living peer dead); EP
+    # managers of two kinds raised DesyncError at the first dispatch.
+    results = start_ranks(_settings_differ, 3, setting, timeout=60).collect()
+    name = f"GROUPCOORD_{setting.upper()}"
+    default, changed = (
+        ("'allgather_reducescatter'", "'naive'")
+        if setting == "all2all_backend"
+        else ("False", "True")
+    )
+    for rank, (kind, took, message) in enumerate(results):
+        assert kind == "DesyncError" and took < 10.0, (rank, took, message)
+        assert f"{name}={default}" in message and f"{name}={changed}" in message, message
+
+
+def _comm_settings_differ(rank: int, world: int, setting: str) -> tuple[str, float, str]:
+    import torch
+
+    from coordinator.comm import new_comm
+    from shm_broadcast.config import set_config
+
+    if rank == 1:
+        set_config(**{setting: True})
+    start = time.monotonic()
+    try:
+        comm = new_comm("gloo", "cpu", "cc", timeout=TIMEOUT_S)
+        if rank == 0:
+            comm.send(torch.ones(4), 1)
+        elif rank == 1:
+            comm.recv(torch.empty(4), 0)
+        comm.finalize()
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    return "made", time.monotonic() - start, ""
+
+
+@pytest.mark.parametrize("setting", ["debug_desync", "disable_shm_p2p"])
+def test_comm_ranks_whose_settings_differ_raise_naming_both(setting: str) -> None:
+    # Until 2026-11-29 a send through the pair's channel to a rank receiving over
+    # Gloo (disable_shm_p2p on one rank) waited out the timeout.
+    results = start_ranks(_comm_settings_differ, 3, setting, timeout=60).collect()
+    name = f"GROUPCOORD_{setting.upper()}"
+    for rank, (kind, took, message) in enumerate(results):
+        assert kind == "DesyncError" and took < 10.0, (rank, took, message)
+        assert f"{name}=False" in message and f"{name}=True" in message, message
 
 
 def _two_threads_build(rank: int, world: int) -> dict[str, tuple[str, float, str]]:

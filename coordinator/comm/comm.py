@@ -29,10 +29,11 @@ import torch.distributed as dist
 
 from device_communicators import checks
 from device_communicators.cpu_communicator import CpuCommunicator
-from shm_broadcast.config import resolve_timeout
+from shm_broadcast.config import GROUP_SETTINGS, describe_settings, resolve_timeout
 
 from ..errors import (
     BackendUnavailableError,
+    DesyncError,
     GroupcoordTimeoutError,
     GroupcoordValueError,
     NotSupportedError,
@@ -126,7 +127,19 @@ class Comm(CommOps):
         checked_hints = checks.hints(hints)
         # Before c10d's connect, which waits out the timeout for a dead member.
         what = f"communicator {name!r}"
-        meet(base_store, f"{prefix}/meet", rank, range(size), what, timeout_s, known_pids)
+        # Each rank posts the settings that change which way a call goes (the
+        # debug check over Gloo, the channels for send/recv): ranks that differ
+        # would part at their first such call and wait out the timeout.
+        mine = describe_settings(GROUP_SETTINGS)
+        differ = meet(
+            base_store, f"{prefix}/meet", rank, range(size), what, timeout_s, known_pids, mine
+        )
+        if differ:
+            r, theirs = min(differ.items())
+            raise DesyncError(
+                f"{what}: rank {rank} has {mine}, rank {r} {theirs}: every rank of a "
+                "communicator must set these GROUPCOORD_* settings alike"
+            )
         try:
             pg = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix + "/pg", base_store),
