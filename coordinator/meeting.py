@@ -16,6 +16,7 @@ once, and a member that never comes raises ``GroupcoordTimeoutError`` naming it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ __all__ = ["meet", "publish_pid"]
 # rank -> "pid:host key" of the process that last published it, in ranks numbered
 # as the store's users number them (torch's global ranks, the launcher's RANK).
 _PID_TABLE = "groupcoord/pid/"
+logger = logging.getLogger("groupcoord.coordinator")
 _FIRST_POLL_S = 0.001
 _MAX_POLL_S = 0.05
 
@@ -71,13 +73,46 @@ def meet(
     store.append(f"{key}/arrived", f"{rank}:{digest};")  # type: ignore[attr-defined]
     wanted = set(members) - {rank}
     deadline = time.monotonic() + timeout_s
-    poll_s = _FIRST_POLL_S
     pids: dict[int, tuple[int, int]] = {}  # the pid table's entries read so far
+    arrived = _wait_for(
+        store, f"{key}/arrived", wanted, what, deadline, timeout_s, known_pids, pids
+    )
+    differ = {r: store.get(f"{key}/{r}").decode() for r in sorted(wanted) if arrived[r] != digest}
+    if differ:
+        # Every member finds a post unlike its own (were its own like every other,
+        # all would be alike), so each says it has read them and waits for the rest
+        # before it raises: the store's host (rank 0 under tcp://) must not exit
+        # while a peer still reads.
+        store.append(f"{key}/read", f"{rank}:;")  # type: ignore[attr-defined]
+        try:
+            _wait_for(store, f"{key}/read", wanted, what, deadline, timeout_s, known_pids, pids)
+        except (dist.DistError, PeerDiedError, GroupcoordTimeoutError) as exc:
+            # This rank has what it needs; the caller raises the difference. (The
+            # host leaves only once every member read, so a store gone now is it.)
+            logger.debug("%s: the meeting ended while peers confirmed their reads: %s", what, exc)
+    return differ
+
+
+def _wait_for(
+    store: dist.Store,
+    listed: str,
+    wanted: set[int],
+    what: str,
+    deadline: float,
+    timeout_s: float,
+    known_pids: Mapping[int, int] | None,
+    pids: dict[int, tuple[int, int]],
+) -> dict[int, str]:
+    """Poll the list ``listed`` (``rank:digest;`` entries) until every rank of
+    ``wanted`` is on it: rank -> digest. A rank whose process is gone raises
+    ``PeerDiedError``; at ``deadline``, those still missing are named in a
+    ``GroupcoordTimeoutError``."""
+    poll_s = _FIRST_POLL_S
     while True:
-        arrived = _arrivals(store.get(f"{key}/arrived"))
+        arrived = _arrivals(store.get(listed))
         waiting = sorted(wanted - arrived.keys())
         if not waiting:
-            break
+            return arrived
         dead = _dead(store, waiting, known_pids, pids)
         if dead:
             raise PeerDiedError(what, "connect", dead, "before it joined the group")
@@ -87,7 +122,6 @@ def meet(
             )
         time.sleep(poll_s)
         poll_s = min(poll_s * 2, _MAX_POLL_S)
-    return {r: store.get(f"{key}/{r}").decode() for r in sorted(wanted) if arrived[r] != digest}
 
 
 def _arrivals(listed: bytes) -> dict[int, str]:

@@ -45,9 +45,10 @@ class NaiveAll2AllManager(All2AllManagerBase):
 
     def _allocate(self, spec: MoEBufferSpec) -> None:
         rows = spec.max_tokens_per_rank * self.world_size
+        device = self.communicator.device
         for width in (spec.hidden_size, spec.num_experts):
-            key = ((width,), spec.dtype, torch.device("cpu"))
-            self._buffers[key] = torch.empty((rows, width), dtype=spec.dtype)
+            key = ((width,), spec.dtype, device)
+            self._buffers[key] = torch.empty((rows, width), dtype=spec.dtype, device=device)
 
     def _receive_buffer(self, like: torch.Tensor, rows: int) -> torch.Tensor:
         key = (tuple(like.shape[1:]), like.dtype, like.device)

@@ -44,6 +44,7 @@ class All2AllCommunicator(Protocol):
     """What a manager needs from its device communicator (``DeviceCommunicatorBase``)."""
 
     cpu_group: Any
+    device: torch.device  # where its collectives take tensors
     world_size: int
     rank_in_group: int
     ranks: list[int]  # global rank of each in-group rank
@@ -543,12 +544,13 @@ class All2AllManagerBase:
                 self._layouts.clear()
             known = self._layouts[key] = (zlib.crc32(text), text)
         checksum, said_here = known
-        mine = torch.tensor([tokens, checksum, len(said_here)], dtype=torch.int64)
+        device = self.communicator.device  # (a CUDA group's collectives take CUDA tensors)
+        mine = torch.tensor([tokens, checksum, len(said_here)], dtype=torch.int64, device=device)
         table = self.communicator.all_gather(mine, dim=0).view(-1, 3).tolist()
         if any(row[1] != checksum for row in table):
             # Every rank sees the same table: all gather the descriptions and raise alike.
             lengths = [row[2] for row in table]
-            data = torch.frombuffer(bytearray(said_here), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(said_here), dtype=torch.uint8).to(device)
             joined = self.communicator.all_gatherv(data, dim=0, sizes=lengths)
             assert isinstance(joined, torch.Tensor)
             raw = bytes(joined.cpu().numpy())

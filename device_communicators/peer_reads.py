@@ -319,6 +319,11 @@ class PeerReads:
                         self.ranks[i] for i, p in enumerate(self.pids) if not process_alive(p)
                     }
                     raise PeerDiedError(self.what, operation, dead, "peer read")
+                # The peer's memory went away under the read (EFAULT): it left its
+                # call, most often because another rank died, which is then the news.
+                dead = {self.ranks[i] for i, p in enumerate(self.pids) if not process_alive(p)}
+                if dead:
+                    raise PeerDiedError(self.what, operation, dead, "peer read")
                 raise PeerReadError(
                     f"{self.what}: {operation}: reading {nbytes} bytes at {remote:#x} of rank "
                     f"{self.ranks[r]} (pid {pid}) failed: {os.strerror(code) if code else 'no bytes'}"

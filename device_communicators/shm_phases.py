@@ -448,6 +448,25 @@ class PhaseLines:
             elif counter < phase:
                 return
         if left:
+            # A rank leaves when its own call failed, most often because another
+            # rank died: that death, when there is one, is what the caller needs to
+            # hear (a rank that published this phase and then died is not waited
+            # for, so the rank that left may be the only one this wait sees). A
+            # rank that left and then exited left first: it is named as such.
+            dead = [
+                self.ranks[r]
+                for r in self._others
+                if self.pid_checks
+                and counters[r * _QWORDS] != _LEFT
+                and not pid_alive(self.pids[r])
+            ]
+            if dead:
+                raise PeerDiedError(
+                    self.what,
+                    self.operation,
+                    dead,
+                    detail=f"shared-memory path, generation {self.generation}",
+                )
             raise PeerLeftError(
                 self.what,
                 self.operation,

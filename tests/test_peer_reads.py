@@ -195,10 +195,16 @@ def test_a_read_from_a_dead_process_names_every_dead_rank_and_a_bad_address_fail
     # Reading rank 7 fails; every rank that is gone is named (rank 6 may be why 7 left).
     with pytest.raises(PeerDiedError, match=r"tp:0: all_gather failed: peer rank\(s\) \[6, 7\]"):
         reads.read(2, ctypes.addressof(got), ctypes.addressof(box), 8, "all_gather")
+    # A bad address of a living rank: with ranks gone, their death is the news (the
+    # peer most often freed its memory because its call failed on that death) ...
+    with pytest.raises(PeerDiedError, match=r"tp:0: all_gather failed: peer rank\(s\) \[6, 7\]"):
+        reads.read(0, ctypes.addressof(got), 0x10, 8, "all_gather")
+    # ... and with every rank alive, the read's own failure.
+    alone = PeerReads(readv, [os.getpid()], [5], "tp:0")
     with pytest.raises(
         GroupcoordError, match=r"tp:0: all_gather: reading 8 bytes at 0x10 of rank 5"
     ):
-        reads.read(0, ctypes.addressof(got), 0x10, 8, "all_gather")
+        alone.read(0, ctypes.addressof(got), 0x10, 8, "all_gather")
 
 
 def _reductions(rank: int, world: int, disable: bool) -> tuple[str | None, list[str]]:

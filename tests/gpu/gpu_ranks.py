@@ -541,3 +541,43 @@ def coordinator_shared_gpu(rank: int, world: int) -> dict[str, Any]:
     finally:
         group.destroy()
         dist.destroy_process_group()
+
+
+# ---- expert parallelism on CUDA ------------------------------------------------------------
+
+
+def ep_world1(rank: int, world: int) -> list[str]:
+    """Both all2all managers over a one-rank CudaCommunicator, with and without
+    debug_desync: dispatch and combine hand back CUDA tensors of the right values
+    (their small exchanges run on the communicator's device, not the CPU)."""
+    from device_communicators.all2all import create_all2all_manager
+    from device_communicators.cuda_communicator import CudaCommunicator
+    from shm_broadcast.config import override
+
+    device = _setup(rank, world)
+    failures: list[str] = []
+    try:
+        nccl_group = dist.new_group([0], backend="nccl")
+        comm = CudaCommunicator(dist.group.WORLD, device, nccl_group, unique_name="ep:0")
+        hidden = integer_input(0, 5 * 8, torch.float32).view(5, 8).to(device)
+        logits = integer_input(1, 5 * 4, torch.float32).view(5, 4).to(device)
+        for backend in ("naive", "allgather_reducescatter"):
+            for debug in (False, True):
+                with override(debug_desync=debug):
+                    manager = create_all2all_manager(backend, comm)
+                    what = f"{backend}, debug_desync={debug}"
+                    try:
+                        h, lg = manager.dispatch_router_logits(hidden, logits)
+                        if h.device != device:
+                            failures.append(f"{what}: dispatch returned a tensor on {h.device}")
+                        _check(failures, f"{what}: dispatched hidden", h, hidden.cpu())
+                        _check(failures, f"{what}: dispatched logits", lg, logits.cpu())
+                        _check(failures, f"{what}: combine", manager.combine(h), hidden.cpu())
+                    except Exception as exc:  # noqa: BLE001 - reported as a failure
+                        failures.append(f"{what}: {type(exc).__name__}: {exc}")
+                    finally:
+                        manager.destroy()
+        comm.destroy()
+    finally:
+        dist.destroy_process_group()
+    return failures
