@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,19 +38,24 @@ def _close(kind: str, made: Any) -> None:
         made.finalize()
 
 
+def _timed(build: Callable[[], str | None]) -> tuple[str, float, str]:
+    """What ``build()`` (making a group, maybe using it) did on this rank: the class
+    of what it raised, or "made"; the seconds it took; the message, or what it said."""
+    start = time.monotonic()
+    try:
+        said = build()
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+    return "made", time.monotonic() - start, said or ""
+
+
 def _one_dies_before_the_group(rank: int, world: int, kind: str) -> tuple[str, float, str]:
     os.environ["GROUPCOORD_TIMEOUT_S"] = str(TIMEOUT_S)
     init_gloo(rank, world, timeout_s=TIMEOUT_S)
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)  # after init, before the group
     time.sleep(0.3)
-    start = time.monotonic()
-    try:
-        made = _make(kind, rank)
-    except Exception as exc:  # noqa: BLE001 - the test judges it
-        return type(exc).__name__, time.monotonic() - start, str(exc)
-    _close(kind, made)
-    return "made", time.monotonic() - start, ""
+    return _timed(lambda: _close(kind, _make(kind, rank)))
 
 
 @pytest.mark.parametrize("kind", ["GroupCoordinator", "new_comm"])
@@ -141,14 +147,14 @@ def _halves_disagree(rank: int, world: int) -> tuple[str, float, str]:
     # Each half agrees within itself, and groups [1, 2] and [5, 6] are each the
     # second group of their half's layout: c10d gives both the same name.
     layout = [[0, 3], [1, 2], [4, 5], [6, 7]] if rank < 4 else [[4, 7], [5, 6], [0, 1], [2, 3]]
-    start = time.monotonic()
-    try:
+
+    def build() -> str:
         group = GroupCoordinator(layout, rank, "gloo", True, group_name="tp")
-    except Exception as exc:  # noqa: BLE001 - the test judges it
-        return type(exc).__name__, time.monotonic() - start, str(exc)
-    total = group.all_reduce(__import__("torch").tensor([10.0**rank])).item()
-    group.destroy()
-    return "made", time.monotonic() - start, f"{group.ranks} summed {total}"
+        total = group.all_reduce(__import__("torch").tensor([10.0**rank])).item()
+        group.destroy()
+        return f"{group.ranks} summed {total}"
+
+    return _timed(build)
 
 
 def test_halves_whose_layouts_differ_far_apart_all_raise_and_none_connects() -> None:
@@ -173,12 +179,7 @@ def _one_built_another_group_first(rank: int, world: int) -> tuple[str, float, s
     init_gloo(rank, world, timeout_s=TIMEOUT_S)
     if rank == 0:
         dist.new_group([0])  # c10d names groups in order: rank 0's next group is #2
-    start = time.monotonic()
-    try:
-        GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="tp").destroy()
-    except Exception as exc:  # noqa: BLE001 - the test judges it
-        return type(exc).__name__, time.monotonic() - start, str(exc)
-    return "made", time.monotonic() - start, ""
+    return _timed(lambda: GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="tp").destroy())
 
 
 def test_ranks_whose_c10d_groups_are_out_of_order_raise_naming_both() -> None:
@@ -205,12 +206,9 @@ def _options_differ(rank: int, world: int, option: str) -> tuple[str, float, str
     flags = {"use_device_communicator": True, "use_message_queue_broadcaster": False}
     if rank == 1:
         flags[option] = not flags[option]
-    start = time.monotonic()
-    try:
-        GroupCoordinator([[0, 1, 2]], rank, "gloo", group_name="tp", **flags).destroy()  # type: ignore[arg-type]
-    except Exception as exc:  # noqa: BLE001 - the test judges it
-        return type(exc).__name__, time.monotonic() - start, str(exc)
-    return "made", time.monotonic() - start, ""
+    return _timed(
+        lambda: GroupCoordinator([[0, 1, 2]], rank, "gloo", group_name="tp", **flags).destroy()  # type: ignore[arg-type]
+    )
 
 
 @pytest.mark.parametrize("option", ["use_device_communicator", "use_message_queue_broadcaster"])
@@ -237,8 +235,8 @@ def _settings_differ(rank: int, world: int, setting: str) -> tuple[str, float, s
     if rank == 1:
         set_config(**{setting: "naive" if setting == "all2all_backend" else True})
     init_gloo(rank, world, timeout_s=TIMEOUT_S)
-    start = time.monotonic()
-    try:
+
+    def build() -> None:
         group = GroupCoordinator([[0, 1, 2]], rank, "gloo", True, group_name="tp", use_all2all=True)
         # The group works: rank 0 sends rank 1 a tensor dict, then all reduce.
         if rank == 0:
@@ -247,9 +245,8 @@ def _settings_differ(rank: int, world: int, setting: str) -> tuple[str, float, s
             group.recv_tensor_dict(0)
         group.all_reduce(torch.ones(4))
         group.destroy()
-    except Exception as exc:  # noqa: BLE001 - the test judges it
-        return type(exc).__name__, time.monotonic() - start, str(exc)
-    return "made", time.monotonic() - start, ""
+
+    return _timed(build)
 
 
 @pytest.mark.parametrize("setting", ["debug_desync", "disable_shm_p2p", "all2all_backend"])
@@ -279,17 +276,16 @@ def _comm_settings_differ(rank: int, world: int, setting: str) -> tuple[str, flo
 
     if rank == 1:
         set_config(**{setting: True})
-    start = time.monotonic()
-    try:
+
+    def build() -> None:
         comm = new_comm("gloo", "cpu", "cc", timeout=TIMEOUT_S)
         if rank == 0:
             comm.send(torch.ones(4), 1)
         elif rank == 1:
             comm.recv(torch.empty(4), 0)
         comm.finalize()
-    except Exception as exc:  # noqa: BLE001 - the test judges it
-        return type(exc).__name__, time.monotonic() - start, str(exc)
-    return "made", time.monotonic() - start, ""
+
+    return _timed(build)
 
 
 @pytest.mark.parametrize("setting", ["debug_desync", "disable_shm_p2p"])
@@ -315,13 +311,9 @@ def _two_threads_build(rank: int, world: int) -> dict[str, tuple[str, float, str
 
     def build(name: str, layout: list[list[int]]) -> None:
         time.sleep(0.0 if name == first else 0.3)
-        start = time.monotonic()
-        try:
-            GroupCoordinator(layout, rank, "gloo", True, group_name=name).destroy()
-        except Exception as exc:  # noqa: BLE001 - the test judges it
-            results[name] = (type(exc).__name__, time.monotonic() - start, str(exc))
-        else:
-            results[name] = ("made", time.monotonic() - start, "")
+        results[name] = _timed(
+            lambda: GroupCoordinator(layout, rank, "gloo", True, group_name=name).destroy()
+        )
 
     threads = [
         threading.Thread(target=build, args=("tp", [[0, 1], [2, 3]])),
