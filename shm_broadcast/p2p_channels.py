@@ -413,7 +413,9 @@ class P2PChannels:
         except FileNotFoundError as exc:
             raise ClosedError(
                 f"{self.name}: {operation} from rank {src}: its channel is gone "
-                "(the sender destroyed the group before this rank received)"
+                "(the sender destroyed the group before this rank received), or the "
+                f"sender made it in another directory ({exc.filename} is not there: "
+                "GROUPCOORD_SHM_DIR must be the same on every rank of a host)"
             ) from exc
         # This rank is the ring's only reader: once mapped, its name has done its job.
         if handle.buffer_name is not None:

@@ -629,3 +629,29 @@ def test_a_dict_holding_a_tensor_no_transfer_carries_is_refused_and_the_next_arr
     # DesyncError; a recv_tensor_dict waited out its timeout.
     results = run_ranks(_refused_then_next, 2, mode, timeout=60)
     assert results[1] == ["right", "right", "next", "right", "right", "next"]
+
+
+def _shm_dirs_differ(rank: int, world: int, other_dir: str) -> str:
+    from coordinator.errors import ClosedError
+
+    if rank == 1:  # a configuration error: another directory for shared memory
+        set_config(shm_dir=other_dir)
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="dirs")
+    try:
+        if rank == 0:
+            group.send_tensor_dict({"x": torch.ones(4)}, 1)
+            return ""
+        with pytest.raises(ClosedError) as raised:
+            group.recv_tensor_dict(0)
+        return str(raised.value)
+    finally:
+        group.destroy()
+
+
+def test_a_receiver_whose_shm_dir_differs_is_told_so(tmp_path: Any) -> None:
+    # Until 2026-11-29 it said only that the sender had destroyed the group, which
+    # it had not.
+    message = run_ranks(_shm_dirs_differ, 2, str(tmp_path), timeout=60)[1]
+    assert "GROUPCOORD_SHM_DIR must be the same on every rank of a host" in message, message
+    assert not [s for s in list_segments() if "ring" in s], list_segments()
