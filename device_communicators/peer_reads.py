@@ -311,17 +311,13 @@ class PeerReads:
             got = self._readv(pid, self._local_ref, 1, self._remote_ref, 1, 0)
             if got <= 0:
                 code = ctypes.get_errno() if got < 0 else 0
-                if code == errno.ESRCH:
-                    # Name every rank that is gone: this one may have exited only
-                    # because another died first (its own call raised), and the
-                    # first death is what the caller needs to hear about.
-                    dead = {self.ranks[r]} | {
-                        self.ranks[i] for i, p in enumerate(self.pids) if not process_alive(p)
-                    }
-                    raise PeerDiedError(self.what, operation, dead, "peer read")
-                # The peer's memory went away under the read (EFAULT): it left its
-                # call, most often because another rank died, which is then the news.
+                # Name every rank that is gone: the peer may have exited (ESRCH), or
+                # freed the memory under the read (EFAULT), only because another
+                # died first (its own call raised), and the first death is what the
+                # caller needs to hear about.
                 dead = {self.ranks[i] for i, p in enumerate(self.pids) if not process_alive(p)}
+                if code == errno.ESRCH:
+                    dead.add(self.ranks[r])
                 if dead:
                     raise PeerDiedError(self.what, operation, dead, "peer read")
                 raise PeerReadError(
