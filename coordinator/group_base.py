@@ -7,6 +7,7 @@ operation and the ranks that did not arrive or died."""
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import logging
 import os
@@ -22,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
+from device_communicators.shm_phases import QUEUE_CALLS
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import (
@@ -213,6 +215,8 @@ class GroupBase:
         # The device communicator's lean path for small calls (shm_small.SmallCalls).
         self._small: SmallCalls | None = None
         self.mq_broadcaster: Any = None
+        # The queue calls' stall checks (ShmBase.check_queue_wait), by operation.
+        self._queue_checks: dict[str, Callable[[list[int]], None]] = {}
         # Peers on this host, rank -> pid: a failed call names a dead one at once.
         self._local_pids: dict[int, int] = {}
         self._p2p_channels = P2PChannels(self.unique_name, self.rank, {}, self.timeout_s)
@@ -338,6 +342,10 @@ class GroupBase:
             shm = getattr(self.device_communicator, "shm_all_reduce", None)
             if shm is not None:
                 shm.set_desync_hook(unread_broadcasts_dropper(self.mq_broadcaster))
+                writing = self.rank_in_group == 0
+                self._queue_checks = {
+                    op: functools.partial(shm.check_queue_wait, op, writing) for op in QUEUE_CALLS
+                }
 
     def __repr__(self) -> str:
         return f"GroupCoordinator({self.unique_name}, ranks={self.ranks}, rank={self.rank})"

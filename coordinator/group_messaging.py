@@ -60,7 +60,7 @@ class GroupMessaging(GroupBase):
             # call's object, so it ends the group here (_ended_part_way). One message:
             # the queue's end keeps the threads' turns.
             with self._whole("broadcast_object", lock=False):
-                got = self._mq_broadcast(obj)
+                got = self._mq_broadcast(obj, "broadcast_object")
         else:
             msg = encode_message(obj) if mine else None  # refuses what it cannot carry, first
             data = self._broadcast_bytes("broadcast_object", msg, src)
@@ -97,16 +97,19 @@ class GroupMessaging(GroupBase):
             return f"{self.unique_name}: rank {self.rank_in_group} called {operation}(src={src})"
         return f"{self.unique_name}: rank {self.rank_in_group} called {operation} from rank {src}"
 
-    def _mq_broadcast(self, obj: Any) -> Any:
+    def _mq_broadcast(self, obj: Any, operation: str) -> Any:
         """In-group rank 0 writes ``obj`` to the queue, the others read it.
 
         No deadline: this is an engine worker's idle wait between requests, so
         it lasts as long as the writer (or, for the writer, the readers) live;
-        a dead peer ends it with PeerDiedError (see docs/coordinator.md)."""
+        a dead peer ends it with PeerDiedError, and peers that wait for this rank
+        in a collective of the group instead with DesyncError (see
+        docs/coordinator.md)."""
+        check = self._queue_checks.get(operation)
         if self.rank_in_group == 0:
-            self.mq_broadcaster.enqueue(obj)
+            self.mq_broadcaster.enqueue(obj, stall_check=check)
             return obj
-        return self.mq_broadcaster.dequeue()
+        return self.mq_broadcaster.dequeue(stall_check=check)
 
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: ProcessGroup | None = None

@@ -56,7 +56,7 @@ class Group(Protocol):
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor: ...
-    def _mq_broadcast(self, obj: Any) -> Any: ...
+    def _mq_broadcast(self, obj: Any, operation: str) -> Any: ...
     def _collective(self, operation: str, fn: Any, *args: Any) -> Any: ...
     def _p2p(self, operation: str, peer: int, fn: Any, *args: Any) -> Any: ...
     def _wait_all(self, operation: str, works: list[Any]) -> None: ...
@@ -95,7 +95,7 @@ def broadcast(
             # The queue's codec writes CPU tensors straight into shared
             # memory, so all of them ride inside; only device tensors follow.
             described, tensors = describe(tensor_dict, group.device, None)
-            group._mq_broadcast(encode(described))
+            group._mq_broadcast(encode(described), "broadcast_tensor_dict")
         else:
             described, tensors = describe(tensor_dict, group.device, INLINE_TENSOR_MAX_BYTES)
             group._broadcast_bytes("broadcast_tensor_dict", encode(described), src, metadata_group)
@@ -132,7 +132,7 @@ def broadcast(
     called = group._called("broadcast_tensor_dict", src)
     try:
         if via_mq:
-            described = checked(group._mq_broadcast(None), called, src)
+            described = checked(group._mq_broadcast(None, "broadcast_tensor_dict"), called, src)
         else:
             data = group._broadcast_bytes("broadcast_tensor_dict", None, src, metadata_group)
             described = decode(data, called, src)

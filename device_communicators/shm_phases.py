@@ -19,6 +19,7 @@ sides (``memory_fence``).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -47,6 +48,10 @@ _LEFT = -1
 _PID = 1  # int64 index within a line
 _PIDNS = 3  # int64 index within a line
 _ASLEEP = 4  # int32 index within a line (bytes 16..19)
+# The asleep word's value while its rank sleeps in a wait and its process runs no
+# other Python thread (1 otherwise): nothing of that process can act until the
+# wait ends (``PhaseLines.waits_alone_at``).
+_ASLEEP_ALONE = 3
 _BELL = 5  # int32 index within a line (bytes 20..23)
 # The fingerprint of the rank's calls: two slots of two int64s (bytes 32..63),
 # used by call parity, since a peer can be at most one call ahead of a rank
@@ -82,8 +87,12 @@ _SIZES_CHECKSUMS: dict[tuple[int, ...], int] = {}
 
 OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
-    "all_to_all", "scatter", "all_to_all_v",
+    "all_to_all", "scatter", "all_to_all_v", "queue",
 )  # fmt: skip
+# A group's calls through its message queue: a rank stuck in one on peers that wait
+# for it in a collective stamps ``queue_code`` (``ShmBase.check_queue_wait``).
+QUEUE_CALLS = ("broadcast_object", "broadcast_tensor_dict")
+_WRITING = 0x100  # in a queue call's reduce-op field: the writer's side
 _REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 
 
@@ -114,6 +123,13 @@ def _make_code(operation: str, dtype: torch.dtype | None, reduce_op: object, roo
         | (op_code << 16)
         | (root & 0xFFFF)
     )
+
+
+def queue_code(operation: str, writer: int, writing: bool) -> int:
+    """The fingerprint of ``operation`` (one of ``QUEUE_CALLS``) waiting in the message
+    queue of in-group rank ``writer``: to write (``writing``) or to read."""
+    field = QUEUE_CALLS.index(operation) | (_WRITING if writing else 0)
+    return call_code("queue", None, None, writer) | (field << 16)
 
 
 def layout_code(shape: Sequence[int], dim: int = 0) -> int:
@@ -202,6 +218,9 @@ def describe_call(code: int, count: int) -> str:
     extra = ""
     if operation == "barrier":
         return "barrier()"
+    if operation == "queue":
+        way = "writing" if op_code & _WRITING else "reading"
+        return f"{QUEUE_CALLS[op_code & 0xFF]}(src={root}) {way} the message queue"
     if operation in ("all_reduce", "reduce_scatter", "reduce"):
         extra = f", {_REDUCE_OPS[op_code - 1] if op_code else 'op?'}"
         if operation == "reduce":
@@ -487,13 +506,22 @@ class PhaseLines:
         words = self._words
         me = self.rank_in_group
         bell = words[me * _DWORDS + _BELL]  # read before re-checking: a ring after it wakes us
-        words[me * _DWORDS + _ASLEEP] = 1
+        words[me * _DWORDS + _ASLEEP] = _ASLEEP_ALONE if threading.active_count() == 1 else 1
         memory_fence()  # "asleep" must be visible before we read the counters
         try:
             if not self.all_reached(phase):
                 futex_wait(self._bell_address(me), bell, max(at_most_s, 1e-4))
         finally:
             words[me * _DWORDS + _ASLEEP] = 0
+
+    def waits_alone_at(self, r: int, phase: int) -> bool:
+        """In-group rank ``r`` has published ``phase`` and sleeps in its wait for the
+        others, with no other Python thread in its process (so nothing of it acts
+        until that wait ends)."""
+        return (
+            self._counters[r * _QWORDS] == phase
+            and self._words[r * _DWORDS + _ASLEEP] == _ASLEEP_ALONE
+        )
 
     def _bell_address(self, r: int) -> int:
         return self._address + r * LINE + _BELL * 4

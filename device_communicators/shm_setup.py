@@ -33,7 +33,14 @@ from .errors import (
     PeerDiedError,
 )
 from .peer_reads import PeerReadError, PeerReads, TimedWays, WayTurn, agree_on_peer_reads
-from .shm_phases import LINE, READ_DIRECTLY, VARYING_COUNTS, PhaseLines, call_code
+from .shm_phases import (
+    LINE,
+    READ_DIRECTLY,
+    VARYING_COUNTS,
+    PhaseLines,
+    call_code,
+    queue_code,
+)
 from .shm_slots import SlotSegment, align_up, open_slot_segment
 from .shm_small import SmallCalls
 
@@ -250,13 +257,15 @@ class ShmBase(AllReduceBackend):
         direct: bool = False,
         layout: int = 0,
         varying: bool = False,
+        bare_code: int | None = None,
     ) -> PhaseLines:
         """Refuse, or stamp the call's fingerprint (checked against every rank's at the
         call's first barrier: desync detection, always on). A barrier has no tensor;
         ``direct``: a call that reads the peers' memory (the way is chosen per call);
         ``layout``: the shape's field (``shm_phases.layout_code``) of a call that
         reads the ranks' tensors in this rank's shape; ``varying``: a call whose
-        ranks' element counts may differ (``shm_phases.VARYING_COUNTS``)."""
+        ranks' element counts may differ (``shm_phases.VARYING_COUNTS``); ``bare_code``:
+        the fingerprint of a call with no tensor, if not a barrier's."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._unarrived:
@@ -271,7 +280,7 @@ class ShmBase(AllReduceBackend):
         assert lines is not None  # enabled (no refusal) means set up
         lines.operation = operation
         if tensor is None:
-            lines.stamp(call_code(operation, None, None, 0), 0)
+            lines.stamp(call_code(operation, None, None, 0) if bare_code is None else bare_code, 0)
         else:
             code = call_code(operation, tensor.dtype, op, root) | layout
             if varying:
@@ -328,6 +337,33 @@ class ShmBase(AllReduceBackend):
         with self._desync_guard:
             gen = self._next_generation()
             lines.arrive(2 * gen - 1)
+
+    def check_queue_wait(self, operation: str, writing: bool, peers: list[int]) -> None:
+        """Run now and then while this rank waits in the group's message queue on
+        in-group ``peers``: the writer, for a reader (``writing`` False); for the
+        writer, the readers that have not read the chunk it needs. ``operation``:
+        one of ``shm_phases.QUEUE_CALLS``. When every one of them sleeps at the
+        first barrier of this group's next collective and neither this process nor
+        theirs runs another Python thread, they wait for each other for ever (a
+        reader's collective needs the writer, which waits in the queue, and the
+        other way round): this rank then joins that barrier with its queue call as
+        its call, so every rank raises ``DesyncError`` naming both, in step, and
+        the group stays usable. With another thread in any of those processes the
+        wait goes on (that thread may yet make the call, write or read)."""
+        lines = self._lines
+        phase = 2 * self.generation + 1
+        if (
+            lines is None
+            or self._failure is not None
+            or not peers
+            or threading.active_count() != 1
+            or not all(lines.waits_alone_at(r, phase) for r in peers)
+        ):
+            return
+        writer = self.rank_in_group if writing else peers[0]
+        code = queue_code(operation, writer, writing)
+        with self.call_lock:
+            self._empty_barrier(self._start(operation, None, None, bare_code=code))
 
     def _next_generation(self) -> int:
         assert self._lines is not None

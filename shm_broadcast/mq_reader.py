@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -71,6 +71,7 @@ class ReaderEnd(QueueEnd):
         indefinite: bool = False,
         *,
         into: memoryview | None = None,
+        stall_check: Callable[[list[int]], None] | None = None,
     ) -> Any:
         """Next object from the writer, in order.
 
@@ -83,6 +84,11 @@ class ReaderEnd(QueueEnd):
         ``into``: a writable buffer the caller owns. A message that is one tensor of
         exactly ``len(into)`` bytes is copied there by a local reader, and the tensor
         returned is built on it (no buffer of its own, no second copy).
+
+        ``stall_check``: called with ``[writer_rank]`` at the writer's liveness
+        checks while a local reader waits; it may raise to end the wait (a
+        group's, when the writer waits for this rank in a collective:
+        ``ShmBase.check_queue_wait``).
         """
         self._check_open()
         timeout_s, deadline = deadline_of(timeout)
@@ -91,7 +97,7 @@ class ReaderEnd(QueueEnd):
         self._notice = None if indefinite or timeout is not None else "dequeue"
         try:
             if self.role == "local reader":
-                return self._dequeue_local(deadline, timeout_s, into)
+                return self._dequeue_local(deadline, timeout_s, into, stall_check)
             if self.role == "remote reader":
                 return self._dequeue_remote(deadline, timeout_s)
             raise GroupcoordValueError(f"{self.what}: dequeue on the writer (rank {self.rank})")
@@ -115,17 +121,26 @@ class ReaderEnd(QueueEnd):
         return dropped
 
     def _dequeue_local(
-        self, deadline: float, timeout_s: float, into: memoryview | None = None
+        self,
+        deadline: float,
+        timeout_s: float,
+        into: memoryview | None = None,
+        stall_check: Callable[[list[int]], None] | None = None,
     ) -> Any:
         assert self._cursor is not None
         return self._cursor.read(
             self._local_index,
-            lambda idx: self._reader_wait_chunk(idx, deadline, timeout_s),
+            lambda idx: self._reader_wait_chunk(idx, deadline, timeout_s, stall_check=stall_check),
             into,
         )
 
     def _reader_wait_chunk(
-        self, idx: int, deadline: float, timeout_s: float, operation: str = "dequeue"
+        self,
+        idx: int,
+        deadline: float,
+        timeout_s: float,
+        operation: str = "dequeue",
+        stall_check: Callable[[list[int]], None] | None = None,
     ) -> None:
         ring = self._ring
         assert ring is not None
@@ -136,11 +151,16 @@ class ReaderEnd(QueueEnd):
             if ring.shutdown_flag:
                 raise ClosedError(f"{self.what}: the writer shut the queue down")
 
+        def slow() -> None:
+            self._check_writer_alive(operation)
+            if stall_check is not None:
+                stall_check([self.writer_rank])
+
         wait_until(
             lambda: ring.ready(idx, me),
             deadline,
             quick_check=quick,
-            slow_check=self._with_notice(lambda: self._check_writer_alive(operation)),
+            slow_check=self._with_notice(slow),
             on_timeout=lambda: self._reader_timeout(
                 operation, timeout_s, f"chunk {idx} not written"
             ),

@@ -9,7 +9,7 @@ import datetime
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -82,12 +82,24 @@ class WriterEnd(QueueEnd):
         if self._tcp_writer is not None:
             self._tcp_writer.wait_ready(deadline, timeout_s, self._check_open)
 
-    def enqueue(self, obj: Any, timeout: float | datetime.timedelta | None = None) -> None:
+    def enqueue(
+        self,
+        obj: Any,
+        timeout: float | datetime.timedelta | None = None,
+        *,
+        stall_check: Callable[[list[int]], None] | None = None,
+    ) -> None:
         """Send ``obj`` to every reader; waits while readers are behind: at most
         ``timeout``, or (None, vLLM's semantics) as long as they live, with a notice.
 
         ``obj`` may be a message ``codec.encode_message`` already encoded; it is
-        sent as is (readers get the object it encodes)."""
+        sent as is (readers get the object it encodes).
+
+        ``stall_check``: called with the local readers (their ranks) that have not
+        read a chunk this call waits for, at the readers' liveness checks, until
+        the first chunk of ``obj`` is written; it may raise to end the wait (a
+        group's, when they wait for this rank in a collective:
+        ``ShmBase.check_queue_wait``)."""
         if self.role != "writer":
             raise GroupcoordValueError(f"{self.what}: enqueue on a {self.role} (rank {self.rank})")
         if self._closed:
@@ -110,9 +122,12 @@ class WriterEnd(QueueEnd):
             self._notice = None if timeout is not None else "enqueue"
             body: list[Any] | None = None
             if cursor is not None:
+                start = cursor.chunks
 
                 def wait_free(idx: int) -> None:
-                    self._writer_wait_chunk(idx, deadline, timeout_s)
+                    # Nothing of obj is written while the cursor has not moved.
+                    check = stall_check if cursor.chunks == start else None
+                    self._writer_wait_chunk(idx, deadline, timeout_s, stall_check=check)
 
                 if meta is not None:
                     if cursor.write_tensor(obj, meta, wait_free):
@@ -170,7 +185,12 @@ class WriterEnd(QueueEnd):
         return all(ring.chunk_free(i) for i in range(ring.max_chunks))
 
     def _writer_wait_chunk(
-        self, idx: int, deadline: float, timeout_s: float, operation: str = "enqueue"
+        self,
+        idx: int,
+        deadline: float,
+        timeout_s: float,
+        operation: str = "enqueue",
+        stall_check: Callable[[list[int]], None] | None = None,
     ) -> None:
         ring = self._ring
         assert ring is not None
@@ -190,6 +210,8 @@ class WriterEnd(QueueEnd):
                     dead.append(self.local_reader_ranks[r])
             if dead:
                 raise PeerDiedError(self.what, operation, dead, "reader process is gone")
+            if stall_check is not None:
+                stall_check(missing())
 
         wait_until(
             lambda: ring.chunk_free(idx),

@@ -67,11 +67,13 @@ class RingCursor:
         self.codec = codec
         self.what = what
         self.idx = 0
+        self.chunks = 0  # chunks written or read so far (idx wraps; this does not)
         self.capacity = ring.max_chunk_bytes - MSG_OFFSET  # message bytes in one chunk
         self.broken = False
 
     def _advance(self) -> None:
         self.idx = (self.idx + 1) % self.ring.max_chunks
+        self.chunks += 1
 
     def free_for(self, tensor_bytes: list[int]) -> bool:
         """Writer: whether lone tensors of these byte counts, written in order from

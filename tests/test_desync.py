@@ -465,3 +465,126 @@ def test_a_queue_broadcast_left_unread_by_a_desync_is_dropped(world, gloo_debug)
         assert got["step"] == 2, (rank, got)
         dropped = "message-queue broadcast(s) from rank 0 that this rank had not read"
         assert (dropped in got["raised"]) == (rank == world - 1), (rank, got["raised"])
+
+
+def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
+    """Rank 0 makes a collective while rank 1 (and in "both read", rank 2) waits to
+    read a queue broadcast from it; the other ranks make rank 0's collective."""
+    import threading
+
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import DesyncError
+
+    set_config(timeout_s=30.0)
+    init_gloo(rank, world)
+    group = GroupCoordinator(
+        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
+        group_name="qstall",
+    )  # fmt: skip
+    big = torch.ones(4 << 20)  # 16 MiB: a call of several generations
+    reads = {"barrier": [1], "all_reduce": [1], "both read": [1, 2]}[case]
+    raised, started = "", time.monotonic()
+    try:
+        if rank in reads and case == "all_reduce":
+            group.broadcast_object(None, src=0)
+        elif rank in reads:
+            group.broadcast_tensor_dict(None, src=0)
+        elif case == "all_reduce":
+            group.all_reduce(big)
+        else:
+            group.barrier()
+    except DesyncError as exc:
+        raised = str(exc)
+    took = time.monotonic() - started
+    # Still in step and usable: a queue broadcast, then a collective.
+    got = group.broadcast_tensor_dict({"step": 2} if rank == 0 else None, src=0)
+    total = group.all_reduce(torch.ones(4)).tolist()
+    # A writer with a second thread is waited for: that thread may write yet (here
+    # rank 0's main thread writes 1 s after its other thread entered the all_reduce,
+    # which rank 1 makes once it has read).
+    if rank == 0:
+        side = threading.Thread(target=lambda: group.all_reduce(torch.ones(4)))
+        side.start()
+        time.sleep(1.0)
+        group.broadcast_object("late", src=0)
+        side.join()
+        late = "late"
+    else:
+        late = group.broadcast_object(None, src=0)
+        group.all_reduce(torch.ones(4))
+    group.destroy()
+    return {"raised": raised, "took": took, "step": got["step"], "sum": total, "late": late}
+
+
+@pytest.mark.parametrize("case", ["barrier", "all_reduce", "both read"])
+def test_a_reader_waiting_on_a_writer_that_waits_for_it_in_a_collective_raises(case):
+    """A rank waiting in a queue read while the writer waits for it in a collective
+    of the group: both waited until the writer's timeout (300 s by default) and the
+    reader then heard only that the writer had died (when it exited). Now every rank
+    raises DesyncError naming both calls within about a second, and the group stays
+    usable."""
+    world = 2 if case == "barrier" else 3
+    results = run_ranks(_writer_in_a_collective, world, case, timeout=90)
+    writer_call = {"barrier": "barrier()", "all_reduce": "all_reduce(float32[4194304], SUM)"}
+    read = "broadcast_object" if case == "all_reduce" else "broadcast_tensor_dict"
+    for rank, got in enumerate(results):
+        assert writer_call.get(case, "barrier()") in got["raised"], (rank, got)
+        assert f"{read}(src=0) reading the message queue" in got["raised"], (rank, got)
+        assert got["took"] < 10.0, (rank, got)
+        assert got["step"] == 2 and got["sum"] == [float(world)] * 4, (rank, got)
+        assert got["late"] == "late", (rank, got)
+
+
+def _readers_in_a_collective(rank: int, world: int) -> dict:
+    """Rank 0 broadcasts through a queue of 2 chunks 3 times while rank 1 makes a
+    collective instead of reading; at world 3 rank 2 reads all it can."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import DesyncError
+
+    set_config(timeout_s=30.0, mq_max_chunks=2)
+    init_gloo(rank, world)
+    group = GroupCoordinator(
+        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
+        group_name="wstall",
+    )  # fmt: skip
+    raised, read, started = "", [], time.monotonic()
+    try:
+        if rank == 0:
+            for step in range(3):  # the third waits for rank 1 to free a chunk
+                group.broadcast_tensor_dict({"step": step, "t": torch.ones(8)}, src=0)
+        elif rank == 1:
+            group.all_reduce(torch.ones(4))
+        else:
+            for _ in range(3):  # reads two; waits for the third, never written
+                read.append(group.broadcast_tensor_dict(None, src=0)["step"])
+    except DesyncError as exc:
+        raised = str(exc)
+    took = time.monotonic() - started
+    got = group.broadcast_tensor_dict({"step": 9} if rank == 0 else None, src=0)
+    total = group.all_reduce(torch.ones(4)).tolist()
+    group.destroy()
+    return {"raised": raised, "took": took, "read": read, "step": got["step"], "sum": total}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_writer_waiting_on_readers_that_wait_for_it_in_a_collective_raises(world):
+    """The writer's queue full of broadcasts rank 1 made a collective instead of
+    reading: rank 1 waited for rank 0 in the collective until its timeout and rank 0
+    for a free chunk as long as rank 1 lived. Now every rank raises DesyncError
+    naming both within about a second; rank 1 drops the two broadcasts it never
+    read, and the next broadcast is the one every rank reads."""
+    results = run_ranks(_readers_in_a_collective, world, timeout=90)
+    writing = "broadcast_tensor_dict(src=0) writing the message queue"
+    for rank, got in enumerate(results):
+        assert writing in got["raised"], (rank, got)
+        # Rank 2, which waits to read, names rank 0, the first call unlike its own.
+        other = "reading the message queue" if rank == 2 else "all_reduce(float32[4], SUM)"
+        assert other in got["raised"], (rank, got)
+        dropped = "2 message-queue broadcast(s) from rank 0 that this rank had not read"
+        assert (dropped in got["raised"]) == (rank == 1), (rank, got["raised"])
+        assert got["took"] < 10.0, (rank, got)
+        assert got["step"] == 9 and got["sum"] == [float(world)] * 4, (rank, got)
+    if world == 3:
+        assert results[2]["read"] == [0, 1], results[2]
