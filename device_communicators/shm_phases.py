@@ -89,9 +89,12 @@ OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
     "all_to_all", "scatter", "all_to_all_v", "queue",
 )  # fmt: skip
-# A group's calls through its message queue: a rank stuck in one on peers that wait
-# for it in a collective stamps ``queue_code`` (``ShmBase.check_queue_wait``).
-QUEUE_CALLS = ("broadcast_object", "broadcast_tensor_dict")
+# A group's calls through its message queue and its point-to-point channels: a rank
+# stuck in one on peers that wait for it in a collective stamps ``queue_code``
+# (``ShmBase.check_queue_wait``).
+QUEUE_CALLS = (
+    "broadcast_object", "broadcast_tensor_dict", "recv_object", "recv_tensor_dict", "recv",
+)  # fmt: skip
 _WRITING = 0x100  # in a queue call's reduce-op field: the writer's side
 _REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 
@@ -127,7 +130,7 @@ def _make_code(operation: str, dtype: torch.dtype | None, reduce_op: object, roo
 
 def queue_code(operation: str, writer: int, writing: bool) -> int:
     """The fingerprint of ``operation`` (one of ``QUEUE_CALLS``) waiting in the message
-    queue of in-group rank ``writer``: to write (``writing``) or to read."""
+    queue or channel of in-group rank ``writer``: to write (``writing``) or to read."""
     field = QUEUE_CALLS.index(operation) | (_WRITING if writing else 0)
     return call_code("queue", None, None, writer) | (field << 16)
 
@@ -219,8 +222,11 @@ def describe_call(code: int, count: int) -> str:
     if operation == "barrier":
         return "barrier()"
     if operation == "queue":
+        name = QUEUE_CALLS[op_code & 0xFF]
+        if name.startswith("recv"):
+            return f"{name}(src={root}) waiting on its shared-memory channel"
         way = "writing" if op_code & _WRITING else "reading"
-        return f"{QUEUE_CALLS[op_code & 0xFF]}(src={root}) {way} the message queue"
+        return f"{name}(src={root}) {way} the message queue"
     if operation in ("all_reduce", "reduce_scatter", "reduce"):
         extra = f", {_REDUCE_OPS[op_code - 1] if op_code else 'op?'}"
         if operation == "reduce":

@@ -35,6 +35,7 @@ from .errors import (
 from .peer_reads import PeerReadError, PeerReads, TimedWays, WayTurn, agree_on_peer_reads
 from .shm_phases import (
     LINE,
+    QUEUE_CALLS,
     READ_DIRECTLY,
     VARYING_COUNTS,
     PhaseLines,
@@ -339,10 +340,11 @@ class ShmBase(AllReduceBackend):
             lines.arrive(2 * gen - 1)
 
     def check_queue_wait(self, operation: str, writing: bool, peers: list[int]) -> None:
-        """Run now and then while this rank waits in the group's message queue on
-        in-group ``peers``: the writer, for a reader (``writing`` False); for the
-        writer, the readers that have not read the chunk it needs. ``operation``:
-        one of ``shm_phases.QUEUE_CALLS``. When every one of them sleeps at the
+        """Run now and then while this rank waits in the group's message queue or a
+        point-to-point channel on in-group ``peers``: the writer, for a reader
+        (``writing`` False); for the writer, the readers that have not read the
+        chunk it needs. ``operation``: a call of ``shm_phases.QUEUE_CALLS`` (others
+        are not checked). When every one of them sleeps at the
         first barrier of this group's next collective and neither this process nor
         theirs runs another Python thread, they wait for each other for ever (a
         reader's collective needs the writer, which waits in the queue, and the
@@ -355,6 +357,7 @@ class ShmBase(AllReduceBackend):
         if (
             lines is None
             or self._failure is not None
+            or operation not in QUEUE_CALLS
             or not peers
             or threading.active_count() != 1
             or not all(lines.waits_alone_at(r, phase) for r in peers)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import logging
 import multiprocessing.util
 import os
@@ -179,6 +180,9 @@ class P2PChannels:
         # made: two threads' writers under one store key lost one thread's messages).
         self._turns: dict[tuple[int, bool], threading.RLock] = {}
         self._turns_lock = threading.Lock()
+        # Called (operation, [src]) while a receive waits on its sender (the owner's
+        # check that the sender is not waiting for this rank in a collective); may raise.
+        self.stall_check: Callable[[str, list[int]], None] | None = None
 
     def turn(self, peer: int, sending: bool) -> threading.RLock:
         """The lock a caller holds while it sends to (or receives from) ``peer`` the
@@ -398,6 +402,8 @@ class P2PChannels:
                     f"receiver rank {self.rank}",
                     "the sender has not opened its shared-memory channel",
                 )
+            if self.stall_check is not None:
+                self.stall_check(operation, [src])
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
         data = self._store_call(operation, src, store.get, key)
@@ -436,8 +442,13 @@ class P2PChannels:
         into: memoryview | None = None,
     ) -> Any:
         limit = self._limit(limit)
+        check = self.stall_check
         return self._queue_wait(
-            lambda: mq.dequeue(timeout=limit.left(), into=into),
+            lambda: mq.dequeue(
+                timeout=limit.left(),
+                into=into,
+                stall_check=None if check is None else functools.partial(check, operation),
+            ),
             src,
             operation,
             limit.timeout_s,

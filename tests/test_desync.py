@@ -588,3 +588,72 @@ def test_a_writer_waiting_on_readers_that_wait_for_it_in_a_collective_raises(wor
         assert got["step"] == 9 and got["sum"] == [float(world)] * 4, (rank, got)
     if world == 3:
         assert results[2]["read"] == [0, 1], results[2]
+
+
+def _receiver_while_sender_in_a_collective(rank: int, world: int, call: str, opened: bool) -> dict:
+    """Rank 0 waits to receive from rank 1, which makes a barrier instead of sending;
+    with ``opened`` the pair's channel carried a message before (the wait is then in
+    the channel's read, else in waiting for the sender to open it)."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import DesyncError
+
+    set_config(timeout_s=30.0)
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="pstall")
+    receive = {
+        "recv_tensor_dict": lambda: group.recv_tensor_dict(src=1)["x"],
+        "recv_object": lambda: group.recv_object(src=1),
+        "recv": lambda: group.recv(torch.Size([3]), torch.float32, src=1),
+    }[call]
+    send = {
+        "recv_tensor_dict": lambda v: group.send_tensor_dict({"x": v}, dst=0),
+        "recv_object": lambda v: group.send_object(v, dst=0),
+        "recv": lambda v: group.send(v, dst=0),
+    }[call]
+    value = torch.arange(3.0) if call != "recv_object" else [1, 2, 3]
+    if opened:
+        if rank == 1:
+            send(value)
+        else:
+            receive()
+    raised, started = "", time.monotonic()
+    try:
+        if rank == 0:
+            receive()
+        else:
+            group.barrier()
+    except DesyncError as exc:
+        raised = str(exc)
+    took = time.monotonic() - started
+    # In step: the next message is the next one sent, the group reduces.
+    if rank == 1:
+        send(value)
+        got = value
+    else:
+        got = receive()
+    total = group.all_reduce(torch.ones(2)).tolist()
+    group.destroy()
+    return {"raised": raised, "took": took, "got": str(got), "sum": total}
+
+
+@pytest.mark.parametrize(
+    ("call", "opened"),
+    [
+        ("recv_tensor_dict", False),
+        ("recv_tensor_dict", True),
+        ("recv_object", True),
+        ("recv", True),
+    ],
+)
+def test_a_receiver_waiting_on_a_sender_that_waits_for_it_in_a_collective_raises(call, opened):
+    """A rank waiting to receive from a peer that waits for it in a barrier of the
+    group: both waited until the timeout. Now both raise DesyncError naming both
+    calls at once, and the pair and the group stay usable."""
+    results = run_ranks(_receiver_while_sender_in_a_collective, 2, call, opened, timeout=90)
+    for rank, got in enumerate(results):
+        assert f"{call}(src=1) waiting on its shared-memory channel" in got["raised"], (rank, got)
+        assert "barrier()" in got["raised"], (rank, got)
+        assert got["took"] < 10.0, (rank, got)
+        assert got["got"] in ("tensor([0., 1., 2.])", "[1, 2, 3]"), (rank, got)
+        assert got["sum"] == [2.0, 2.0], (rank, got)
