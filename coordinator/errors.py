@@ -5,6 +5,7 @@ from __future__ import annotations
 from device_communicators.errors import (
     BackendUnavailableError,
     ClosedError,
+    CrossedCallsError,
     DesyncError,
     GroupcoordError,
     GroupcoordTimeoutError,
@@ -21,6 +22,7 @@ __all__ = [
     "AlreadyInitializedError",
     "BackendUnavailableError",
     "ClosedError",
+    "CrossedCallsError",
     "DesyncError",
     "GroupcoordError",
     "GroupcoordTimeoutError",

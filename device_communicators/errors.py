@@ -5,6 +5,7 @@ from __future__ import annotations
 from shm_broadcast.errors import (
     BackendUnavailableError,
     ClosedError,
+    CrossedCallsError,
     DesyncError,
     GroupcoordError,
     GroupcoordTimeoutError,
@@ -21,6 +22,7 @@ from shm_broadcast.errors import (
 __all__ = [
     "BackendUnavailableError",
     "ClosedError",
+    "CrossedCallsError",
     "DesyncError",
     "GroupcoordError",
     "GroupcoordTimeoutError",

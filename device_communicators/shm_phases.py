@@ -87,7 +87,7 @@ _SIZES_CHECKSUMS: dict[tuple[int, ...], int] = {}
 
 OPERATIONS = (
     "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "reduce", "gather",
-    "all_to_all", "scatter", "all_to_all_v", "queue",
+    "all_to_all", "scatter", "all_to_all_v", "queue", "elsewhere",
 )  # fmt: skip
 # A group's calls through its message queue and its point-to-point channels: a rank
 # stuck in one on peers that wait for it in a collective stamps ``queue_code``
@@ -133,6 +133,16 @@ def queue_code(operation: str, writer: int, writing: bool) -> int:
     queue or channel of in-group rank ``writer``: to write (``writing``) or to read."""
     field = QUEUE_CALLS.index(operation) | (_WRITING if writing else 0)
     return call_code("queue", None, None, writer) | (field << 16)
+
+
+def elsewhere_code(waiting: int) -> int:
+    """The fingerprint a rank stamps in this group when it joins its call from a call
+    of another group that waits for a peer stuck here (``ShmBase``'s crossed-wait
+    check): that call's operation and dtype (``waiting``: its code). Ranks joining
+    from the same call stamp alike, so a rank's error names the call it differs
+    from; the join moves no data, so joiners that meet only each other harm nothing."""
+    operation = (waiting >> 40) & 0xFF
+    return (OPERATIONS.index("elsewhere") << 40) | (waiting & (0xFF << 32)) | (operation << 16)
 
 
 def layout_code(shape: Sequence[int], dim: int = 0) -> int:
@@ -221,6 +231,10 @@ def describe_call(code: int, count: int) -> str:
     extra = ""
     if operation == "barrier":
         return "barrier()"
+    if operation == "elsewhere":
+        other = OPERATIONS[op_code]
+        call = "barrier()" if other == "barrier" else f"{other}({dtype}[{count}])"
+        return f"{call} in another group, waiting there for a rank of this one"
     if operation == "queue":
         name = QUEUE_CALLS[op_code & 0xFF]
         if name.startswith("recv"):
@@ -303,6 +317,9 @@ class PhaseLines:
         self.on_desync: Callable[[], str] | None = None
         # Set from another thread (an abort): the wait in progress ends with ClosedError.
         self.abandoned: str | None = None
+        # Run with the liveness check of a long wait (the owner's crossed-wait check,
+        # a module function: no cycle through the owner); may raise.
+        self.crossed_check: Callable[[PhaseLines, int], None] | None = None
         self._check_pending = False
         self._my_stamp = [rank_in_group * _QWORDS + slot for slot in _FP_SLOTS]
         self._peer_stamps = [[r * _QWORDS + slot for r in self._others] for slot in _FP_SLOTS]
@@ -393,6 +410,11 @@ class PhaseLines:
                     f"the ranks' collectives are out of step (no result returned){note}"
                 )
 
+    def current_stamp(self) -> tuple[int, int]:
+        """This rank's stamp of its current call: (code, element count)."""
+        at = self._my_stamp[self.calls & 1]
+        return self._counters[at], self._counters[at + 1] & _COUNT_MASK
+
     def counts(self) -> list[int]:
         """Every rank's element count in the current call's stamp (after its first
         barrier), in rank order."""
@@ -445,7 +467,7 @@ class PhaseLines:
             lambda: self.all_reached(phase),
             deadline,
             quick_check=lambda: self._quick_check(phase),
-            slow_check=lambda: self._check_peers_alive(phase),
+            slow_check=lambda: self._slow_check(phase),
             on_timeout=lambda: GroupcoordTimeoutError(
                 self.what,
                 self.operation,
@@ -531,6 +553,11 @@ class PhaseLines:
 
     def _bell_address(self, r: int) -> int:
         return self._address + r * LINE + _BELL * 4
+
+    def _slow_check(self, phase: int) -> None:
+        self._check_peers_alive(phase)
+        if self.crossed_check is not None:
+            self.crossed_check(self, phase)
 
     def _check_peers_alive(self, phase: int) -> None:
         if not self.pid_checks:

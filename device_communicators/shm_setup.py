@@ -15,6 +15,7 @@ import functools
 import logging
 import platform
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ from shm_broadcast.config import get_config, resolve_timeout
 from .all_reduce_backends import SUSPENDED, AllReduceBackend
 from .errors import (
     ClosedError,
+    CrossedCallsError,
     DesyncError,
     GroupcoordTimeoutError,
     GroupcoordValueError,
@@ -40,6 +42,8 @@ from .shm_phases import (
     VARYING_COUNTS,
     PhaseLines,
     call_code,
+    describe_call,
+    elsewhere_code,
     queue_code,
 )
 from .shm_slots import SlotSegment, align_up, open_slot_segment
@@ -55,6 +59,42 @@ PIPELINE_PIECE_BYTES = 1024 * 1024
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+# Every shared-memory group of this process: a long wait in one looks for peers
+# stuck in another that wait for this rank (_check_crossed).
+_LIVE: weakref.WeakSet[ShmBase] = weakref.WeakSet()
+
+
+def _check_crossed(lines: PhaseLines, phase: int) -> None:
+    """Run at the liveness checks of a wait at ``phase`` on ``lines``: when a rank
+    this wait needs sleeps at the first barrier of another group's next call, which
+    needs this rank, and neither process runs another Python thread, the two wait
+    for each other for ever. The ranks waiting in the group that sorts first
+    (by name and ranks) act, so one side does: they join the other group's call
+    (``ShmBase._cross_into``)."""
+    if threading.active_count() != 1:
+        return
+    owners = [b for b in list(_LIVE) if b._lines is not None and b._failure is None]
+    here = next((b for b in owners if b._lines is lines), None)
+    if here is None or not lines.pid_checks:
+        return
+    # By pid: groups number their ranks their own ways (a Comm's are its own).
+    behind = {lines.pids[lines.ranks.index(g)]: g for g in lines.behind(phase)}
+    for there in owners:
+        there_lines = there._lines
+        assert there_lines is not None
+        if not there_lines.pid_checks or not (here.what, here.ranks) < (there.what, there.ranks):
+            continue
+        next_first = 2 * there.generation + 1
+        stuck = [
+            g
+            for pid, g in behind.items()
+            if pid in there_lines.pids
+            and there_lines.waits_alone_at(there_lines.pids.index(pid), next_first)
+        ]
+        if stuck:
+            here._cross_into(there, stuck)
 
 
 def one_at_a_time(method: _Method) -> _Method:
@@ -150,6 +190,7 @@ class ShmBase(AllReduceBackend):
         # next call finds it still so, the one before ended in between.
         self._unarrived = False
         self._desync_guard = _DesyncGuard(self)
+        _LIVE.add(self)
         # Calls from several threads of this rank run one at a time, whole (the
         # slots, generations and control line are shared); see one_at_a_time.
         self.call_lock = threading.RLock()
@@ -198,6 +239,7 @@ class ShmBase(AllReduceBackend):
         self._lines = None if self._slots is None else self._slots.lines
         if self._lines is not None:
             self._lines.on_desync = self._desync_hook
+            self._lines.crossed_check = _check_crossed
         self.small.attach(self._slots if reason is None else None)
         if self._lines is not None:  # every rank or none (the set-up agreed)
             self.peer_reads, self.peer_reads_reason = agree_on_peer_reads(
@@ -258,15 +300,15 @@ class ShmBase(AllReduceBackend):
         direct: bool = False,
         layout: int = 0,
         varying: bool = False,
-        bare_code: int | None = None,
+        bare: tuple[int, int] | None = None,
     ) -> PhaseLines:
         """Refuse, or stamp the call's fingerprint (checked against every rank's at the
         call's first barrier: desync detection, always on). A barrier has no tensor;
         ``direct``: a call that reads the peers' memory (the way is chosen per call);
         ``layout``: the shape's field (``shm_phases.layout_code``) of a call that
         reads the ranks' tensors in this rank's shape; ``varying``: a call whose
-        ranks' element counts may differ (``shm_phases.VARYING_COUNTS``); ``bare_code``:
-        the fingerprint of a call with no tensor, if not a barrier's."""
+        ranks' element counts may differ (``shm_phases.VARYING_COUNTS``); ``bare``:
+        the fingerprint (code, count) of a call with no tensor, if not a barrier's."""
         if reason is not None:
             raise GroupcoordValueError(f"{self.what} cannot take this tensor: {reason}")
         if self._unarrived:
@@ -281,7 +323,7 @@ class ShmBase(AllReduceBackend):
         assert lines is not None  # enabled (no refusal) means set up
         lines.operation = operation
         if tensor is None:
-            lines.stamp(call_code(operation, None, None, 0) if bare_code is None else bare_code, 0)
+            lines.stamp(*((call_code(operation, None, None, 0), 0) if bare is None else bare))
         else:
             code = call_code(operation, tensor.dtype, op, root) | layout
             if varying:
@@ -366,7 +408,32 @@ class ShmBase(AllReduceBackend):
         writer = self.rank_in_group if writing else peers[0]
         code = queue_code(operation, writer, writing)
         with self.call_lock:
-            self._empty_barrier(self._start(operation, None, None, bare_code=code))
+            self._empty_barrier(self._start(operation, None, None, bare=(code, 0)))
+
+    def _cross_into(self, there: ShmBase, stuck: list[int]) -> None:
+        """This rank's call waits for ``stuck`` (global ranks), which wait for it in
+        the next call of group ``there`` (``_check_crossed``): join that call, stamped
+        as this one, so every rank of ``there`` raises ``DesyncError`` and goes on in
+        step; then end this call with ``CrossedCallsError`` (it leaves this group)."""
+        lines = self._lines
+        assert lines is not None
+        code, count = lines.current_stamp()
+        me = self.ranks[self.rank_in_group]
+        waiting = describe_call(code, count)
+        note = ""
+        try:
+            with there.call_lock:
+                joined = (elsewhere_code(code), count)
+                there._empty_barrier(
+                    there._start(f"{lines.operation} of {self.what}", None, None, bare=joined)
+                )
+        except DesyncError as exc:
+            note = f"; {there.what} raised DesyncError on every rank and stays usable: {exc}"
+        raise CrossedCallsError(
+            f"{self.what}: rank {me} waits in {waiting} (call #{lines.calls}) for rank(s) "
+            f"{stuck}, which wait for it in {there.what}'s next call: the ranks make the "
+            f"two groups' calls in different orders; {self.what} is closed on this rank{note}"
+        )
 
     def _next_generation(self) -> int:
         assert self._lines is not None

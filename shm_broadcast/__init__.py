@@ -7,6 +7,7 @@ from .config import GroupcoordConfig, get_config, override, set_config
 from .errors import (
     BackendUnavailableError,
     ClosedError,
+    CrossedCallsError,
     GroupcoordError,
     GroupcoordTimeoutError,
     GroupcoordTypeError,
@@ -33,6 +34,7 @@ __all__ = [
     "add_safe_types",
     "BackendUnavailableError",
     "ClosedError",
+    "CrossedCallsError",
     "GroupcoordConfig",
     "GroupcoordError",
     "GroupcoordTimeoutError",

@@ -135,6 +135,13 @@ class ClosedError(GroupcoordError, RuntimeError):
     """The object was shut down or destroyed and cannot be used any more."""
 
 
+class CrossedCallsError(ClosedError):
+    """Two ranks each wait for the other in a collective of a different group (they
+    make the two groups' calls in different orders). Raised from the call of one
+    group, which is closed on this rank; the other group raised ``DesyncError`` on
+    every rank and stays usable. The message names both calls and both groups."""
+
+
 class NotSupportedError(GroupcoordError, NotImplementedError):
     """An optional capability that this back end lacks; names both."""
 

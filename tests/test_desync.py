@@ -657,3 +657,62 @@ def test_a_receiver_waiting_on_a_sender_that_waits_for_it_in_a_collective_raises
         assert got["took"] < 10.0, (rank, got)
         assert got["got"] in ("tensor([0., 1., 2.])", "[1, 2, 3]"), (rank, got)
         assert got["sum"] == [2.0, 2.0], (rank, got)
+
+
+def _crossed_groups(rank: int, world: int, names: tuple[str, str]) -> dict:
+    """Groups ``a`` and ``b`` of every rank: rank 1 makes b's barrier, the others a's
+    all_reduce; then each rank makes an all_reduce on each group."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import GroupcoordError
+
+    set_config(timeout_s=30.0)
+    init_gloo(rank, world)
+    ranks = [list(range(world))]
+    a = GroupCoordinator(ranks, rank, "gloo", True, group_name=names[0])
+    b = GroupCoordinator(ranks, rank, "gloo", True, group_name=names[1])
+    started = time.monotonic()
+    try:
+        if rank == 1:
+            b.barrier()
+        else:
+            a.all_reduce(torch.ones(4))
+        raised = "returned"
+    except GroupcoordError as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - started
+    after = {}
+    for name, group in (("a", a), ("b", b)):
+        try:
+            after[name] = group.all_reduce(torch.ones(2)).tolist()
+        except GroupcoordError as exc:
+            after[name] = f"{type(exc).__name__}: {exc}"
+    a.destroy()
+    b.destroy()
+    return {"raised": raised, "took": took, "after": after}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("a_first", [True, False], ids=["a-sorts-first", "b-sorts-first"])
+def test_ranks_waiting_for_each_other_in_two_groups_raise_naming_both(world, a_first):
+    """Rank 1 in group b's barrier, the others in group a's all_reduce: each waited
+    for the other until the timeout. Now the ranks waiting in the group whose name
+    sorts first join the other group's call: that group raises DesyncError on every
+    rank and stays usable, and the joiners raise CrossedCallsError, which closes
+    the group they waited in on their ranks (its other ranks then hear they left)."""
+    names = ("xa", "xb") if a_first else ("xb", "xa")
+    results = run_ranks(_crossed_groups, world, names, timeout=90)
+    waiters = [1] if not a_first else [r for r in range(world) if r != 1]
+    joined, kept = ("b", "a") if a_first else ("a", "b")  # the group the waiters joined
+    for rank, got in enumerate(results):
+        assert got["took"] < 10.0, (rank, got)
+        if rank in waiters:
+            assert got["raised"].startswith("CrossedCallsError: "), (rank, got)
+            assert "in different orders" in got["raised"], (rank, got)
+            assert got["after"][kept].startswith("ClosedError: "), (rank, got)
+        else:
+            assert got["raised"].startswith("DesyncError: "), (rank, got)
+            assert got["after"][kept].startswith("PeerLeftError: "), (rank, got)
+        assert "barrier()" in got["raised"] and "all_reduce(float32[4]" in got["raised"], got
+        assert "in another group, waiting there for a rank of this one" in got["raised"], got
+        assert got["after"][joined] == [float(world)] * 2, (rank, got)
