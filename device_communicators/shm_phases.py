@@ -320,6 +320,9 @@ class PhaseLines:
         # Run with the liveness check of a long wait (the owner's crossed-wait check,
         # a module function: no cycle through the owner); may raise.
         self.crossed_check: Callable[[PhaseLines, int], None] | None = None
+        # For a timed-out wait at a phase: where the ranks it needed wait instead, as
+        # the owner's other groups show ("" when unknown; a module function too).
+        self.locate_peers: Callable[[PhaseLines, int], str] | None = None
         self._check_pending = False
         self._my_stamp = [rank_in_group * _QWORDS + slot for slot in _FP_SLOTS]
         self._peer_stamps = [[r * _QWORDS + slot for r in self._others] for slot in _FP_SLOTS]
@@ -412,8 +415,17 @@ class PhaseLines:
 
     def current_stamp(self) -> tuple[int, int]:
         """This rank's stamp of its current call: (code, element count)."""
-        at = self._my_stamp[self.calls & 1]
+        return self.stamp_of(self.rank_in_group, self.calls)
+
+    def stamp_of(self, r: int, call: int) -> tuple[int, int]:
+        """In-group rank ``r``'s stamp of its call number ``call`` (this rank's
+        current call or the next): (code, element count)."""
+        at = r * _QWORDS + _FP_SLOTS[call & 1]
         return self._counters[at], self._counters[at + 1] & _COUNT_MASK
+
+    def phase_of(self, r: int) -> int:
+        """In-group rank ``r``'s counter: the last phase it published."""
+        return self._counters[r * _QWORDS]
 
     def counts(self) -> list[int]:
         """Every rank's element count in the current call's stamp (after its first
@@ -474,7 +486,8 @@ class PhaseLines:
                 self.timeout_s,
                 missing=self.behind(phase),
                 role=f"rank {self.ranks[self.rank_in_group]}",
-                detail=f"shared-memory path, generation {self.generation}",
+                detail=f"shared-memory path, generation {self.generation}"
+                + (self.locate_peers(self, phase) if self.locate_peers is not None else ""),
             ),
             sleep=lambda at_most_s: self._sleep(phase, at_most_s),
             spin_s=self.spin_s,
@@ -546,10 +559,7 @@ class PhaseLines:
         """In-group rank ``r`` has published ``phase`` and sleeps in its wait for the
         others, with no other Python thread in its process (so nothing of it acts
         until that wait ends)."""
-        return (
-            self._counters[r * _QWORDS] == phase
-            and self._words[r * _DWORDS + _ASLEEP] == _ASLEEP_ALONE
-        )
+        return self.phase_of(r) == phase and self._words[r * _DWORDS + _ASLEEP] == _ASLEEP_ALONE
 
     def _bell_address(self, r: int) -> int:
         return self._address + r * LINE + _BELL * 4

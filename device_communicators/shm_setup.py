@@ -66,6 +66,35 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 _LIVE: weakref.WeakSet[ShmBase] = weakref.WeakSet()
 
 
+def _others_of(lines: PhaseLines) -> tuple[ShmBase | None, list[ShmBase]]:
+    """The group whose control lines are ``lines``, and this process's other usable
+    shared-memory groups (``None`` and [] where ranks cannot be told apart by pid)."""
+    owners = [b for b in list(_LIVE) if b._lines is not None and b._failure is None]
+    here = next((b for b in owners if b._lines is lines), None)
+    if here is None or not lines.pid_checks:
+        return None, []
+    return here, [
+        b for b in owners if b is not here and b._lines is not None and b._lines.pid_checks
+    ]
+
+
+def _waiting_there(lines: PhaseLines, phase: int, there: ShmBase) -> list[tuple[int, int]]:
+    """The ranks a wait at ``phase`` on ``lines`` needs that wait at the first barrier
+    of group ``there``'s next call, which needs this rank: (global rank here, their
+    in-group rank there), matched by pid (groups number their ranks their own ways)."""
+    there_lines = there._lines
+    assert there_lines is not None
+    next_first = 2 * there.generation + 1
+    found = []
+    for g in lines.behind(phase):
+        pid = lines.pids[lines.ranks.index(g)]
+        if pid in there_lines.pids:
+            r = there_lines.pids.index(pid)
+            if there_lines.phase_of(r) == next_first:
+                found.append((g, r))
+    return found
+
+
 def _check_crossed(lines: PhaseLines, phase: int) -> None:
     """Run at the liveness checks of a wait at ``phase`` on ``lines``: when a rank
     this wait needs sleeps at the first barrier of another group's next call, which
@@ -75,26 +104,32 @@ def _check_crossed(lines: PhaseLines, phase: int) -> None:
     (``ShmBase._cross_into``)."""
     if threading.active_count() != 1:
         return
-    owners = [b for b in list(_LIVE) if b._lines is not None and b._failure is None]
-    here = next((b for b in owners if b._lines is lines), None)
-    if here is None or not lines.pid_checks:
-        return
-    # By pid: groups number their ranks their own ways (a Comm's are its own).
-    behind = {lines.pids[lines.ranks.index(g)]: g for g in lines.behind(phase)}
-    for there in owners:
-        there_lines = there._lines
-        assert there_lines is not None
-        if not there_lines.pid_checks or not (here.what, here.ranks) < (there.what, there.ranks):
-            continue
-        next_first = 2 * there.generation + 1
-        stuck = [
-            g
-            for pid, g in behind.items()
-            if pid in there_lines.pids
-            and there_lines.waits_alone_at(there_lines.pids.index(pid), next_first)
-        ]
-        if stuck:
-            here._cross_into(there, stuck)
+    here, others = _others_of(lines)
+    for there in others:
+        assert here is not None and there._lines is not None
+        if (here.what, here.ranks) < (there.what, there.ranks):
+            stuck = [
+                g
+                for g, r in _waiting_there(lines, phase, there)
+                if there._lines.waits_alone_at(r, 2 * there.generation + 1)
+            ]
+            if stuck:
+                here._cross_into(there, stuck)
+
+
+def _locate_peers(lines: PhaseLines, phase: int) -> str:
+    """For a timed-out wait at ``phase``: which of the ranks it needed wait for this
+    rank in another group's call instead ("" when none does, as far as this
+    process's groups show), e.g. ``; rank 1 waits for this rank in xb:0's
+    barrier()``."""
+    here, others = _others_of(lines)
+    notes = []
+    for there in others:
+        assert there._lines is not None
+        for g, r in _waiting_there(lines, phase, there):
+            call = describe_call(*there._lines.stamp_of(r, there._lines.calls + 1))
+            notes.append(f"rank {g} waits for this rank in {there.what}'s {call}")
+    return "".join(f"; {note}" for note in notes)
 
 
 def one_at_a_time(method: _Method) -> _Method:
@@ -240,6 +275,7 @@ class ShmBase(AllReduceBackend):
         if self._lines is not None:
             self._lines.on_desync = self._desync_hook
             self._lines.crossed_check = _check_crossed
+            self._lines.locate_peers = _locate_peers
         self.small.attach(self._slots if reason is None else None)
         if self._lines is not None:  # every rank or none (the set-up agreed)
             self.peer_reads, self.peer_reads_reason = agree_on_peer_reads(

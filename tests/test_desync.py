@@ -716,3 +716,40 @@ def test_ranks_waiting_for_each_other_in_two_groups_raise_naming_both(world, a_f
         assert "barrier()" in got["raised"] and "all_reduce(float32[4]" in got["raised"], got
         assert "in another group, waiting there for a rank of this one" in got["raised"], got
         assert got["after"][joined] == [float(world)] * 2, (rank, got)
+
+
+def _crossed_with_a_thread(rank: int, world: int) -> str:
+    """Rank 0 in group xa's all_reduce (timeout 3 s), rank 1 in group xb's barrier
+    with a second thread (so neither side may act on the crossing; timeout 20 s)."""
+    import threading
+
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import GroupcoordError
+
+    set_config(timeout_s=3.0 if rank == 0 else 20.0)
+    init_gloo(rank, world)
+    a = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="xa")
+    b = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="xb")
+    idle = threading.Event()
+    side = threading.Thread(target=idle.wait)
+    side.start()
+    try:
+        if rank == 0:
+            a.all_reduce(torch.ones(4))
+        else:
+            b.barrier()
+        return "returned"
+    except GroupcoordError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        idle.set()
+        side.join()
+
+
+def test_a_timeout_names_the_call_of_another_group_its_peer_waits_in():
+    """Where the crossing cannot be acted on (a process with a second thread), the
+    wait ends at its timeout as before, and the error says where the peer waits."""
+    got = run_ranks(_crossed_with_a_thread, 2, timeout=90)[0]
+    assert got.startswith("GroupcoordTimeoutError: xa:0: all_reduce timed out after 3 s"), got
+    assert "rank 1 waits for this rank in xb:0's barrier()" in got, got
