@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 import threading
 import weakref
@@ -68,8 +69,18 @@ _LIVE: weakref.WeakSet[ShmBase] = weakref.WeakSet()
 
 def _others_of(lines: PhaseLines) -> tuple[ShmBase | None, list[ShmBase]]:
     """The group whose control lines are ``lines``, and this process's other usable
-    shared-memory groups (``None`` and [] where ranks cannot be told apart by pid)."""
-    owners = [b for b in list(_LIVE) if b._lines is not None and b._failure is None]
+    shared-memory groups (``None`` and [] where ranks cannot be told apart by pid).
+    Only groups this process is the member of: a forked child's copies of its
+    parent's groups are not its own to join."""
+    pid = os.getpid()
+    owners = [
+        b
+        for b in list(_LIVE)
+        if b._lines is not None
+        and b._failure is None
+        and b._lines.pids
+        and b._lines.pids[b.rank_in_group] == pid
+    ]
     here = next((b for b in owners if b._lines is lines), None)
     if here is None or not lines.pid_checks:
         return None, []
