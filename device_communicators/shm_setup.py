@@ -106,6 +106,19 @@ def _waiting_there(lines: PhaseLines, phase: int, there: ShmBase) -> list[tuple[
     return found
 
 
+def _alone_in_next(there: ShmBase, pids: list[int]) -> bool:
+    """Whether every process of ``pids`` is a member of group ``there`` and sleeps,
+    with no other Python thread, at the first barrier of its next call."""
+    there_lines = there._lines
+    assert there_lines is not None
+    next_first = 2 * there.generation + 1
+    return all(
+        pid in there_lines.pids
+        and there_lines.waits_alone_at(there_lines.pids.index(pid), next_first)
+        for pid in pids
+    )
+
+
 def _check_crossed(lines: PhaseLines, phase: int) -> None:
     """Run at the liveness checks of a wait at ``phase`` on ``lines``: when a rank
     this wait needs sleeps at the first barrier of another group's next call, which
@@ -433,29 +446,42 @@ class ShmBase(AllReduceBackend):
         point-to-point channel on in-group ``peers``: the writer, for a reader
         (``writing`` False); for the writer, the readers that have not read the
         chunk it needs. ``operation``: a call of ``shm_phases.QUEUE_CALLS`` (others
-        are not checked). When every one of them sleeps at the
-        first barrier of this group's next collective and neither this process nor
-        theirs runs another Python thread, they wait for each other for ever (a
-        reader's collective needs the writer, which waits in the queue, and the
-        other way round): this rank then joins that barrier with its queue call as
-        its call, so every rank raises ``DesyncError`` naming both, in step, and
-        the group stays usable. With another thread in any of those processes the
-        wait goes on (that thread may yet make the call, write or read)."""
+        are not checked). When every one of them sleeps at the first barrier of the
+        next collective of this group, or (for a reader) of another group of this
+        process (say the world group's barrier, where it waits in a TP group's queue), and
+        neither this process nor theirs runs another Python thread, they wait for
+        each other for ever (that collective needs this rank, which waits in the
+        queue, and the other way round): this rank then joins that barrier with its
+        queue call as its call, so every rank of that group raises ``DesyncError``
+        naming both, in step, and the group stays usable (the queue call raises it
+        too, having consumed nothing). With another thread in any of those
+        processes the wait goes on (that thread may yet make the call, write or
+        read)."""
         lines = self._lines
-        phase = 2 * self.generation + 1
         if (
             lines is None
             or self._failure is not None
             or operation not in QUEUE_CALLS
             or not peers
             or threading.active_count() != 1
-            or not all(lines.waits_alone_at(r, phase) for r in peers)
         ):
             return
-        writer = self.rank_in_group if writing else peers[0]
-        code = queue_code(operation, writer, writing)
-        with self.call_lock:
-            self._empty_barrier(self._start(operation, None, None, bare=(code, 0)))
+        code = queue_code(operation, self.rank_in_group if writing else peers[0], writing)
+        if all(lines.waits_alone_at(r, 2 * self.generation + 1) for r in peers):
+            there: ShmBase = self
+        elif writing:
+            # Not another group's call: the readers' unread broadcasts would stay in
+            # this group's queue (a mismatch found here drops them, one there not).
+            return
+        else:
+            _, others = _others_of(lines)
+            pids = [lines.pids[r] for r in peers]
+            found = next((b for b in others if _alone_in_next(b, pids)), None)
+            if found is None:
+                return
+            there = found
+        with there.call_lock:
+            there._empty_barrier(there._start(operation, None, None, bare=(code, 0)))
 
     def _cross_into(self, there: ShmBase, stuck: list[int]) -> None:
         """This rank's call waits for ``stuck`` (global ranks), which wait for it in

@@ -753,3 +753,47 @@ def test_a_timeout_names_the_call_of_another_group_its_peer_waits_in():
     got = run_ranks(_crossed_with_a_thread, 2, timeout=90)[0]
     assert got.startswith("GroupcoordTimeoutError: xa:0: all_reduce timed out after 3 s"), got
     assert "rank 1 waits for this rank in xb:0's barrier()" in got, got
+
+
+def _driver_in_the_world_barrier(rank: int, world: int) -> dict:
+    """An engine's shut-down gone wrong: rank 0 (the driver) makes the world group's
+    barrier while the workers wait for its next step in the TP group's queue."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import DesyncError
+
+    set_config(timeout_s=30.0)
+    init_gloo(rank, world)
+    ranks = [list(range(world))]
+    world_group = GroupCoordinator(ranks, rank, "gloo", True, group_name="wworld")
+    tp = GroupCoordinator(
+        ranks, rank, "gloo", True, use_message_queue_broadcaster=True, group_name="wtp"
+    )
+    started, raised = time.monotonic(), ""
+    try:
+        if rank == 0:
+            world_group.barrier()
+        else:
+            tp.broadcast_tensor_dict(None, src=0)
+    except DesyncError as exc:
+        raised = str(exc)
+    took = time.monotonic() - started
+    step = tp.broadcast_tensor_dict({"step": 7} if rank == 0 else None, src=0)["step"]
+    total = world_group.all_reduce(torch.ones(2)).tolist()
+    tp.destroy()
+    world_group.destroy()
+    return {"raised": raised, "took": took, "step": step, "sum": total}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_reader_waiting_on_a_writer_in_another_groups_collective_raises(world):
+    """Until 2026-11-29 the driver's barrier timed out (300 s by default) and the
+    workers heard only that it died. Now the workers join the world group's barrier
+    as their queue read: every rank raises DesyncError naming both calls, and both
+    groups stay usable."""
+    results = run_ranks(_driver_in_the_world_barrier, world, timeout=90)
+    for rank, got in enumerate(results):
+        assert "wworld:0" in got["raised"] and "barrier()" in got["raised"], (rank, got)
+        assert "broadcast_tensor_dict(src=0) reading the message queue" in got["raised"], got
+        assert got["took"] < 10.0, (rank, got)
+        assert got["step"] == 7 and got["sum"] == [float(world)] * 2, (rank, got)
