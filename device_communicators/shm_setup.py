@@ -89,34 +89,29 @@ def _others_of(lines: PhaseLines) -> tuple[ShmBase | None, list[ShmBase]]:
     ]
 
 
-def _waiting_there(lines: PhaseLines, phase: int, there: ShmBase) -> list[tuple[int, int]]:
-    """The ranks a wait at ``phase`` on ``lines`` needs that wait at the first barrier
-    of group ``there``'s next call, which needs this rank: (global rank here, their
-    in-group rank there), matched by pid (groups number their ranks their own ways)."""
+def _in_next_call(there: ShmBase, pid: int, alone: bool) -> int | None:
+    """Process ``pid``'s in-group rank in group ``there`` when it waits at the first
+    barrier of that group's next call (which needs this rank), asleep with no other
+    Python thread in its process if ``alone``; else None."""
     there_lines = there._lines
     assert there_lines is not None
+    if pid not in there_lines.pids:
+        return None
+    r = there_lines.pids.index(pid)
     next_first = 2 * there.generation + 1
-    found = []
-    for g in lines.behind(phase):
-        pid = lines.pids[lines.ranks.index(g)]
-        if pid in there_lines.pids:
-            r = there_lines.pids.index(pid)
-            if there_lines.phase_of(r) == next_first:
-                found.append((g, r))
-    return found
+    if (
+        there_lines.waits_alone_at(r, next_first)
+        if alone
+        else there_lines.phase_of(r) == next_first
+    ):
+        return r
+    return None
 
 
-def _alone_in_next(there: ShmBase, pids: list[int]) -> bool:
-    """Whether every process of ``pids`` is a member of group ``there`` and sleeps,
-    with no other Python thread, at the first barrier of its next call."""
-    there_lines = there._lines
-    assert there_lines is not None
-    next_first = 2 * there.generation + 1
-    return all(
-        pid in there_lines.pids
-        and there_lines.waits_alone_at(there_lines.pids.index(pid), next_first)
-        for pid in pids
-    )
+def _behind_by_pid(lines: PhaseLines, phase: int) -> dict[int, int]:
+    """The ranks a wait at ``phase`` on ``lines`` needs, pid -> global rank (groups
+    number their ranks their own ways; a pid is the same process in every group)."""
+    return {lines.pids[lines.ranks.index(g)]: g for g in lines.behind(phase)}
 
 
 def _check_crossed(lines: PhaseLines, phase: int) -> None:
@@ -130,13 +125,10 @@ def _check_crossed(lines: PhaseLines, phase: int) -> None:
         return
     here, others = _others_of(lines)
     for there in others:
-        assert here is not None and there._lines is not None
+        assert here is not None
         if (here.what, here.ranks) < (there.what, there.ranks):
-            stuck = [
-                g
-                for g, r in _waiting_there(lines, phase, there)
-                if there._lines.waits_alone_at(r, 2 * there.generation + 1)
-            ]
+            behind = _behind_by_pid(lines, phase)
+            stuck = [g for pid, g in behind.items() if _in_next_call(there, pid, True) is not None]
             if stuck:
                 here._cross_into(there, stuck)
 
@@ -146,13 +138,15 @@ def _locate_peers(lines: PhaseLines, phase: int) -> str:
     rank in another group's call instead ("" when none does, as far as this
     process's groups show), e.g. ``; rank 1 waits for this rank in xb:0's
     barrier()``."""
-    here, others = _others_of(lines)
+    _, others = _others_of(lines)
     notes = []
     for there in others:
         assert there._lines is not None
-        for g, r in _waiting_there(lines, phase, there):
-            call = describe_call(*there._lines.stamp_of(r, there._lines.calls + 1))
-            notes.append(f"rank {g} waits for this rank in {there.what}'s {call}")
+        for pid, g in _behind_by_pid(lines, phase).items():
+            r = _in_next_call(there, pid, False)
+            if r is not None:
+                call = describe_call(*there._lines.stamp_of(r, there._lines.calls + 1))
+                notes.append(f"rank {g} waits for this rank in {there.what}'s {call}")
     return "".join(f"; {note}" for note in notes)
 
 
@@ -476,7 +470,10 @@ class ShmBase(AllReduceBackend):
         else:
             _, others = _others_of(lines)
             pids = [lines.pids[r] for r in peers]
-            found = next((b for b in others if _alone_in_next(b, pids)), None)
+            found = next(
+                (b for b in others if all(_in_next_call(b, p, True) is not None for p in pids)),
+                None,
+            )
             if found is None:
                 return
             there = found
