@@ -48,9 +48,9 @@ _LEFT = -1
 _PID = 1  # int64 index within a line
 _PIDNS = 3  # int64 index within a line
 _ASLEEP = 4  # int32 index within a line (bytes 16..19)
-# The asleep word's value while its rank sleeps in a wait and its process runs no
-# other Python thread (1 otherwise): nothing of that process can act until the
-# wait ends (``PhaseLines.waits_alone_at``).
+# The asleep word's value while its rank waits past its first sleep and its process
+# runs no other Python thread (1 otherwise): nothing of that process can act until
+# the wait ends (``PhaseLines.waits_alone_at``).
 _ASLEEP_ALONE = 3
 _BELL = 5  # int32 index within a line (bytes 20..23)
 # The fingerprint of the rank's calls: two slots of two int64s (bytes 32..63),
@@ -475,6 +475,13 @@ class PhaseLines:
         if self.all_reached(phase):
             return
         deadline = time.monotonic() + self.timeout_s if self.deadline is None else self.deadline
+        try:
+            self._wait_until(phase, deadline)
+        finally:
+            # Set by the wait's first sleep and kept between its sleeps (_sleep).
+            self._words[self.rank_in_group * _DWORDS + _ASLEEP] = 0
+
+    def _wait_until(self, phase: int, deadline: float) -> None:
         wait_until(
             lambda: self.all_reached(phase),
             deadline,
@@ -540,7 +547,15 @@ class PhaseLines:
         return [self.ranks[r] for r, c in enumerate(counters) if c < phase and c != _LEFT]
 
     def _sleep(self, phase: int, at_most_s: float) -> None:
-        """Sleep until a peer rings this rank's doorbell (or ``at_most_s`` passes)."""
+        """Sleep until a peer rings this rank's doorbell (or ``at_most_s`` passes).
+
+        The asleep word stays set between the sleeps of one wait (``_wait_all``
+        clears it when the wait ends): a peer that arrives meanwhile rings a bell
+        nobody sleeps on (harmless), and a peer looking for a rank that waits alone
+        (``waits_alone_at``) finds it so at any time, not only between the wake-ups
+        that would otherwise keep time with its own checks (both wake every
+        ``peer_check_interval_s`` from about the same start: a reader's check met
+        the writer awake for 29 s in a row once)."""
         if not self.use_futex:
             time.sleep(min(at_most_s, 0.0002))
             return
@@ -549,16 +564,13 @@ class PhaseLines:
         bell = words[me * _DWORDS + _BELL]  # read before re-checking: a ring after it wakes us
         words[me * _DWORDS + _ASLEEP] = _ASLEEP_ALONE if threading.active_count() == 1 else 1
         memory_fence()  # "asleep" must be visible before we read the counters
-        try:
-            if not self.all_reached(phase):
-                futex_wait(self._bell_address(me), bell, max(at_most_s, 1e-4))
-        finally:
-            words[me * _DWORDS + _ASLEEP] = 0
+        if not self.all_reached(phase):
+            futex_wait(self._bell_address(me), bell, max(at_most_s, 1e-4))
 
     def waits_alone_at(self, r: int, phase: int) -> bool:
-        """In-group rank ``r`` has published ``phase`` and sleeps in its wait for the
-        others, with no other Python thread in its process (so nothing of it acts
-        until that wait ends)."""
+        """In-group rank ``r`` has published ``phase`` and waits for the others past
+        its first sleep, with no other Python thread in its process (so nothing of it
+        acts until that wait ends)."""
         return self.phase_of(r) == phase and self._words[r * _DWORDS + _ASLEEP] == _ASLEEP_ALONE
 
     def _bell_address(self, r: int) -> int:

@@ -797,3 +797,35 @@ def test_a_reader_waiting_on_a_writer_in_another_groups_collective_raises(world)
         assert "broadcast_tensor_dict(src=0) reading the message queue" in got["raised"], got
         assert got["took"] < 10.0, (rank, got)
         assert got["step"] == 7 and got["sum"] == [float(world)] * 2, (rank, got)
+
+
+def _asleep_word_between_sleeps(rank: int, world: int) -> dict:
+    """Rank 0's view of a world-2 control region in which rank 1 never arrives."""
+    from device_communicators.shm_phases import PhaseLines
+    from shm_broadcast.errors import GroupcoordTimeoutError
+
+    region = memoryview(bytearray(PhaseLines.nbytes(2)))
+    lines = PhaseLines(region, [0, 1], 0, "unit", 0.3, 0.1)
+    lines.register_self()
+    lines.read_peers()
+    before = lines.waits_alone_at(0, 1)
+    lines._counters[0] = 1  # published phase 1; between two sleeps of its wait:
+    lines._sleep(1, 0.001)
+    between = lines.waits_alone_at(0, 1)
+    try:
+        lines.arrive(1)  # the whole wait, until the 0.3 s timeout
+        timed_out = False
+    except GroupcoordTimeoutError:
+        timed_out = True
+    after = lines.waits_alone_at(0, 1)
+    lines.release()
+    return {"before": before, "between": between, "timed_out": timed_out, "after": after}
+
+
+def test_a_waiting_rank_shows_it_waits_alone_between_its_sleeps_too():
+    """The mark stays set from a wait's first sleep to its end. When it was cleared
+    at every wake-up, a reader whose checks kept time with the writer's wake-ups
+    (both every peer_check_interval_s from about the same start) found the writer
+    awake at each one: a queue stall took 29 s to be found instead of 0.05 s."""
+    got = run_ranks(_asleep_word_between_sleeps, 1, timeout=60)[0]
+    assert got == {"before": False, "between": True, "timed_out": True, "after": False}, got
