@@ -484,12 +484,16 @@ class ShmBase(AllReduceBackend):
         """This rank's call waits for ``stuck`` (global ranks), which wait for it in
         the next call of group ``there`` (``_check_crossed``): join that call, stamped
         as this one, so every rank of ``there`` raises ``DesyncError`` and goes on in
-        step; then end this call with ``CrossedCallsError`` (it leaves this group)."""
+        step; this call ends with ``CrossedCallsError``, having left this group."""
         lines = self._lines
         assert lines is not None
         code, count = lines.current_stamp()
         me = self.ranks[self.rank_in_group]
         waiting = describe_call(code, count)
+        # Leave this group first: a peer released by the join must find this rank
+        # gone from here, not still at this call's barrier (a next call of its own
+        # there would meet this one's stamp, or, the same call, pass with it).
+        lines.leave()
         note = ""
         try:
             with there.call_lock:

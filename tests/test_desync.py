@@ -829,3 +829,52 @@ def test_a_waiting_rank_shows_it_waits_alone_between_its_sleeps_too():
     awake at each one: a queue stall took 29 s to be found instead of 0.05 s."""
     got = run_ranks(_asleep_word_between_sleeps, 1, timeout=60)[0]
     assert got == {"before": False, "between": True, "timed_out": True, "after": False}, got
+
+
+def _released_peer_makes_the_same_call(rank: int, world: int) -> str:
+    """Rank 0 in ya's all_reduce, rank 1 in yb's barrier; rank 0 (ya sorts first)
+    joins yb and is slowed by 0.5 s after the join. Rank 1, released by the join's
+    DesyncError, at once makes the very all_reduce rank 0 was waiting in."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import DesyncError, GroupcoordError
+
+    set_config(timeout_s=30.0)
+    init_gloo(rank, world)
+    a = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="ya")
+    b = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="yb")
+    shm_b = b.device_communicator.shm_all_reduce
+    join = shm_b._empty_barrier
+
+    def slow_join(lines: object) -> None:
+        try:
+            join(lines)
+        finally:
+            time.sleep(0.5)
+
+    shm_b._empty_barrier = slow_join
+    first = ""
+    try:
+        if rank == 0:
+            a.all_reduce(torch.ones(4))
+            return "returned"
+        try:
+            b.barrier()
+        except DesyncError as exc:  # the join; then the call rank 0 waited in
+            first = f"{type(exc).__name__}, then "
+        return f"{first}returned {a.all_reduce(torch.ones(4)).tolist()}"
+    except GroupcoordError as exc:
+        return f"{first}{type(exc).__name__}"
+    finally:
+        a.destroy()
+        b.destroy()
+
+
+def test_a_crossed_call_leaves_its_group_before_its_peer_is_released():
+    """Rank 1's next call in ya must not meet rank 0's abandoned all_reduce there:
+    with rank 0 leaving ya only after its join of yb, rank 1's same all_reduce passed
+    the barrier on rank 0's stamp and returned a sum that rank 0 reported failed."""
+    assert run_ranks(_released_peer_makes_the_same_call, 2, timeout=90) == [
+        "CrossedCallsError",
+        "DesyncError, then PeerLeftError",
+    ]
