@@ -659,18 +659,23 @@ def test_a_receiver_waiting_on_a_sender_that_waits_for_it_in_a_collective_raises
         assert got["sum"] == [2.0, 2.0], (rank, got)
 
 
+def _two_groups(rank: int, world: int, names: tuple[str, str], timeout_s: float) -> tuple:
+    """Two groups of every rank, named ``names``, after ``set_config(timeout_s=)``."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+
+    set_config(timeout_s=timeout_s)
+    init_gloo(rank, world)
+    ranks = [list(range(world))]
+    return tuple(GroupCoordinator(ranks, rank, "gloo", True, group_name=n) for n in names)
+
+
 def _crossed_groups(rank: int, world: int, names: tuple[str, str]) -> dict:
     """Groups ``a`` and ``b`` of every rank: rank 1 makes b's barrier, the others a's
     all_reduce; then each rank makes an all_reduce on each group."""
-    from coordinator.group_coordinator import GroupCoordinator
-    from shm_broadcast.config import set_config
     from shm_broadcast.errors import GroupcoordError
 
-    set_config(timeout_s=30.0)
-    init_gloo(rank, world)
-    ranks = [list(range(world))]
-    a = GroupCoordinator(ranks, rank, "gloo", True, group_name=names[0])
-    b = GroupCoordinator(ranks, rank, "gloo", True, group_name=names[1])
+    a, b = _two_groups(rank, world, names, 30.0)
     started = time.monotonic()
     try:
         if rank == 1:
@@ -723,14 +728,9 @@ def _crossed_with_a_thread(rank: int, world: int) -> str:
     with a second thread (so neither side may act on the crossing; timeout 20 s)."""
     import threading
 
-    from coordinator.group_coordinator import GroupCoordinator
-    from shm_broadcast.config import set_config
     from shm_broadcast.errors import GroupcoordError
 
-    set_config(timeout_s=3.0 if rank == 0 else 20.0)
-    init_gloo(rank, world)
-    a = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="xa")
-    b = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="xb")
+    a, b = _two_groups(rank, world, ("xa", "xb"), 3.0 if rank == 0 else 20.0)
     idle = threading.Event()
     side = threading.Thread(target=idle.wait)
     side.start()
@@ -835,14 +835,9 @@ def _released_peer_makes_the_same_call(rank: int, world: int) -> str:
     """Rank 0 in ya's all_reduce, rank 1 in yb's barrier; rank 0 (ya sorts first)
     joins yb and is slowed by 0.5 s after the join. Rank 1, released by the join's
     DesyncError, at once makes the very all_reduce rank 0 was waiting in."""
-    from coordinator.group_coordinator import GroupCoordinator
-    from shm_broadcast.config import set_config
     from shm_broadcast.errors import DesyncError, GroupcoordError
 
-    set_config(timeout_s=30.0)
-    init_gloo(rank, world)
-    a = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="ya")
-    b = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="yb")
+    a, b = _two_groups(rank, world, ("ya", "yb"), 30.0)
     shm_b = b.device_communicator.shm_all_reduce
     join = shm_b._empty_barrier
 
