@@ -279,10 +279,15 @@ class Codec:
             fields = tuple(name for name in fields if hasattr(obj, name))
             values = [getattr(obj, name) for name in fields]
         # One pass that builds the field map: the hot path of an engine's step
-        # (a plain value goes as is, anything else through its walker).
+        # (a plain value goes as is, anything else straight to its class's
+        # walker, or through _walk the first time a class is met).
         walk = self._walk
+        walker_of = self._walkers.get
         simple = _SIMPLE if not self._bigints else ()
-        named = {name: v if type(v) in simple else walk(v) for name, v in zip(fields, values)}
+        named = {
+            name: v if (t := type(v)) in simple else (walker_of(t) or walk)(v)
+            for name, v in zip(fields, values)
+        }
         return _Ext(wire.EXT_DATACLASS, self._enc.encode([key, named]))
 
     def _walk_namedtuple(self, obj: tuple[Any, ...]) -> Any:

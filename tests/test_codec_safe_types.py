@@ -138,6 +138,102 @@ def test_dataclasses_arrive_with_the_senders_field_values():
 
 
 @dataclasses.dataclass
+class Plain:  # what an engine's step looks like: its dict is set without the constructor
+    ids: list[int]
+    n: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenPlain:
+    name: str
+
+
+_CONSTRUCTED: list[str] = []
+
+
+@dataclasses.dataclass
+class Watched:  # assignments are observed: the constructor must run
+    n: int
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _CONSTRUCTED.append(f"Watched.{name}")
+        object.__setattr__(self, name, value)
+
+
+class _Counted:
+    def __new__(cls, *args: object, **kwargs: object) -> _Counted:
+        _CONSTRUCTED.append(cls.__name__)
+        return super().__new__(cls)
+
+
+@dataclasses.dataclass
+class OwnNew(_Counted):
+    n: int
+
+
+class _Doubled:
+    """A data descriptor on a field's name (storing a value is observed)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: object, owner: type | None = None) -> object:
+        return 0 if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: object, value: int) -> None:
+        _CONSTRUCTED.append("Described.n")
+        setattr(obj, self.slot, value)
+
+
+@dataclasses.dataclass
+class Described:
+    n: _Doubled = _Doubled()
+
+
+def test_a_dataclass_is_rebuilt_without_its_constructor_only_where_that_is_the_same():
+    from shm_broadcast.safe_types import DataclassPlan
+
+    add_safe_types([Plain, FrozenPlain, Watched, OwnNew, Described])
+    assert [DataclassPlan(c).direct for c in (Plain, FrozenPlain, Request, Watched)] == [
+        True,
+        True,
+        False,  # slots: no __dict__
+        False,
+    ]
+    assert [DataclassPlan(c).direct for c in (OwnNew, Described, Progress)] == [False] * 3
+    sent = [Plain([1, 2], 3), FrozenPlain("a"), Watched(4), OwnNew(5), Described(6)]
+    _CONSTRUCTED.clear()
+    out = loads(dumps(sent))
+    assert out == sent and [type(x) for x in out] == [type(x) for x in sent]
+    # The constructor ran for the three whose constructors do more than store.
+    assert _CONSTRUCTED == ["Watched.n", "OwnNew", "Described.n"]
+    assert vars(out[0]) == {"ids": [1, 2], "n": 3} and out[2].n == 4 and out[4].n == 6
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out[1].name = "b"  # type: ignore[misc]
+
+
+def test_a_crafted_message_for_a_directly_rebuilt_dataclass_goes_through_its_constructor():
+    from shm_broadcast import framing as wire
+    from shm_broadcast.codec import Codec
+    from shm_broadcast.errors import ProtocolError
+    from shm_broadcast.safe_types import type_key
+
+    add_safe_types([Plain])
+
+    def decode(values: object) -> object:
+        body = msgspec.msgpack.encode([type_key(Plain), values])
+        return Codec().decode(msgspec.msgpack.encode(msgspec.msgpack.Ext(wire.EXT_DATACLASS, body)))
+
+    # Fields in another order or some missing: the constructor takes them (defaults too).
+    assert decode({"n": 1, "ids": [2]}) == Plain([2], 1)
+    assert decode({"ids": [2]}) == Plain([2], 0)
+    # An unknown field, or no dict at all: refused, as before.
+    for values in ({"ids": [1], "n": 1, "__class__": "int"}, ["ids", "n"], {}):
+        with pytest.raises(ProtocolError):
+            decode(values)
+
+
+@dataclasses.dataclass
 class Lazy:
     name: str
     cached: int = dataclasses.field(init=False)  # set on first use, if ever
