@@ -19,7 +19,6 @@ sides (``memory_fence``).
 from __future__ import annotations
 
 import os
-import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ import torch
 from shm_broadcast.array_frames import WIRE_DTYPES, dtype_code
 from shm_broadcast.liveness import pid_namespace
 from shm_broadcast.liveness import process_alive as pid_alive
+from shm_broadcast.threads import only_caller
 from shm_broadcast.waiting import (
     futex_available,
     futex_wait,
@@ -49,8 +49,8 @@ _PID = 1  # int64 index within a line
 _PIDNS = 3  # int64 index within a line
 _ASLEEP = 4  # int32 index within a line (bytes 16..19)
 # The asleep word's value while its rank waits past its first sleep and its process
-# runs no other Python thread (1 otherwise): nothing of that process can act until
-# the wait ends (``PhaseLines.waits_alone_at``).
+# runs no other thread that could make a call (1 otherwise; ``threads.only_caller``):
+# nothing of that process can act until the wait ends (``PhaseLines.waits_alone_at``).
 _ASLEEP_ALONE = 3
 _BELL = 5  # int32 index within a line (bytes 20..23)
 # The fingerprint of the rank's calls: two slots of two int64s (bytes 32..63),
@@ -562,15 +562,15 @@ class PhaseLines:
         words = self._words
         me = self.rank_in_group
         bell = words[me * _DWORDS + _BELL]  # read before re-checking: a ring after it wakes us
-        words[me * _DWORDS + _ASLEEP] = _ASLEEP_ALONE if threading.active_count() == 1 else 1
+        words[me * _DWORDS + _ASLEEP] = _ASLEEP_ALONE if only_caller() else 1
         memory_fence()  # "asleep" must be visible before we read the counters
         if not self.all_reached(phase):
             futex_wait(self._bell_address(me), bell, max(at_most_s, 1e-4))
 
     def waits_alone_at(self, r: int, phase: int) -> bool:
         """In-group rank ``r`` has published ``phase`` and waits for the others past
-        its first sleep, with no other Python thread in its process (so nothing of it
-        acts until that wait ends)."""
+        its first sleep, with no other thread in its process that could make a call
+        (``threads.only_caller``; so nothing of it acts until that wait ends)."""
         return self.phase_of(r) == phase and self._words[r * _DWORDS + _ASLEEP] == _ASLEEP_ALONE
 
     def _bell_address(self, r: int) -> int:

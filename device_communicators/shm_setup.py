@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config, resolve_timeout
+from shm_broadcast.threads import only_caller
 
 from .all_reduce_backends import SUSPENDED, AllReduceBackend
 from .errors import (
@@ -92,7 +93,7 @@ def _others_of(lines: PhaseLines) -> tuple[ShmBase | None, list[ShmBase]]:
 def _in_next_call(there: ShmBase, pid: int, alone: bool) -> int | None:
     """Process ``pid``'s in-group rank in group ``there`` when it waits at the first
     barrier of that group's next call (which needs this rank), asleep with no other
-    Python thread in its process if ``alone``; else None."""
+    thread in its process that could make a call if ``alone``; else None."""
     there_lines = there._lines
     assert there_lines is not None
     if pid not in there_lines.pids:
@@ -117,11 +118,12 @@ def _behind_by_pid(lines: PhaseLines, phase: int) -> dict[int, int]:
 def _check_crossed(lines: PhaseLines, phase: int) -> None:
     """Run at the liveness checks of a wait at ``phase`` on ``lines``: when a rank
     this wait needs sleeps at the first barrier of another group's next call, which
-    needs this rank, and neither process runs another Python thread, the two wait
+    needs this rank, and neither process runs another thread that could make a
+    call (``threads.only_caller``), the two wait
     for each other for ever. The ranks waiting in the group that sorts first
     (by name and ranks) act, so one side does: they join the other group's call
     (``ShmBase._cross_into``)."""
-    if threading.active_count() != 1:
+    if not only_caller():
         return
     here, others = _others_of(lines)
     for there in others:
@@ -443,7 +445,8 @@ class ShmBase(AllReduceBackend):
         are not checked). When every one of them sleeps at the first barrier of the
         next collective of this group, or (for a reader) of another group of this
         process (say the world group's barrier, where it waits in a TP group's queue), and
-        neither this process nor theirs runs another Python thread, they wait for
+        neither this process nor theirs runs another thread that could make a call
+        (``threads.only_caller``), they wait for
         each other for ever (that collective needs this rank, which waits in the
         queue, and the other way round): this rank then joins that barrier with its
         queue call as its call, so every rank of that group raises ``DesyncError``
@@ -457,7 +460,7 @@ class ShmBase(AllReduceBackend):
             or self._failure is not None
             or operation not in QUEUE_CALLS
             or not peers
-            or threading.active_count() != 1
+            or not only_caller()
         ):
             return
         code = queue_code(operation, self.rank_in_group if writing else peers[0], writing)

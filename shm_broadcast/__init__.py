@@ -27,6 +27,7 @@ from .segments import (
     cleanup_stale_segments,
 )
 from .spin_condition import SpinCondition
+from .threads import declare_bystander_thread
 from .topology import in_the_same_node_as
 from .waiting import memory_fence
 
@@ -53,6 +54,7 @@ __all__ = [
     "all_gather_bytes",
     "broadcast_bytes",
     "check_shm_free_space",
+    "declare_bystander_thread",
     "cleanup_owned_segments",
     "cleanup_stale_ipc_files",
     "cleanup_stale_segments",

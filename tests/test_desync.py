@@ -755,6 +755,110 @@ def test_a_timeout_names_the_call_of_another_group_its_peer_waits_in():
     assert "rank 1 waits for this rank in xb:0's barrier()" in got, got
 
 
+def _crossed_beside_a_thread(rank: int, world: int, how: str) -> dict:
+    """Rank 0 in group xa's all_reduce, rank 1 in group xb's barrier, each process
+    with another thread: a declared bystander blocked on an event, or a Comm's
+    lane thread left idle by an asynchronous all_reduce."""
+    import threading
+
+    from coordinator import comm_from_group
+    from shm_broadcast import declare_bystander_thread
+    from shm_broadcast.errors import GroupcoordError
+
+    a, b = _two_groups(rank, world, ("xa", "xb"), 20.0)
+    done, declared = threading.Event(), threading.Event()
+
+    def bystander() -> None:
+        declare_bystander_thread()
+        declared.set()
+        done.wait()
+
+    side = threading.Thread(target=bystander, name="death-monitor")
+    comm = None
+    if how == "bystander":
+        side.start()
+        declared.wait()
+    else:
+        comm = comm_from_group(a)
+        comm.all_reduce(torch.ones(2), async_op=True).wait()
+    threads = sorted(t.name for t in threading.enumerate())
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            a.all_reduce(torch.ones(4))
+        else:
+            b.barrier()
+        raised = "returned"
+    except GroupcoordError as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - started
+    done.set()
+    if side.is_alive():
+        side.join()
+    if comm is not None:
+        comm.finalize()
+    a.destroy()
+    b.destroy()
+    return {"raised": raised, "took": took, "threads": threads}
+
+
+@pytest.mark.parametrize("how", ["bystander", "idle lane"])
+def test_ranks_crossed_beside_a_thread_that_makes_no_calls_raise(how):
+    """A second thread used to keep every such wait to its timeout, since it might
+    make the call that frees it. A thread declared with declare_bystander_thread (an
+    engine worker's death monitor) and a Comm's lane with nothing queued cannot,
+    so the crossing raises as in a one-thread process."""
+    results = run_ranks(_crossed_beside_a_thread, 2, how, timeout=90)
+    for rank, got in enumerate(results):
+        assert len(got["threads"]) == 2, (rank, got)
+        assert got["took"] < 10.0, (rank, got)
+        want = "CrossedCallsError: " if rank == 0 else "DesyncError: "
+        assert got["raised"].startswith(want), (rank, got)
+        assert "barrier()" in got["raised"] and "all_reduce(float32[4]" in got["raised"], got
+
+
+def _who_may_call() -> dict:
+    """only_caller() from the main thread beside a blocked thread, declared or not;
+    then after the declared thread itself waits in a call (asks only_caller)."""
+    import logging
+    import threading
+
+    from shm_broadcast import declare_bystander_thread
+    from shm_broadcast.threads import only_caller
+
+    got: dict = {"alone": only_caller()}
+    done = threading.Event()
+    side = threading.Thread(target=done.wait)
+    side.start()
+    got["beside an undeclared thread"] = only_caller()
+    declare_bystander_thread(side)
+    got["beside a bystander"] = only_caller()
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("groupcoord.shm_broadcast").addHandler(handler)
+    asked = threading.Thread(target=only_caller, name="calls-after-all")
+    declare_bystander_thread(asked)
+    asked.start()
+    asked.join()
+    got["warned"] = warnings
+    got["beside it, after it called"] = only_caller()
+    with pytest.raises(TypeError, match="threading.Thread"):
+        declare_bystander_thread(42)  # type: ignore[arg-type]
+    done.set()
+    side.join()
+    return got
+
+
+def test_a_bystander_thread_that_makes_a_call_counts_as_a_caller_again():
+    got = run_ranks(lambda rank, world: _who_may_call(), 1, timeout=60)[0]
+    assert got["alone"] and not got["beside an undeclared thread"], got
+    assert got["beside a bystander"], got
+    assert len(got["warned"]) == 1 and "'calls-after-all' was declared" in got["warned"][0], got
+    # The thread that called has ended; the first bystander still counts as one.
+    assert got["beside it, after it called"], got
+
+
 def _driver_in_the_world_barrier(rank: int, world: int) -> dict:
     """An engine's shut-down gone wrong: rank 0 (the driver) makes the world group's
     barrier while the workers wait for its next step in the TP group's queue."""

@@ -25,10 +25,12 @@ import functools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
 from device_communicators.shm_all_reduce import ShmAllReduce
+from shm_broadcast.threads import register_helper_thread
 
 from ..errors import GroupcoordTimeoutError, PeerDiedError
 from .work import Work
@@ -37,6 +39,12 @@ LaneCall = Callable[[Work], None]
 Run = Callable[[ShmAllReduce], None]
 T = TypeVar("T")
 _SETTLE_GRACE_S = 0.5
+
+
+def _is_idle(lane: weakref.ref[Lane]) -> bool:
+    """Whether ``lane`` has nothing queued or running (gone: nothing either)."""
+    alive = lane()
+    return alive is None or alive.idle
 
 
 class Lane:
@@ -133,6 +141,8 @@ class Lane:
         self._thread = threading.Thread(
             target=self._serve, name=f"groupcoord-{self._name}", daemon=True
         )
+        # Idle, the thread cannot free a wait of this process's callers (threads.py).
+        register_helper_thread(self._thread, functools.partial(_is_idle, weakref.ref(self)))
         self._thread.start()
 
     def _serve(self) -> None:
