@@ -75,11 +75,11 @@ class CpuCommunicator(DeviceCommunicatorBase):
         self.p2p_channels.rank = self.rank
         if not cfg.disable_shm_p2p:
             self.p2p_channels.peers = dict(self.peer_pids)
-            # A receive waiting on global ranks ``peers``: ShmBase.check_queue_wait. It
-            # holds the back end and the ranks, not self (no cycle through the channels).
+            # A receive or send waiting on global ranks ``peers``: ShmBase.check_queue_wait.
+            # It holds the back end and the ranks, not self (no cycle through the channels).
             shm, ranks = self.shm_all_reduce, self.ranks
-            self.p2p_channels.stall_check = lambda operation, peers: shm.check_queue_wait(
-                operation, False, [ranks.index(p) for p in peers]
+            self.p2p_channels.stall_check = lambda operation, peers, writing: shm.check_queue_wait(
+                operation, writing, [ranks.index(p) for p in peers]
             )
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:
@@ -243,7 +243,7 @@ class ChannelTransport(Transport):
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         peer = self.ranks[dst]
         if self.channels.open_to(peer, "send"):
-            self.channels.send_tensor(peer, tensor, "send")
+            self.channels.send_tensor(peer, tensor, "send", first=True)
         else:
             self.fallback.send(tensor, dst)
 

@@ -94,6 +94,7 @@ OPERATIONS = (
 # (``ShmBase.check_queue_wait``).
 QUEUE_CALLS = (
     "broadcast_object", "broadcast_tensor_dict", "recv_object", "recv_tensor_dict", "recv",
+    "send_object", "send_tensor_dict", "send",
 )  # fmt: skip
 _WRITING = 0x100  # in a queue call's reduce-op field: the writer's side
 _REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM")
@@ -128,11 +129,13 @@ def _make_code(operation: str, dtype: torch.dtype | None, reduce_op: object, roo
     )
 
 
-def queue_code(operation: str, writer: int, writing: bool) -> int:
-    """The fingerprint of ``operation`` (one of ``QUEUE_CALLS``) waiting in the message
-    queue or channel of in-group rank ``writer``: to write (``writing``) or to read."""
+def queue_code(operation: str, peer: int, writing: bool) -> int:
+    """The fingerprint of ``operation`` (one of ``QUEUE_CALLS``) waiting in a message
+    queue or channel, to write (``writing``) or to read: ``peer`` is the in-group
+    rank of the queue's writer (a broadcast's, a receive's source) or, for a send,
+    the receiver."""
     field = QUEUE_CALLS.index(operation) | (_WRITING if writing else 0)
-    return call_code("queue", None, None, writer) | (field << 16)
+    return call_code("queue", None, None, peer) | (field << 16)
 
 
 def elsewhere_code(waiting: int) -> int:
@@ -239,6 +242,8 @@ def describe_call(code: int, count: int) -> str:
         name = QUEUE_CALLS[op_code & 0xFF]
         if name.startswith("recv"):
             return f"{name}(src={root}) waiting on its shared-memory channel"
+        if name.startswith("send"):
+            return f"{name}(dst={root}) waiting for room in its shared-memory channel"
         way = "writing" if op_code & _WRITING else "reading"
         return f"{name}(src={root}) {way} the message queue"
     if operation in ("all_reduce", "reduce_scatter", "reduce"):

@@ -440,7 +440,8 @@ class ShmBase(AllReduceBackend):
     def check_queue_wait(self, operation: str, writing: bool, peers: list[int]) -> None:
         """Run now and then while this rank waits in the group's message queue or a
         point-to-point channel on in-group ``peers``: the writer, for a reader
-        (``writing`` False); for the writer, the readers that have not read the
+        (``writing`` False); for the writer (a broadcast's, or a send's before the
+        first chunk of its call is written), the readers that have not read the
         chunk it needs. ``operation``: a call of ``shm_phases.QUEUE_CALLS`` (others
         are not checked). When every one of them sleeps at the first barrier of the
         next collective of this group, or (for a reader) of another group of this
@@ -463,7 +464,10 @@ class ShmBase(AllReduceBackend):
             or not only_caller()
         ):
             return
-        code = queue_code(operation, self.rank_in_group if writing else peers[0], writing)
+        broadcast = operation.startswith("broadcast")
+        code = queue_code(
+            operation, self.rank_in_group if writing and broadcast else peers[0], writing
+        )
         if all(lines.waits_alone_at(r, 2 * self.generation + 1) for r in peers):
             there: ShmBase = self
         elif writing:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import functools
 import logging
 import multiprocessing.util
 import os
@@ -180,9 +179,11 @@ class P2PChannels:
         # made: two threads' writers under one store key lost one thread's messages).
         self._turns: dict[tuple[int, bool], threading.RLock] = {}
         self._turns_lock = threading.Lock()
-        # Called (operation, [src]) while a receive waits on its sender (the owner's
-        # check that the sender is not waiting for this rank in a collective); may raise.
-        self.stall_check: Callable[[str, list[int]], None] | None = None
+        # Called (operation, [peer], writing) while a receive waits on its sender, or a
+        # call's first send waits for room before anything of it is written (the
+        # owner's check that the peer is not waiting for this rank in a collective);
+        # may raise.
+        self.stall_check: Callable[[str, list[int], bool], None] | None = None
 
     def turn(self, peer: int, sending: bool) -> threading.RLock:
         """The lock a caller holds while it sends to (or receives from) ``peer`` the
@@ -297,15 +298,28 @@ class P2PChannels:
         queues[peer] = mq
 
     def _put(
-        self, mq: MessageQueue, obj: Any, dst: int, operation: str, limit: Limit | None
+        self,
+        mq: MessageQueue,
+        obj: Any,
+        dst: int,
+        operation: str,
+        limit: Limit | None,
+        first: bool,
     ) -> None:
         # One wait to the deadline: a message larger than the ring streams
         # through it, and a stream cut by a timeout cannot resume (a receiver
         # busy elsewhere for a while is not an error). The queue knows the
-        # receiver's pid, attached or not, and ends the wait if it dies.
+        # receiver's pid, attached or not, and ends the wait if it dies. The
+        # call's ``first`` message is checked while it waits for room (the queue
+        # checks only until its first chunk is written: nothing of the call sent).
         limit = self._limit(limit)
+        check = self.stall_check if first else None
         self._queue_wait(
-            lambda: mq.enqueue(obj, timeout=limit.left()),
+            lambda: mq.enqueue(
+                obj,
+                timeout=limit.left(),
+                stall_check=None if check is None else lambda peers: check(operation, peers, True),
+            ),
             dst,
             operation,
             limit.timeout_s,
@@ -339,8 +353,8 @@ class P2PChannels:
 
     def send_message(self, dst: int, msg: EncodedMessage, operation: str) -> None:
         """Send an encoded object (a tensor dict's head), whatever its size: one
-        larger than a chunk streams through the ring."""
-        self._put(self._writers[dst], msg, dst, operation, None)
+        larger than a chunk streams through the ring. It is its call's first message."""
+        self._put(self._writers[dst], msg, dst, operation, None, True)
 
     def sends_without_waiting(
         self, dst: int, tensor_bytes: list[int], operation: str, create: bool = True
@@ -358,12 +372,18 @@ class P2PChannels:
         )
 
     def send_tensor(
-        self, dst: int, tensor: torch.Tensor, operation: str, limit: Limit | None = None
+        self,
+        dst: int,
+        tensor: torch.Tensor,
+        operation: str,
+        limit: Limit | None = None,
+        *,
+        first: bool = False,
     ) -> None:
         """Send one tensor (after ``open_to``) within ``limit`` (default: the group's
-        timeout from now)."""
+        timeout from now); ``first``: the first message of its call (see ``_put``)."""
         # The codec copies it (strided or not) straight into the ring.
-        self._put(self._writers[dst], tensor, dst, operation, limit)
+        self._put(self._writers[dst], tensor, dst, operation, limit, first)
 
     # ---- receiver -----------------------------------------------------------
 
@@ -403,7 +423,7 @@ class P2PChannels:
                     "the sender has not opened its shared-memory channel",
                 )
             if self.stall_check is not None:
-                self.stall_check(operation, [src])
+                self.stall_check(operation, [src], False)
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
         data = self._store_call(operation, src, store.get, key)
@@ -447,7 +467,7 @@ class P2PChannels:
             lambda: mq.dequeue(
                 timeout=limit.left(),
                 into=into,
-                stall_check=None if check is None else functools.partial(check, operation),
+                stall_check=None if check is None else lambda peers: check(operation, peers, False),
             ),
             src,
             operation,
