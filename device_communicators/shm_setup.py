@@ -444,7 +444,7 @@ class ShmBase(AllReduceBackend):
         first chunk of its call is written), the readers that have not read the
         chunk it needs. ``operation``: a call of ``shm_phases.QUEUE_CALLS`` (others
         are not checked). When every one of them sleeps at the first barrier of the
-        next collective of this group, or (for a reader) of another group of this
+        next collective of this group, or (but for a broadcast's writer) of another group of this
         process (say the world group's barrier, where it waits in a TP group's queue), and
         neither this process nor theirs runs another thread that could make a call
         (``threads.only_caller``), they wait for
@@ -470,9 +470,10 @@ class ShmBase(AllReduceBackend):
         )
         if all(lines.waits_alone_at(r, 2 * self.generation + 1) for r in peers):
             there: ShmBase = self
-        elif writing:
+        elif writing and broadcast:
             # Not another group's call: the readers' unread broadcasts would stay in
             # this group's queue (a mismatch found here drops them, one there not).
+            # A send's earlier messages are whole calls that returned: they stay.
             return
         else:
             _, others = _others_of(lines)

@@ -659,16 +659,14 @@ def test_a_receiver_waiting_on_a_sender_that_waits_for_it_in_a_collective_raises
         assert got["sum"] == [2.0, 2.0], (rank, got)
 
 
-def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str) -> dict:
+def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str, where: str) -> dict:
     """Rank 0 sends to rank 1 until the pair's channel is full, while rank 1 makes a
-    barrier instead of receiving; then rank 1 receives what was sent, and one more."""
-    from coordinator.group_coordinator import GroupCoordinator
-    from shm_broadcast.config import set_config
+    barrier instead of receiving (of the same group, or of another: ``where``); then
+    rank 1 receives what was sent, and one more."""
     from shm_broadcast.errors import DesyncError
 
-    set_config(timeout_s=30.0)
-    init_gloo(rank, world)
-    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="sstall")
+    group, other = _two_groups(rank, world, ("sstall", "sworld"), 30.0)
+    barrier = group.barrier if where == "same group" else other.barrier
     send = {
         "send_tensor_dict": lambda i: group.send_tensor_dict({"i": torch.full((4,), i)}, dst=1),
         "send_object": lambda i: group.send_object({"i": i}, dst=1),
@@ -686,7 +684,7 @@ def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str) -> 
                 send(i)
                 sent += 1
         else:
-            group.barrier()
+            barrier()
     except DesyncError as exc:
         raised = str(exc)
     took = time.monotonic() - started
@@ -697,19 +695,23 @@ def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str) -> 
         got = list(range(n + 1))
     else:
         got = [receive() for _ in range(n + 1)]
-    total = group.all_reduce(torch.ones(2)).tolist()
+    total = group.all_reduce(torch.ones(2)).tolist() + other.all_reduce(torch.ones(1)).tolist()
     group.destroy()
+    other.destroy()
     return {"raised": raised, "took": took, "sent": n, "in order": got == list(range(n + 1)),
             "sum": total}  # fmt: skip
 
 
+@pytest.mark.parametrize("where", ["same group", "other group"])
 @pytest.mark.parametrize("call", ["send_tensor_dict", "send_object", "send"])
-def test_a_sender_waiting_for_room_on_a_receiver_in_a_collective_raises(call):
+def test_a_sender_waiting_for_room_on_a_receiver_in_a_collective_raises(call, where):
     """A rank whose sends filled the pair's channel while the receiver waits for it
-    in a barrier: the next send waited for room until the timeout. Now, before any of
-    that call is written, both raise DesyncError naming both calls; the sends that
-    returned are received after, in order, and the group reduces."""
-    results = run_ranks(_sender_while_receiver_in_a_collective, 2, call, timeout=90)
+    in a barrier (of the group, or of another group of both ranks: a pipeline stage
+    already at the world group's shut-down barrier): the next send waited for room
+    until the timeout. Now, before any of that call is written, both raise
+    DesyncError naming both calls; the sends that returned are received after, in
+    order, and both groups reduce."""
+    results = run_ranks(_sender_while_receiver_in_a_collective, 2, call, where, timeout=90)
     for rank, got in enumerate(results):
         assert f"{call}(dst=1) waiting for room in its shared-memory channel" in got["raised"], (
             rank,
@@ -718,7 +720,7 @@ def test_a_sender_waiting_for_room_on_a_receiver_in_a_collective_raises(call):
         assert "barrier()" in got["raised"], (rank, got)
         assert got["took"] < 10.0, (rank, got)
         assert 0 < got["sent"] < 1000 and got["in order"], (rank, got)
-        assert got["sum"] == [2.0, 2.0], (rank, got)
+        assert got["sum"] == [2.0, 2.0, 2.0], (rank, got)
 
 
 def _two_groups(rank: int, world: int, names: tuple[str, str], timeout_s: float) -> tuple:
