@@ -344,7 +344,9 @@ class GroupBase:
                 shm.set_desync_hook(unread_broadcasts_dropper(self.mq_broadcaster))
                 writing = self.rank_in_group == 0
                 self._queue_checks = {
-                    op: functools.partial(shm.check_queue_wait, op, writing) for op in QUEUE_CALLS
+                    op: functools.partial(shm.check_queue_wait, op, writing)
+                    for op in QUEUE_CALLS
+                    if op.startswith("broadcast")  # what goes through the group's queue
                 }
 
     def __repr__(self) -> str:
