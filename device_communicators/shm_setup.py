@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from shm_broadcast.config import get_config, resolve_timeout
-from shm_broadcast.threads import only_caller
+from shm_broadcast.threads import only_caller, other_callers
 
 from .all_reduce_backends import SUSPENDED, AllReduceBackend
 from .errors import (
@@ -138,17 +138,28 @@ def _check_crossed(lines: PhaseLines, phase: int) -> None:
 def _locate_peers(lines: PhaseLines, phase: int) -> str:
     """For a timed-out wait at ``phase``: which of the ranks it needed wait for this
     rank in another group's call instead ("" when none does, as far as this
-    process's groups show), e.g. ``; rank 1 waits for this rank in xb:0's
-    barrier()``."""
+    process's groups show), and which threads kept that from being raised at
+    once, e.g. ``; rank 1 waits for this rank in xb:0's barrier() (raised only
+    now: this process's thread(s) ['monitor'] could still make a call ...)``."""
     _, others = _others_of(lines)
     notes = []
+    mine = other_callers()
     for there in others:
         assert there._lines is not None
         for pid, g in _behind_by_pid(lines, phase).items():
             r = _in_next_call(there, pid, False)
             if r is not None:
                 call = describe_call(*there._lines.stamp_of(r, there._lines.calls + 1))
-                notes.append(f"rank {g} waits for this rank in {there.what}'s {call}")
+                note = f"rank {g} waits for this rank in {there.what}'s {call}"
+                blockers = [f"this process's thread(s) {mine}"] if mine else []
+                if _in_next_call(there, pid, True) is None:
+                    blockers.append(f"rank {g}'s process's other thread(s)")
+                if blockers:
+                    note += (
+                        f" (raised only now: {' and '.join(blockers)} could still make a call;"
+                        " declare_bystander_thread() declares a thread that never does)"
+                    )
+                notes.append(note)
     return "".join(f"; {note}" for note in notes)
 
 

@@ -21,7 +21,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ["declare_bystander_thread", "only_caller", "register_helper_thread"]
+__all__ = ["declare_bystander_thread", "only_caller", "other_callers", "register_helper_thread"]
 
 logger = logging.getLogger("groupcoord.shm_broadcast")
 
@@ -71,10 +71,18 @@ def only_caller() -> bool:
             "groupcoord call: it counts as a caller from now on",
             me.name,
         )
+    return not other_callers()
+
+
+def other_callers() -> list[str]:
+    """The names of the live Python threads of this process, but the calling one,
+    that could make a groupcoord call now (see :func:`only_caller`)."""
+    me = threading.current_thread()
+    names = []
     for thread in threading.enumerate():
         if thread is me or thread in _BYSTANDERS:
             continue
         idle = _HELPERS.get(thread)
         if idle is None or not idle():
-            return False
-    return True
+            names.append(thread.name)
+    return names

@@ -796,7 +796,7 @@ def _crossed_with_a_thread(rank: int, world: int) -> str:
 
     a, b = _two_groups(rank, world, ("xa", "xb"), 3.0 if rank == 0 else 20.0)
     idle = threading.Event()
-    side = threading.Thread(target=idle.wait)
+    side = threading.Thread(target=idle.wait, name="side")
     side.start()
     try:
         if rank == 0:
@@ -816,7 +816,11 @@ def test_a_timeout_names_the_call_of_another_group_its_peer_waits_in():
     wait ends at its timeout as before, and the error says where the peer waits."""
     got = run_ranks(_crossed_with_a_thread, 2, timeout=90)[0]
     assert got.startswith("GroupcoordTimeoutError: xa:0: all_reduce timed out after 3 s"), got
-    assert "rank 1 waits for this rank in xb:0's barrier()" in got, got
+    assert "rank 1 waits for this rank in xb:0's barrier() (raised only now: " in got, got
+    # Both processes run a second thread; the error names this one's and the fix.
+    assert "this process's thread(s) ['side']" in got, got
+    assert "rank 1's process's other thread(s) could still make a call" in got, got
+    assert "declare_bystander_thread()" in got, got
 
 
 def _crossed_beside_a_thread(rank: int, world: int, how: str) -> dict:
