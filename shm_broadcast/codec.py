@@ -160,6 +160,10 @@ class Codec:
         if issubclass(t, enum.Enum):
             return self._walk_enum
         if dataclasses.is_dataclass(t):
+            try:
+                self._dataclasses[t] = _dataclass_spec(t)
+            except GroupcoordTypeError as exc:  # it cannot travel by its fields
+                return _walk_pickled if self.allow_pickle else _refuser(str(exc))
             return self._walk_dataclass
         if is_namedtuple(t):
             return self._walk_namedtuple
@@ -269,10 +273,7 @@ class Codec:
         return _Ext(wire.EXT_ENUM, self._enc.encode([type_key(type(obj)), self._walk(obj.value)]))
 
     def _walk_dataclass(self, obj: Any) -> Any:
-        spec = self._dataclasses.get(type(obj))
-        if spec is None:
-            spec = self._dataclasses[type(obj)] = _dataclass_spec(type(obj))
-        key, fields, getter = spec
+        key, fields, getter = self._dataclasses[type(obj)]  # made with its walker
         try:
             values = getter(obj)
         except AttributeError:  # an init=False field never set: it travels unset

@@ -13,6 +13,7 @@ import enum
 import inspect
 import sys
 import threading
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,9 +57,20 @@ def dataclass_fields(cls: type) -> tuple[str, ...]:
     Raises when the constructor needs an argument that is not a field (an
     ``InitVar`` without a default, a hand-written ``__init__``): the receiver
     could not call it, and a default in its place could rebuild different
-    values without a word.
+    values without a word. Raises too when a descriptor serves a field's name
+    (a ``property``, a descriptor-typed field): what it reads need not be what
+    storing that value again keeps (one that doubles what it stores made 6 arrive
+    as 12), as with ``dataclasses.replace``.
     """
     names = tuple(f.name for f in dataclasses.fields(cls))
+    described = _described_fields(cls, names)
+    if described:
+        raise GroupcoordTypeError(
+            f"cannot send dataclass {cls.__module__}.{cls.__qualname__} without pickle: "
+            f"descriptors serve its fields {described}, so the value read from one need "
+            "not be what a receiver's constructor would store from it (make them plain "
+            "fields, or use allow_pickle=True)"
+        )
     try:
         params = inspect.signature(cls).parameters.values()
     except (TypeError, ValueError):  # no signature to read: the constructor decides
@@ -147,14 +159,23 @@ def _only_stores_fields(cls: type, names: Sequence[str]) -> bool:
         or any("__slots__" in vars(k) for k in cls.__mro__)
     ):
         return False
+    return not _described_fields(cls, names)
+
+
+def _described_fields(cls: type, names: Sequence[str]) -> list[str]:
+    """The fields among ``names`` whose name a data descriptor of ``cls`` serves,
+    a slot's own member excepted (it stores and reads the value as it is)."""
+    described = []
     for name in names:
         for k in cls.__mro__:
             if name in vars(k):  # a default is a plain value; a property is not
                 kind = type(vars(k)[name])
-                if hasattr(kind, "__set__") or hasattr(kind, "__delete__"):
-                    return False
+                if kind is not types.MemberDescriptorType and (
+                    hasattr(kind, "__set__") or hasattr(kind, "__delete__")
+                ):
+                    described.append(name)
                 break
-    return True
+    return described
 
 
 def add_safe_types(types: Sequence[type]) -> None:
