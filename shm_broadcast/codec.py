@@ -105,7 +105,7 @@ class Codec:
         self._frames: list[Any] = []
         self._frame_lens: list[int] = []
         self._keepalive: list[Any] = []
-        self._bigints = False
+        self._slow = False
         self._strided: Any = None  # torch.strided, once a tensor was met
         # type -> the method that rewrites its values (see _walker_for)
         self._walkers: dict[type, Callable[[Any], Any]] = {
@@ -127,26 +127,30 @@ class Codec:
         try:
             try:
                 header = self._enc.encode(self._walk(obj))
-            except OverflowError:
-                # An int beyond 64 bits: redo the (rare) slow walk that wraps them.
+            except (OverflowError, UnicodeEncodeError):
+                # An int beyond 64 bits, or a str with a lone surrogate (JSON's
+                # "\ud800" decodes to one): redo the (rare) slow walk that wraps them.
                 self._frames = []
                 self._frame_lens = []
                 self._keepalive = []
-                self._bigints = True
+                self._slow = True
                 header = self._enc.encode(self._walk(obj))
             return EncodedMessage(header, self._frames, self._frame_lens, self._keepalive)
         finally:
             self._frames = []
             self._frame_lens = []
             self._keepalive = []
-            self._bigints = False
+            self._slow = False
 
     def _walk(self, obj: Any) -> Any:
         """Return ``obj`` with every non-msgpack value replaced by an Ext (lazy copy)."""
         t = type(obj)
         if t in _SIMPLE:
-            if t is int and self._bigints and not (-(2**63) <= obj < 2**64):
-                return _Ext(wire.EXT_BIGINT, str(obj).encode())
+            if self._slow:
+                if t is int and not (-(2**63) <= obj < 2**64):
+                    return _Ext(wire.EXT_BIGINT, str(obj).encode())
+                if t is str and not _utf8(obj):
+                    return _Ext(wire.EXT_SURROGATE_STR, obj.encode("utf-8", "surrogatepass"))
             return obj
         walker = self._walkers.get(t)
         if walker is None:
@@ -200,23 +204,23 @@ class Codec:
     def _walk_dict(self, d: dict[Any, Any]) -> Any:
         # Fast path (C-speed type scan): a dict of plain scalars needs no rewrite.
         if (
-            not self._bigints
+            not self._slow
             and _SIMPLE.issuperset(map(type, d.values()))
             and _SIMPLE_KEYS.issuperset(map(type, d))
         ):
             return d
         new: dict[Any, Any] | None = None
         simple_keys = _SIMPLE_KEYS
+        slow = self._slow
         for i, (k, v) in enumerate(d.items()):
-            if type(k) not in simple_keys:
-                return self._walk_pairs(d)
-            v2 = v if type(v) in _SIMPLE and not self._bigints else self._walk(v)
-            k2 = k if not self._bigints else self._walk(k)
+            if type(k) not in simple_keys or (slow and self._walk(k) is not k):
+                return self._walk_pairs(d)  # keys a map cannot hold as they are
+            v2 = v if type(v) in _SIMPLE and not slow else self._walk(v)
             if new is None:
-                if v2 is v and k2 is k:
+                if v2 is v:
                     continue
                 new = dict(islice(d.items(), i))
-            new[k2] = v2
+            new[k] = v2
         return d if new is None else new
 
     def _walk_pairs(self, d: dict[Any, Any]) -> Any:
@@ -227,7 +231,7 @@ class Codec:
         return _Ext(wire.EXT_PAIRS, self._enc.encode(flat))
 
     def _walk_list(self, items: Collection[Any]) -> Collection[Any]:
-        if self._bigints:
+        if self._slow:
             return [self._walk(v) for v in items]
         # C-speed type scans: a list of plain scalars, or of lists of them (token
         # ids per request), needs no rewrite. One type throughout (the common
@@ -284,7 +288,7 @@ class Codec:
         # walker, or through _walk the first time a class is met).
         walk = self._walk
         walker_of = self._walkers.get
-        simple = _SIMPLE if not self._bigints else ()
+        simple = _SIMPLE if not self._slow else ()
         named = {
             name: v if (t := type(v)) in simple else (walker_of(t) or walk)(v)
             for name, v in zip(fields, values)
@@ -375,6 +379,17 @@ class Codec:
     def decode_header_only(self, header: bytes | memoryview) -> Any:
         """Decode a message that has no frames (the common small-object case)."""
         return self._decoder.decode_header_only(header)
+
+
+def _utf8(text: str) -> bool:
+    """Whether UTF-8 can hold ``text`` (msgpack's str): no lone surrogate."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _dataclass_spec(cls: type) -> tuple[str, tuple[str, ...], Callable[[Any], Sequence[Any]]]:

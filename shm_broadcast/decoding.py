@@ -71,6 +71,7 @@ class MessageDecoder:
             wire.EXT_SET: self._decode_set,
             wire.EXT_FROZENSET: self._decode_frozenset,
             wire.EXT_STD: self._decode_std,
+            wire.EXT_SURROGATE_STR: _decode_surrogate_str,
             wire.EXT_PICKLE: self._decode_pickle,
         }
 
@@ -182,6 +183,10 @@ def _outline(header: bytes | memoryview) -> Any:
 
 def _decode_bigint(data: memoryview) -> Any:
     return int(bytes(data))
+
+
+def _decode_surrogate_str(data: memoryview) -> Any:
+    return bytes(data).decode("utf-8", "surrogatepass")
 
 
 def _decode_torch_dtype(data: memoryview) -> Any:

@@ -53,6 +53,7 @@ EXT_SET = 15
 EXT_FROZENSET = 16
 EXT_NAMEDTUPLE = 17
 EXT_STD = 18  # a standard-library value (slice, datetime, UUID ...): std_values.py
+EXT_SURROGATE_STR = 19  # a str UTF-8 cannot hold (lone surrogates): "surrogatepass" bytes
 
 _PREFIX = struct.Struct("<II")
 MESSAGE_PREFIX = _PREFIX  # u32 header_len, u32 n_frames: starts every written message

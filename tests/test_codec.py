@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import datetime
 import decimal
+import json
 import os
 import pickle
 import struct
@@ -20,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shm_broadcast import framing as wire
 from shm_broadcast.codec import Codec, dumps, loads, message_bytes, read_message, write_message
 from shm_broadcast.errors import GroupcoordTypeError, ProtocolError
 
@@ -64,17 +66,21 @@ def _same(a, b):
         assert a == b
 
 
+# Any str Python holds, lone surrogates included (JSON's "\ud800" decodes to one).
+any_text = st.text(st.characters(exclude_categories=()), max_size=20)
+big_ints = st.integers(min_value=-(2**100), max_value=2**100)
+
 plain = st.recursive(
     st.none()
     | st.booleans()
-    | st.integers(min_value=-(2**100), max_value=2**100)
+    | big_ints
     | st.floats(allow_nan=True)
-    | st.text(max_size=20)
+    | any_text
     | st.binary(max_size=40),
     lambda children: (
         st.lists(children, max_size=5)
         | st.lists(children, max_size=5).map(tuple)
-        | st.dictionaries(st.text(max_size=5) | st.integers(-5, 5), children, max_size=5)
+        | st.dictionaries(any_text | st.integers(-5, 5) | big_ints, children, max_size=5)
         | st.dictionaries(st.tuples(st.integers(0, 3), st.text(max_size=3)), children, max_size=3)
     ),
     max_leaves=30,
@@ -85,6 +91,23 @@ plain = st.recursive(
 @given(plain)
 def test_plain_data_round_trips_exactly(obj):
     _same(obj, loads(dumps(obj)))
+
+
+def test_strings_with_lone_surrogates_and_big_int_keys_round_trip():
+    # msgpack's str is UTF-8, which cannot hold a lone surrogate: encoding a prompt
+    # that JSON decoded from "\ud800" raised UnicodeEncodeError, and a dict keyed by
+    # an int beyond 64 bits raised TypeError (unhashable type), where pickle sends both.
+    prompt = json.loads('"a\\ud800b"')
+    for obj in (
+        prompt,
+        {prompt: [prompt, 1], "k": (prompt,), "s": {prompt}},
+        {"a": 1, 2**70: prompt, -(2**65): 2},
+        {(prompt, 2**70): 2},
+    ):
+        out = loads(dumps(obj))
+        assert out == obj and repr(out) == repr(obj)
+    with pytest.raises(ProtocolError, match="UnicodeDecodeError"):  # crafted bytes
+        Codec().decode(msgspec.msgpack.encode(msgspec.msgpack.Ext(wire.EXT_SURROGATE_STR, b"\xff")))
 
 
 def test_tuples_stay_tuples_and_lists_stay_lists():
@@ -346,7 +369,6 @@ def test_a_zone_that_is_not_a_fixed_offset_is_refused_by_name():
 )
 def test_crafted_standard_library_values_raise_protocol_error(parts):
     # An int where bytes belong must not become bytearray(10**12).
-    from shm_broadcast import framing as wire
 
     codec = Codec()
     header = msgspec.msgpack.encode(
@@ -412,7 +434,6 @@ def test_forged_frame_reference_is_rejected():
 )
 def test_crafted_tensor_headers_raise_protocol_error(layout, values, frame, said):
     # The 1-D header has a path of its own (no tuple of dims): both are checked alike.
-    from shm_broadcast import framing as wire
 
     meta = struct.pack(layout, *values)
     header = msgspec.msgpack.encode(msgspec.msgpack.Ext(wire.EXT_TENSOR, meta))
