@@ -13,8 +13,8 @@ import enum
 import inspect
 import sys
 import threading
-import types
 from collections.abc import Sequence
+from types import MemberDescriptorType
 from typing import Any
 
 import msgspec
@@ -170,7 +170,7 @@ def _described_fields(cls: type, names: Sequence[str]) -> list[str]:
         for k in cls.__mro__:
             if name in vars(k):  # a default is a plain value; a property is not
                 kind = type(vars(k)[name])
-                if kind is not types.MemberDescriptorType and (
+                if kind is not MemberDescriptorType and (
                     hasattr(kind, "__set__") or hasattr(kind, "__delete__")
                 ):
                     described.append(name)
