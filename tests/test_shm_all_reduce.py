@@ -525,6 +525,43 @@ def test_all_gather_and_broadcast_through_the_slots_any_dtype_in_pieces(world: i
     assert run_ranks(_gather_and_broadcast, world, timeout=90) == [True] * world
 
 
+def _gathered_rows(rank: int, world: int) -> list[str]:
+    from shm_broadcast.config import set_config
+
+    set_config(disable_peer_reads=True)  # the slots at every size
+    init_gloo(rank, world)
+    shm = make_shm()  # 1 MiB slots
+    wrong = []
+    try:
+        # One piece (a result too large to clone out of the slots); three pieces.
+        for rows, cols in ((400, 500), (600_001, 1)):
+
+            def part(r: int, rows: int = rows, cols: int = cols) -> torch.Tensor:
+                return torch.arange(rows * cols, dtype=torch.float32).view(rows, cols) + 1e6 * r
+
+            every = torch.stack([part(r) for r in range(world)])
+            # A transposed (strided) input: this rank's row is copied from it.
+            got = shm.all_gather(part(rank).t())
+            if not torch.equal(got, every.transpose(1, 2)):
+                wrong.append(f"strided {rows}x{cols}")
+            # torch's in-place idiom: the input is this rank's row of ``out``.
+            out = torch.full_like(every, -1.0)
+            out[rank] = part(rank)
+            if shm.all_gather(out[rank], out=out) is not out or not torch.equal(out, every):
+                wrong.append(f"in place {rows}x{cols}")
+        return wrong
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_rows_through_the_slots_strided_and_in_place(world: int) -> None:
+    """Each rank's own row of an all-gather through the slots is copied from its input
+    (not read back from its slot): strided inputs, and an input that is already its
+    row of ``out``, come out right in one piece and in several."""
+    assert run_ranks(_gathered_rows, world, timeout=90) == [[]] * world
+
+
 def _reduce_ranges(rank: int, world: int) -> bool:
     from torch.distributed import ReduceOp
 
