@@ -533,7 +533,7 @@ def _gathered_rows(rank: int, world: int) -> list[str]:
     shm = make_shm()  # 1 MiB slots
     wrong = []
     try:
-        # One piece (a result too large to clone out of the slots); three pieces.
+        # Two pieces (GATHER_PIECE_BYTES) of a result too large to clone; five pieces.
         for rows, cols in ((400, 500), (600_001, 1)):
 
             def part(r: int, rows: int = rows, cols: int = cols) -> torch.Tensor:
@@ -557,8 +557,8 @@ def _gathered_rows(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gather_rows_through_the_slots_strided_and_in_place(world: int) -> None:
     """Each rank's own row of an all-gather through the slots is copied from its input
-    (not read back from its slot): strided inputs, and an input that is already its
-    row of ``out``, come out right in one piece and in several."""
+    (not read back from its slot): a strided input, and an input that is already its
+    row of ``out``, come out right."""
     assert run_ranks(_gathered_rows, world, timeout=90) == [[]] * world
 
 
