@@ -41,6 +41,16 @@ torch ops competes with the collective. MPI (mpi4py over MPICH's shared-memory t
 all_reduce, all_gather, reduce_scatter, broadcast and send_recv: ``mpi_us`` and ``mpi_ratio`` = MPI
 time / ours (> 1: ours is faster); without it the column says why it is empty.
 
+Every side's inputs are on ordinary 4 KiB pages, as torch allocates an
+engine's tensors: MPI's numpy arrays too (``NUMPY_MADVISE_HUGEPAGE=0``; numpy
+otherwise asks for transparent huge pages from 4 MiB, which made MPI's 4 and 16
+MiB all_gather 1.5-1.8x faster here, 2026-11-29: a kernel read of huge pages
+pins 512 times fewer pages). ``--huge-pages`` puts every side's inputs of 4 MiB
+and more on huge pages instead (ours and Gloo's through ``empty_output``'s
+hint, MPI's by numpy's default): both ways compare the same memory. Our results
+come from ``empty_output`` either way (huge pages from 4 MiB where the kernel
+grants them), Gloo's and MPI's outputs are allocated once, as a caller would.
+
 ``--instructions`` counts instead of timing: the CPU instructions one
 ``GroupCoordinator`` call of each of ``INSTRUCTION_OPS`` (those of ``--ops``;
 4 KiB unless ``--sizes``) executes on rank 0 of a world of 2, rank 0 under
@@ -120,6 +130,7 @@ def _rank_main(
     use_mq: bool,
     threads: str,
     interleave: bool,
+    huge_pages: bool,
 ) -> list[dict[str, Any]]:
     """One rank's sweep; rank 0 returns the rows."""
     import torch
@@ -127,6 +138,7 @@ def _rank_main(
 
     from coordinator.comm import comm_from_group
     from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.host_memory import empty_output
 
     # 1800 s: torch's default process-group timeout, which this benchmark used.
     init_gloo_rank(rank, world, port, timeout_s=1800)  # torch's default threads
@@ -168,6 +180,8 @@ def _rank_main(
             n = max(nbytes // 4, world * DICT_TENSORS)
             n -= n % (world * DICT_TENSORS)
             x = torch.randn(n)
+            if huge_pages:  # the result pool's buffers ask for huge pages from 4 MiB
+                x = empty_output((n,), x.dtype).copy_(x)
             iters, batches = _iters_for(nbytes, quick)
             ours, theirs, through_comm = _pair(op, group, plain, comm, x, rank, world)
             if interleave:
@@ -444,8 +458,12 @@ def _pair(
 MPI_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 
 
-def mpi_rows(world: int, sizes: list[int], ops: list[str], quick: bool) -> list[dict] | str:
-    """MPI's times for the same ops and sizes, or why there are none."""
+def mpi_rows(
+    world: int, sizes: list[int], ops: list[str], quick: bool, huge_pages: bool = False
+) -> list[dict] | str:
+    """MPI's times for the same ops and sizes, or why there are none. Its numpy
+    buffers are on huge pages only with ``huge_pages`` (numpy asks for them from
+    4 MiB by default; NUMPY_MADVISE_HUGEPAGE=0 keeps ordinary pages, as torch's)."""
     wanted = [op for op in ops if op in MPI_OPS]
     if not wanted:
         return "no op MPI has here"
@@ -467,7 +485,10 @@ def mpi_rows(world: int, sizes: list[int], ops: list[str], quick: bool) -> list[
         "--max-iters", str(iters), "--batches", str(batches),
     ]  # fmt: skip
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+        env = dict(os.environ, NUMPY_MADVISE_HUGEPAGE="1" if huge_pages else "0")
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=600, check=False, env=env
+        )
     except subprocess.TimeoutExpired:
         return "mpiexec timed out"
     if done.returncode != 0:
@@ -485,10 +506,21 @@ def run_world(
     timeout: float,
     threads: str = "default",
     interleave: bool = False,
+    huge_pages: bool = False,
 ) -> list[dict]:
     port = free_port()
     rows: list[dict] = run_ranks(
-        _rank_main, world, port, sizes, ops, quick, use_mq, threads, interleave, timeout=timeout
+        _rank_main,
+        world,
+        port,
+        sizes,
+        ops,
+        quick,
+        use_mq,
+        threads,
+        interleave,
+        huge_pages,
+        timeout=timeout,
     )[0]
     # send/recv is a round trip: report the one-way time.
     for row in rows:
@@ -591,6 +623,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-mpi", action="store_true", help="leave the MPI column out")
     parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="inputs of 4 MiB and more on transparent huge pages, ours and MPI's alike",
+    )
+    parser.add_argument(
         "--instructions",
         action="store_true",
         help="count rank 0's instructions per call under valgrind instead of timing",
@@ -646,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.interleave:
             mpi = "not with --interleave (MPI runs without the interleaved work)"
         elif not args.no_mpi:
-            mpi = mpi_rows(world, sizes, ops, args.quick)
+            mpi = mpi_rows(world, sizes, ops, args.quick, args.huge_pages)
         if isinstance(mpi, str):
             print(f"# world {world}: no MPI column: {mpi}", flush=True)
         mpi_us = {} if isinstance(mpi, str) else {(r["op"], r["bytes"]): r["mpi_us"] for r in mpi}
@@ -660,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.timeout,
                 threads,
                 args.interleave,
+                args.huge_pages,
             )
             for row in got:
                 t_mpi = mpi_us.get((row["op"], row["bytes"]))
