@@ -392,8 +392,10 @@ class ShmAllReduce(ShmBase):
         slots = self._slots
         assert slots is not None  # enabled means mapped
         # Byte copies by address, no torch op; a strided input is made contiguous once.
-        with OneTorchThread(nbytes):
-            src = tensor.contiguous()
+        src = tensor
+        if not src.is_contiguous():
+            with OneTorchThread(nbytes):
+                src = tensor.contiguous()
         at, own = src.data_ptr(), None if out is None else out.data_ptr()
         piece = min(GATHER_PIECE_BYTES, self.max_bytes)
         with self._desync_guard:
