@@ -371,8 +371,9 @@ class ShmAllReduce(ShmBase):
             direct, turn = readable, None
             lines = self._start("gather", reason, tensor, root=dst, direct=direct, layout=layout)
         me = self.rank_in_group
-        receives = dst is None or dst == me
-        if out is None and receives:
+        if dst is not None and dst != me:
+            out = None  # a gather's other ranks copy nothing out
+        elif out is None:
             # A small result is allocated fresh (it is reused from malloc's heap).
             out = (
                 torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)

@@ -549,6 +549,13 @@ def _gathered_rows(rank: int, world: int) -> list[str]:
             out[rank] = part(rank)
             if shm.all_gather(out[rank], out=out) is not out or not torch.equal(out, every):
                 wrong.append(f"in place {rows}x{cols}")
+            # A gather to the last rank: the others return None and leave ``out`` alone.
+            out = torch.full_like(every, -1.0)
+            got = shm.gather(part(rank), world - 1, out=out)
+            if rank == world - 1 and (got is not out or not torch.equal(out, every)):
+                wrong.append(f"gather {rows}x{cols}")
+            if rank != world - 1 and (got is not None or not bool((out == -1).all())):
+                wrong.append(f"gather {rows}x{cols}: a non-root's out")
         return wrong
     finally:
         shm.close()
@@ -558,7 +565,7 @@ def _gathered_rows(rank: int, world: int) -> list[str]:
 def test_all_gather_rows_through_the_slots_strided_and_in_place(world: int) -> None:
     """Each rank's own row of an all-gather through the slots is copied from its input
     (not read back from its slot): a strided input, and an input that is already its
-    row of ``out``, come out right."""
+    row of ``out``, come out right; a gather writes only the root's ``out``."""
     assert run_ranks(_gathered_rows, world, timeout=90) == [[]] * world
 
 
