@@ -117,13 +117,6 @@ class SlotSegment:
             (s, r, dtype, shape), lambda: self.view(s, r, dtype, shape.numel()).view(shape)
         )
 
-    def stacked(self, s: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """Every slot of set ``s`` at once, as ``(world, *shape)`` (row r: slot r's start)."""
-        return self._cached(
-            (s, dtype, shape),
-            lambda: self._rows(s, dtype)[:, : shape.numel()].view(self.world_size, *shape),
-        )
-
     def close(self) -> None:
         """Unmap (and unlink, if this rank made it and the name is still there)."""
         # Views into the mapping must go before it can be unmapped.
