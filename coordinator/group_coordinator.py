@@ -32,6 +32,9 @@ from .errors import DesyncError, GroupcoordTypeError, GroupcoordValueError, NotS
 from .group_base import building, get_device_communicator_cls, unread_broadcasts_dropper
 from .group_messaging import COMPLETED, GroupMessaging, Handle
 
+# Bound once: every eager collective asks it first (two module lookups fewer a call).
+_is_compiling = torch.compiler.is_compiling
+
 __all__ = ["GraphCaptureContext", "GroupCoordinator", "Handle", "get_device_communicator_cls"]
 
 
@@ -85,7 +88,7 @@ class GroupCoordinator(GroupMessaging):
         if self.world_size == 1:
             checks.traced_tensor(input_, "input_")
             return input_
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return torch.ops.groupcoord.all_reduce(input_, self.unique_name)
         small = self._lean()
         if small is not None:
@@ -98,8 +101,14 @@ class GroupCoordinator(GroupMessaging):
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's equally shaped ``input_`` concatenated along ``dim``."""
-        if self.world_size > 1 and not torch.compiler.is_compiling():
-            return self._all_gather_now(input_, dim)
+        if self.world_size > 1 and not _is_compiling():
+            small = self._lean()
+            if small is not None:
+                out = small.all_gather(input_, dim)
+                if out is not None:
+                    self._collective_seq += 1
+                    return out
+            return self._all_gather_eager(input_, dim)  # the communicator checks the arguments
         dim = checks.dim(checks.traced_tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
@@ -118,7 +127,7 @@ class GroupCoordinator(GroupMessaging):
         """
         if self.world_size == 1:
             return input_
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             if sizes is None:
                 raise GroupcoordValueError(
                     "sizes: all_gatherv under torch.compile needs the sizes (shapes must be static)"
@@ -128,12 +137,12 @@ class GroupCoordinator(GroupMessaging):
             return self._traced_all_gatherv(input_, dim, sizes)
         small = self._lean()
         if small is not None and small.equal_parts(input_, dim, sizes):
-            return self._all_gather_now(input_, dim)  # equal parts: an all-gather (see there)
+            return self.all_gather(input_, dim)  # equal parts: an all-gather (see there)
         return self._all_gatherv_eager(input_, dim, sizes)
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Sum over the group, then keep this rank's equal slice along ``dim``."""
-        if self.world_size > 1 and not torch.compiler.is_compiling():
+        if self.world_size > 1 and not _is_compiling():
             small = self._lean()
             if small is not None:
                 out = small.reduce_scatter(input_, dim)
@@ -153,11 +162,11 @@ class GroupCoordinator(GroupMessaging):
         dim = checks.dim(checks.traced_tensor(input_, "input_"), dim)
         if self.world_size == 1:
             return input_
-        if torch.compiler.is_compiling() and sizes is not None:
+        if _is_compiling() and sizes is not None:
             return torch.ops.groupcoord.reduce_scatterv(
                 input_, dim, list(sizes), self.rank_in_group, self.unique_name
             )
-        if torch.compiler.is_compiling() or checks.equal_split(sizes, input_, dim, self.world_size):
+        if _is_compiling() or checks.equal_split(sizes, input_, dim, self.world_size):
             return self.reduce_scatter(input_, dim)  # equal parts: the plain call
         return self._reduce_scatterv_eager(input_, dim, sizes)
 
@@ -179,7 +188,7 @@ class GroupCoordinator(GroupMessaging):
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s ``input_`` on every rank, in place (out of place under torch.compile)."""
-        if self.world_size > 1 and not torch.compiler.is_compiling():
+        if self.world_size > 1 and not _is_compiling():
             # The lean path takes only valid arguments; the checks below are for the rest.
             small = self._lean()
             if small is not None and small.broadcast(input_, src) is not None:
@@ -189,20 +198,9 @@ class GroupCoordinator(GroupMessaging):
         checks.traced_tensor(input_, "input_")
         if self.world_size == 1:
             return input_
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return torch.ops.groupcoord.broadcast(input_, src, self.unique_name)
         return self._broadcast_eager(input_, src)
-
-    def _all_gather_now(self, input_: torch.Tensor, dim: int) -> torch.Tensor:
-        """An eager all-gather: the lean path when it takes the call, else the
-        communicator (which checks the arguments)."""
-        small = self._lean()
-        if small is not None:
-            out = small.all_gather(input_, dim)
-            if out is not None:
-                self._collective_seq += 1
-                return out
-        return self._all_gather_eager(input_, dim)
 
     def _lean(self) -> SmallCalls | None:
         """The communicator's lean path for small calls, unless ``debug_desync`` wants

@@ -66,6 +66,7 @@ _SHM_DTYPES = frozenset(SHM_DTYPES)
 LEAN_MAX_BYTES = ONE_SHOT_MAX_BYTES
 _PLAN_ENTRIES = 512  # plans kept per operation (a workload repeats a few shapes)
 _memmove = ctypes.memmove
+_STRIDED = torch.strided
 
 
 class _Owner(Protocol):
@@ -86,7 +87,7 @@ class _Plan:
 
     __slots__ = (
         "operation", "code", "count", "nbytes", "mine", "address", "reads", "out_shape", "dim",
-        "pair", "blocks", "one_thread", "root", "inner", "same",
+        "pair", "blocks", "one_thread", "root", "inner", "same", "complex",
     )  # fmt: skip
 
     def __init__(
@@ -126,6 +127,8 @@ class _Plan:
         # A gather_v whose part fits a slot: every rank's count and length when all
         # parts are as long as this one (the common call, taken without a check each).
         self.same: tuple[list[int], list[int]] | None = None
+        # Only a complex tensor can carry a lazy conjugate bit (torch asserts it).
+        self.complex = tensor.dtype.is_complex
 
 
 def _as_is(t: torch.Tensor) -> bool:
@@ -335,10 +338,10 @@ class SmallCalls:
                 if len(plans) >= _PLAN_ENTRIES:
                     plans.clear()
                 plan = plans[key] = self._gather_v_plan(tensor, dim, dst)
-            if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
+            if plan is None or not tensor.is_cpu or tensor.layout is not _STRIDED:
                 return None
-            if not _as_is(tensor):
-                return None  # the general path says why not, or detaches it
+            if tensor.requires_grad or tensor.is_neg() or (plan.complex and tensor.is_conj()):
+                return None  # (see _as_is) the general path says why not, or detaches it
             return self._run_gather_v(plan, tensor, into, sizes, listed)
 
     def _run_gather_v(
@@ -418,7 +421,9 @@ class SmallCalls:
             key = (tensor.dtype, tensor.shape, dim)
         except RuntimeError:  # a nested tensor has no one shape: the general path says so
             return None
-        with self.owner.call_lock:
+        lock = self.owner.call_lock
+        lock.acquire()  # (acquire and release: half a with block's 180 ns)
+        try:
             plans = self._plans[kind]
             plan = plans.get(key, _UNSEEN)
             if plan is _UNSEEN:
@@ -427,10 +432,10 @@ class SmallCalls:
                 if len(plans) >= _PLAN_ENTRIES:
                     plans.clear()
                 plan = plans[key] = self._makers[kind](tensor, dim)
-            if plan is None or not tensor.is_cpu or tensor.layout is not torch.strided:
+            if plan is None or not tensor.is_cpu or tensor.layout is not _STRIDED:
                 return None
-            if not _as_is(tensor):
-                return None  # the general path says why not, or detaches it
+            if tensor.requires_grad or tensor.is_neg() or (plan.complex and tensor.is_conj()):
+                return None  # (see _as_is) the general path says why not, or detaches it
             if out is not None and not _takes(plan, out, tensor):
                 return None
             if not plan.one_thread:
@@ -438,6 +443,8 @@ class SmallCalls:
             # A torch op torch would split over its pool: keep it on this thread.
             with OneTorchThread(plan.nbytes):
                 return self._runs[kind](plan, tensor, out)
+        finally:
+            lock.release()
 
     def _run_sum(self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """An all-reduce, a reduce or a reduce-scatter (the plan's reads say which rows)."""
