@@ -421,9 +421,7 @@ class SmallCalls:
             key = (tensor.dtype, tensor.shape, dim)
         except RuntimeError:  # a nested tensor has no one shape: the general path says so
             return None
-        lock = self.owner.call_lock
-        lock.acquire()  # (acquire and release: half a with block's 180 ns)
-        try:
+        with self.owner.call_lock:
             plans = self._plans[kind]
             plan = plans.get(key, _UNSEEN)
             if plan is _UNSEEN:
@@ -443,8 +441,6 @@ class SmallCalls:
             # A torch op torch would split over its pool: keep it on this thread.
             with OneTorchThread(plan.nbytes):
                 return self._runs[kind](plan, tensor, out)
-        finally:
-            lock.release()
 
     def _run_sum(self, plan: _Plan, tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """An all-reduce, a reduce or a reduce-scatter (the plan's reads say which rows)."""
