@@ -119,8 +119,10 @@ class QueueEnd:
         self._released = False
         # Held through each enqueue/dequeue/acquire: one call at a time on an end (its
         # codec and ring cursor keep per-call state; two threads' enqueues at once
-        # lost a message and left writer and reader waiting on each other).
-        self._call_lock = threading.Lock()
+        # lost a message and left writer and reader waiting on each other). Never
+        # taken twice: an RLock for its owner check (see _take_turn).
+        self._call_lock = threading.RLock()
+        self._in_call = False  # set first in a call's try block, cleared by _end_call
         self._notice: str | None = None  # the operation of an unbounded wait, for its log
         self._key = key
         self._window = window
@@ -143,12 +145,29 @@ class QueueEnd:
         self._reader_pids = [0] * self.n_local_reader
         _live_queues.add(self)
 
-    def _await_turn(self, operation: str, deadline: float, timeout_s: float) -> None:
-        """Before an enqueue/dequeue/acquire that found ``_call_lock`` held (each takes
-        it with a non-blocking acquire first): wait for the other thread's call to
-        end, at most to this call's deadline."""
+    def _take_turn(self, operation: str, deadline: float, timeout_s: float) -> None:
+        """Take ``_call_lock`` for an enqueue/dequeue/acquire, whose try block then sets
+        ``_in_call``: at once, or once another thread's call ends, at most to this
+        call's deadline. An exception a signal handler raises can land just after
+        the lock was taken, before the call's try block: the lock is then this
+        thread's with no call of it running, and is taken back here (every later
+        call waited for it to its deadline, or for ever). A call made while one of
+        this thread's runs (from that signal handler, or a callback of the call) is
+        refused: the end's codec and cursor are in the middle of that call."""
+        lock = self._call_lock
+        if lock._is_owned():  # type: ignore[attr-defined]
+            if self._in_call:
+                raise GroupcoordValueError(
+                    f"{self.what}: {operation} called while this thread's call on this "
+                    "end still runs (from a signal handler, or a callback of that "
+                    "call): one call at a time"
+                )
+            logger.debug("%s: call lock left by an interrupted call, taken back", self.what)
+            lock.release()
+        if lock.acquire(False):
+            return
         wait_s = deadline - time.monotonic()
-        if not self._call_lock.acquire(timeout=-1 if wait_s == math.inf else max(wait_s, 0.0)):
+        if not lock.acquire(timeout=-1 if wait_s == math.inf else max(wait_s, 0.0)):
             raise GroupcoordTimeoutError(
                 self.what,
                 operation,
@@ -161,6 +180,7 @@ class QueueEnd:
     def _end_call(self) -> None:
         """After every enqueue/dequeue/acquire: a stream broken half-way closes the
         queue, and a shutdown from another thread during the call releases it now."""
+        self._in_call = False
         self._call_lock.release()
         if self._cursor is not None and self._cursor.broken:
             self._closed = True
@@ -245,7 +265,7 @@ class QueueEnd:
                     self._ring.ring_readers()
                     self._ring.ring_writer()
             finally:
-                if not self._call_lock.locked():
+                if not self._in_call:
                     self._release()
 
     close = shutdown

@@ -53,10 +53,10 @@ class ReaderEnd(QueueEnd):
         ``enqueue``) is refused here and left for ``dequeue``."""
         cursor = self._raw_cursor("acquire_read", "local reader")
         timeout_s, deadline = deadline_of(timeout)
-        if not self._call_lock.acquire(False):
-            self._await_turn("acquire_read", deadline, timeout_s)
+        self._take_turn("acquire_read", deadline, timeout_s)
         self._notice = None if indefinite or timeout is not None else "acquire_read"
         try:
+            self._in_call = True
             with cursor.raw_read(
                 self._local_index,
                 lambda idx: self._reader_wait_chunk(idx, deadline, timeout_s, "acquire_read"),
@@ -92,10 +92,10 @@ class ReaderEnd(QueueEnd):
         """
         self._check_open()
         timeout_s, deadline = deadline_of(timeout)
-        if not self._call_lock.acquire(False):
-            self._await_turn("dequeue", deadline, timeout_s)
+        self._take_turn("dequeue", deadline, timeout_s)
         self._notice = None if indefinite or timeout is not None else "dequeue"
         try:
+            self._in_call = True
             if self.role == "local reader":
                 return self._dequeue_local(deadline, timeout_s, into, stall_check)
             if self.role == "remote reader":

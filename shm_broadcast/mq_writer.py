@@ -106,9 +106,9 @@ class WriterEnd(QueueEnd):
             self._check_open()
         cursor = self._cursor
         timeout_s, deadline = deadline_of(timeout)
-        if not self._call_lock.acquire(False):  # the codec too: one call at a time
-            self._await_turn("enqueue", deadline, timeout_s)
+        self._take_turn("enqueue", deadline, timeout_s)  # the codec too: one call at a time
         try:
+            self._in_call = True
             # A lone plain CPU tensor to local readers only: its bytes, no codec.
             meta = None
             if cursor is not None and self._tcp_writer is None:
@@ -155,10 +155,10 @@ class WriterEnd(QueueEnd):
         Raw bytes reach local readers only: a queue with remote readers refuses."""
         cursor = self._raw_cursor("acquire_write", "writer")
         timeout_s, deadline = deadline_of(timeout)
-        if not self._call_lock.acquire(False):
-            self._await_turn("acquire_write", deadline, timeout_s)
+        self._take_turn("acquire_write", deadline, timeout_s)
         self._notice = None if timeout is not None else "acquire_write"
         try:
+            self._in_call = True
             with cursor.raw_write(
                 lambda idx: self._writer_wait_chunk(idx, deadline, timeout_s, "acquire_write")
             ) as view:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -362,3 +363,89 @@ def test_handshake_socket_files_of_dead_writers_are_swept():
         for p in paths.values():
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def _local_pair(max_chunks: int = 4) -> tuple[MessageQueue, MessageQueue]:
+    """A writer and its one local reader, both in this process."""
+    import threading
+
+    writer = MessageQueue(1, 1, [1], 1 << 16, max_chunks)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 1)
+    joining = threading.Thread(target=reader.wait_until_ready, kwargs={"timeout": 30})
+    joining.start()
+    writer.wait_until_ready(timeout=30)
+    joining.join()
+    return writer, reader
+
+
+class _TakenThenInterrupted:
+    """An end's call lock whose first acquire takes the real lock and then raises
+    KeyboardInterrupt: what an exception from a signal handler does when it lands
+    just after ``acquire()`` returned, before the call's try block (the interpreter
+    runs pending handlers as a call returns)."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.fired = False
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        got = self.lock.acquire(*args, **kwargs)
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return got
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def _is_owned(self) -> bool:
+        return self.lock._is_owned()
+
+
+def test_a_call_interrupted_as_it_takes_the_lock_leaves_the_end_usable():
+    # The lock stayed held: every later enqueue (or dequeue) waited to its deadline
+    # ("another thread's call on this end of the queue did not end"), for ever
+    # with timeout=None (vLLM's semantics).
+    writer, reader = _local_pair()
+    try:
+        for end, call in (
+            (writer, lambda: writer.enqueue({"step": 1}, timeout=5)),
+            (reader, lambda: reader.dequeue(timeout=5)),
+        ):
+            real = end._call_lock
+            end._call_lock = _TakenThenInterrupted(real)
+            with pytest.raises(KeyboardInterrupt):
+                call()
+            end._call_lock = real
+        start = time.monotonic()
+        writer.enqueue({"step": 2}, timeout=5)
+        assert reader.dequeue(timeout=5) == {"step": 2}  # nothing of step 1 was sent
+        assert time.monotonic() - start < 1
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_a_call_made_inside_a_running_call_of_its_thread_is_refused_at_once():
+    # From a callback of the call (or a signal handler): it waited for its own
+    # thread to its deadline, then blamed "another thread's call".
+    from shm_broadcast.errors import GroupcoordValueError
+
+    writer, reader = _local_pair(max_chunks=2)
+    try:
+        writer.enqueue(1, timeout=5)
+        writer.enqueue(2, timeout=5)  # the ring is full: the next enqueue waits
+
+        def inside(ranks: list[int]) -> None:
+            writer.enqueue("inside", timeout=5)
+
+        start = time.monotonic()
+        with pytest.raises(GroupcoordValueError, match="one call at a time"):
+            writer.enqueue(3, timeout=5, stall_check=inside)
+        assert time.monotonic() - start < 2
+        assert [reader.dequeue(timeout=5) for _ in range(2)] == [1, 2]
+        writer.enqueue(4, timeout=5)  # the end goes on
+        assert reader.dequeue(timeout=5) == 4
+    finally:
+        writer.shutdown()
+        reader.shutdown()
