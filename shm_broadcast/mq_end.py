@@ -122,7 +122,8 @@ class QueueEnd:
         # lost a message and left writer and reader waiting on each other). Never
         # taken twice: an RLock for its owner check (see _take_turn).
         self._call_lock = threading.RLock()
-        self._in_call = False  # set first in a call's try block, cleared by _end_call
+        self._in_call = False  # set first in a call's try block, cleared in its finally
+        self._shut_because: str | None = None  # why the end shut itself down, if it did
         self._notice: str | None = None  # the operation of an unbounded wait, for its log
         self._key = key
         self._window = window
@@ -153,7 +154,11 @@ class QueueEnd:
         thread's with no call of it running, and is taken back here (every later
         call waited for it to its deadline, or for ever). A call made while one of
         this thread's runs (from that signal handler, or a callback of the call) is
-        refused: the end's codec and cursor are in the middle of that call."""
+        refused: the end's codec and cursor are in the middle of that call. The
+        call's finally block clears ``_in_call`` and releases the lock before it
+        calls any Python function: Python runs pending signal handlers as such a
+        function starts, and a handler's exception there would leave both set,
+        so that every later call of the thread would be refused as nested."""
         lock = self._call_lock
         if lock._is_owned():  # type: ignore[attr-defined]
             if self._in_call:
@@ -178,12 +183,22 @@ class QueueEnd:
             )
 
     def _end_call(self) -> None:
-        """After every enqueue/dequeue/acquire: a stream broken half-way closes the
-        queue, and a shutdown from another thread during the call releases it now."""
-        self._in_call = False
-        self._call_lock.release()
-        if self._cursor is not None and self._cursor.broken:
-            self._closed = True
+        """After every enqueue/dequeue/acquire, once its finally block released the
+        turn: a call that ended between publishing (or releasing) a chunk and moving
+        its cursor on, or a stream broken half-way, shuts this end down (its readers,
+        or its writer, hear it after what was published), and a shutdown from
+        another thread during the call releases it now."""
+        cursor = self._cursor
+        if cursor is not None and (cursor.in_step or cursor.broken) and not self._closed:
+            self._shut_because = (
+                "a message larger than a chunk was cut off part-way"
+                if cursor.broken
+                else "a call ended part-way through a step of the ring (an exception, "
+                "a signal handler's, came between a chunk's publish or release and the "
+                "move to the next), so this end could no longer tell which message "
+                "comes next"
+            )
+            self.shutdown()
         if self._closed:
             self._release()
 
@@ -236,8 +251,9 @@ class QueueEnd:
 
     def _check_open(self) -> None:
         if self._closed:
+            why = f": {self._shut_because}" if self._shut_because is not None else ""
             raise ClosedError(
-                f"{self.what}: the queue was shut down ({self.role} rank {self.rank})"
+                f"{self.what}: the queue was shut down ({self.role} rank {self.rank}){why}"
             )
 
     def shutdown(self) -> None:

@@ -63,6 +63,8 @@ class ReaderEnd(QueueEnd):
             ) as view:
                 yield view
         finally:
+            self._in_call = False  # before any Python call: see _take_turn
+            self._call_lock.release()
             self._end_call()
 
     def dequeue(
@@ -102,6 +104,8 @@ class ReaderEnd(QueueEnd):
                 return self._dequeue_remote(deadline, timeout_s)
             raise GroupcoordValueError(f"{self.what}: dequeue on the writer (rank {self.rank})")
         finally:
+            self._in_call = False  # before any Python call: see _take_turn
+            self._call_lock.release()
             self._end_call()
 
     def drop_unread(self) -> int:

@@ -143,6 +143,8 @@ class WriterEnd(QueueEnd):
                     body, msg.nbytes, deadline, timeout_s, self._check_open
                 )
         finally:
+            self._in_call = False  # before any Python call: see _take_turn
+            self._call_lock.release()
             self._end_call()
 
     @contextlib.contextmanager
@@ -164,6 +166,8 @@ class WriterEnd(QueueEnd):
             ) as view:
                 yield view
         finally:
+            self._in_call = False  # before any Python call: see _take_turn
+            self._call_lock.release()
             self._end_call()
 
     def takes_without_waiting(self, tensor_bytes: list[int]) -> bool:

@@ -70,10 +70,18 @@ class RingCursor:
         self.chunks = 0  # chunks written or read so far (idx wraps; this does not)
         self.capacity = ring.max_chunk_bytes - MSG_OFFSET  # message bytes in one chunk
         self.broken = False
+        # Set just before a chunk is published (writer) or released (reader) and
+        # cleared by the _advance after it: still set when the call has ended, an
+        # exception (a signal handler's) came between the two, and the cursor is
+        # one chunk behind what the ring says: the queue must close (MessageQueue's
+        # _end_call), or the next message is written over a published one, or read
+        # from a chunk the writer has not reached (read out of order, silently).
+        self.in_step = False
 
     def _advance(self) -> None:
         self.idx = (self.idx + 1) % self.ring.max_chunks
         self.chunks += 1
+        self.in_step = False
 
     def free_for(self, tensor_bytes: list[int]) -> bool:
         """Writer: whether lone tensors of these byte counts, written in order from
@@ -109,6 +117,7 @@ class RingCursor:
             pos = at + MSG_OFFSET
             MESSAGE_PREFIX.pack_into(buf, pos, len(header), 0)
             buf[pos + 8 : pos + 8 + len(header)] = header
+        self.in_step = True
         self.ring.publish(idx)
         self._advance()
         return True
@@ -127,6 +136,7 @@ class RingCursor:
         buf[start : start + len(meta)] = meta
         if nbytes:
             ctypes.memmove(self.ring.address + pos + MSG_OFFSET, tensor.data_ptr(), nbytes)
+        self.in_step = True
         self.ring.publish(idx)
         self._advance()
         return True
@@ -180,6 +190,7 @@ class RingCursor:
                     segments[0] = segments[0][n:]
                     if not segments[0]:
                         segments.pop(0)
+                self.in_step = True
                 ring.publish(idx)
                 self._advance()
         except BaseException:
@@ -195,6 +206,7 @@ class RingCursor:
         buf, at, idx = self._begin(RAW, wait_free)
         with buf[at + MSG_OFFSET : at + self.ring.max_chunk_bytes] as view:
             yield view
+        self.in_step = True
         self.ring.publish(idx)
         self._advance()
 
@@ -234,6 +246,7 @@ class RingCursor:
             raise ProtocolError(f"{self.what}: chunk {idx} has unknown kind {kind}")
         finally:
             # Released even when decoding failed, so the queue stays usable.
+            self.in_step = True
             ring.release(idx, me)
             self._advance()
 
@@ -292,6 +305,7 @@ class RingCursor:
             with ring.buf[at + MSG_OFFSET : at + ring.max_chunk_bytes] as view:
                 yield view
         finally:
+            self.in_step = True
             ring.release(idx, me)
             self._advance()
 

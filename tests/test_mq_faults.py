@@ -449,3 +449,86 @@ def test_a_call_made_inside_a_running_call_of_its_thread_is_refused_at_once():
     finally:
         writer.shutdown()
         reader.shutdown()
+
+
+def _interrupt_once_after_the_step(end: MessageQueue) -> None:
+    """The end's next move to the following chunk raises KeyboardInterrupt instead:
+    an exception from a signal handler landing between a chunk's publish (writer) or
+    release (reader) and the cursor's move on (Python runs pending handlers as a
+    function starts)."""
+    cursor = end._cursor
+    real = cursor._advance
+
+    def interrupted() -> None:
+        cursor._advance = real
+        raise KeyboardInterrupt
+
+    cursor._advance = interrupted
+
+
+def test_a_reader_interrupted_between_release_and_moving_on_shuts_its_end():
+    # Its cursor stayed on the chunk it had released: it waited there, and once
+    # the writer reused that chunk it returned message 5 before 2, 3 and 4.
+    from shm_broadcast.errors import ClosedError
+
+    writer, reader = _local_pair(max_chunks=4)
+    try:
+        for i in range(1, 4):
+            writer.enqueue(i, timeout=5)
+        _interrupt_once_after_the_step(reader)
+        with pytest.raises(KeyboardInterrupt):
+            reader.dequeue(timeout=5)  # message 1: read, released, then interrupted
+        writer.enqueue(4, timeout=5)
+        writer.enqueue(5, timeout=5)  # into the chunk message 1 left
+        with pytest.raises(ClosedError, match="part-way"):
+            reader.dequeue(timeout=5)
+        with pytest.raises(ClosedError, match="reader rank 1 shut down"):
+            for i in range(6, 12):  # the ring fills: the writer is told, not left waiting
+                writer.enqueue(i, timeout=5)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_a_writer_interrupted_between_publish_and_moving_on_shuts_its_end():
+    # Its cursor stayed on the chunk it had published: its next message went into
+    # that chunk once read, where the reader, one chunk on, never looked (lost).
+    from shm_broadcast.errors import ClosedError
+
+    writer, reader = _local_pair(max_chunks=4)
+    try:
+        _interrupt_once_after_the_step(writer)
+        with pytest.raises(KeyboardInterrupt):
+            writer.enqueue(1, timeout=5)  # published, then interrupted
+        with pytest.raises(ClosedError, match="part-way"):
+            writer.enqueue(2, timeout=5)
+        assert reader.dequeue(timeout=5) == 1  # what was published still arrives
+        with pytest.raises(ClosedError, match="writer shut the queue down"):
+            reader.dequeue(timeout=5)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_a_call_interrupted_while_it_waits_leaves_the_end_usable():
+    # Nothing of the call had moved: the end goes on (a Ctrl-C to an idle reader
+    # must not cost the queue).
+    import signal
+
+    writer, reader = _local_pair()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            reader.dequeue(timeout=5)  # nothing sent: it waits
+        writer.enqueue(7, timeout=5)
+        assert reader.dequeue(timeout=5) == 7
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        writer.shutdown()
+        reader.shutdown()
