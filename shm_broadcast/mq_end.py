@@ -186,10 +186,26 @@ class QueueEnd:
         """After every enqueue/dequeue/acquire, once its finally block released the
         turn: a call that ended between publishing (or releasing) a chunk and moving
         its cursor on, or a stream broken half-way, shuts this end down (its readers,
-        or its writer, hear it after what was published), and a shutdown from
-        another thread during the call releases it now."""
-        cursor = self._cursor
-        if cursor is not None and (cursor.in_step or cursor.broken) and not self._closed:
+        or its writer, hear it after what was published); a send to the remote
+        readers cut off part-way abandons their socket too; a shutdown from another
+        thread during the call releases it now."""
+        cursor, tcp = self._cursor, self._tcp_writer
+        if tcp is not None and tcp.in_step and not self._closed:
+            self._shut_because = (
+                "an enqueue ended part-way through sending a message to the remote "
+                "readers (an exception, a signal handler's, cut it off), so they "
+                "could no longer be sent the same messages"
+            )
+            tcp.abandon()
+            self.shutdown()
+        elif self._tcp_reader is not None and self._tcp_reader.in_step and not self._closed:
+            self._shut_because = (
+                "a dequeue ended part-way through taking a message off the TCP socket "
+                "(an exception, a signal handler's, cut it off), so the next message "
+                "could no longer be told from the rest of that one"
+            )
+            self.shutdown()
+        elif cursor is not None and (cursor.in_step or cursor.broken) and not self._closed:
             self._shut_because = (
                 "a message larger than a chunk was cut off part-way"
                 if cursor.broken

@@ -132,6 +132,12 @@ class TcpWriter:
         self.acked: dict[int, int] = {}  # reader rank -> messages consumed
         self.last_beat: dict[int, float] = {}  # reader rank -> monotonic time of last heartbeat
         self.sent = 0
+        # Set while one message goes out to the readers: still set once the call has
+        # ended, the send was cut off part-way (a signal handler's exception between
+        # two readers, or between two frames of one message, which ZeroMQ would join
+        # to the next message's): MessageQueue._end_call then abandons the socket.
+        self.in_step = False
+        self._abandoned = False
         # cumulative bytes after each sent message still unacknowledged by someone
         self._cum_bytes: dict[int, int] = {0: 0}
         self.bad = _BadFrames(what)
@@ -302,16 +308,27 @@ class TcpWriter:
         copy = nbytes < _ZERO_COPY_MIN
         if not copy:
             parts = [bytes(part) for part in parts]
+        self.in_step = True
         for ident in self.peers:
             self._send_raw(ident, parts, copy)
-        self.sent = seq
+        # No Python call from here to the end: nothing can come between these.
         self._cum_bytes[seq] = self._cum_bytes[seq - 1] + nbytes
+        self.sent = seq
+        self.in_step = False
 
     def _lagging(self) -> list[int]:
         return [r for r, acked in self.acked.items() if acked < self.sent]
 
+    def abandon(self) -> None:
+        """After a send cut off part-way: send nothing more on this socket (its next
+        frames would join the cut message), and close it at once; the readers see
+        the connection close (``PeerDiedError``)."""
+        self._abandoned = True
+
     def shutdown(self) -> None:
         """Tell every reader the stream ended (in order, after all messages)."""
+        if self._abandoned:
+            return
         for ident in self.peers:
             try:
                 self._send(ident, KIND_SHUTDOWN, self.sent + 1, [b""])
@@ -322,7 +339,7 @@ class TcpWriter:
     def close(self) -> None:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
-        self.sock.close(linger=500)
+        self.sock.close(linger=0 if self._abandoned else 500)
 
 
 class TcpReader:
@@ -353,6 +370,11 @@ class TcpReader:
         self.connected = False
         self.writer_gone = False
         self.received = 0
+        # Set from taking a message off the socket (or _pending) until it is counted
+        # in ``received``: still set once the call has ended, an exception (a signal
+        # handler's) cut that off, and the message (or the rest of its frames, which
+        # would read as the next one) is gone: MessageQueue._end_call shuts the end.
+        self.in_step = False
         self._last_seen = 0  # highest message number taken off the socket
         self._pending: collections.deque[tuple[bytes, int, list[memoryview]]] = collections.deque()
         self.consumed_count = 0
@@ -415,8 +437,10 @@ class TcpReader:
     ) -> tuple[bytes, list[memoryview]]:
         """Next verified message as (kind, body buffers); raises on timeout/death/shutdown."""
         while True:
+            self.in_step = True
             verified = self._pending.popleft() if self._pending else self._pull()
             if verified is None:
+                self.in_step = False
                 # About to wait: acknowledge everything consumed so far, or a
                 # writer waiting for credit and this reader would wait forever.
                 if self.writer_gone:
@@ -445,10 +469,13 @@ class TcpReader:
                         "(messages were lost on the way)"
                     )
                 self.received = n
+                self.in_step = False
                 return kind, body
             if kind == KIND_SHUTDOWN:
+                self.in_step = False
                 raise ClosedError(f"{self.what}: the writer shut the queue down")
             if kind == KIND_READY:
+                self.in_step = False
                 return kind, body
             self.bad.drop(f"unexpected kind {kind!r}")
 

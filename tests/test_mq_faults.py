@@ -532,3 +532,73 @@ def test_a_call_interrupted_while_it_waits_leaves_the_end_usable():
         signal.signal(signal.SIGALRM, previous)
         writer.shutdown()
         reader.shutdown()
+
+
+def _tcp_pair() -> tuple[MessageQueue, MessageQueue]:
+    """A writer and its one remote (TCP) reader, both in this process."""
+    import threading
+
+    writer = MessageQueue(1, 0, [], 1 << 16, 4, "127.0.0.1")
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 1)
+    joining = threading.Thread(target=reader.wait_until_ready, kwargs={"timeout": 30})
+    joining.start()
+    writer.wait_until_ready(timeout=30)
+    joining.join()
+    return writer, reader
+
+
+def test_a_tcp_writer_interrupted_between_two_readers_shuts_its_end():
+    # Its message number did not move: the next message went out under the same
+    # number, and a reader that had the first dropped it as a replay (lost, silently).
+    from shm_broadcast.errors import ClosedError
+
+    writer, reader = _tcp_pair()
+    tcp = writer._tcp_writer
+    real = tcp._send_raw
+
+    def sent_then_interrupted(*args: Any) -> None:
+        tcp._send_raw = real
+        real(*args)
+        raise KeyboardInterrupt  # as if before the next reader's send
+
+    try:
+        tcp._send_raw = sent_then_interrupted
+        with pytest.raises(KeyboardInterrupt):
+            writer.enqueue(1, timeout=5)
+        with pytest.raises(ClosedError, match="part-way through sending"):
+            writer.enqueue(2, timeout=5)
+        assert reader.dequeue(timeout=5) == 1
+        with pytest.raises(PeerDiedError, match="connection closed"):
+            reader.dequeue(timeout=10)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_a_tcp_reader_interrupted_as_it_takes_a_message_shuts_its_end():
+    # The message was off the socket but not counted: the next dequeue raised
+    # "expected message #1, got #2 (messages were lost on the way)".
+    from shm_broadcast.errors import ClosedError
+
+    writer, reader = _tcp_pair()
+    tcp = reader._tcp_reader
+    real = tcp._pull
+
+    def pulled_then_interrupted() -> Any:
+        got = real()
+        if got is not None:
+            tcp._pull = real
+            raise KeyboardInterrupt
+        return got
+
+    try:
+        writer.enqueue(1, timeout=5)
+        writer.enqueue(2, timeout=5)
+        tcp._pull = pulled_then_interrupted
+        with pytest.raises(KeyboardInterrupt):
+            reader.dequeue(timeout=5)
+        with pytest.raises(ClosedError, match="part-way through taking"):
+            reader.dequeue(timeout=5)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
