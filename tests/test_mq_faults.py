@@ -365,11 +365,14 @@ def test_handshake_socket_files_of_dead_writers_are_swept():
                 os.unlink(p)
 
 
-def _local_pair(max_chunks: int = 4) -> tuple[MessageQueue, MessageQueue]:
-    """A writer and its one local reader, both in this process."""
+def _local_pair(max_chunks: int = 4, tcp: bool = False) -> tuple[MessageQueue, MessageQueue]:
+    """A writer and its one reader, both in this process: local, or remote (TCP)."""
     import threading
 
-    writer = MessageQueue(1, 1, [1], 1 << 16, max_chunks)
+    if tcp:
+        writer = MessageQueue(1, 0, [], 1 << 16, max_chunks, "127.0.0.1")
+    else:
+        writer = MessageQueue(1, 1, [1], 1 << 16, max_chunks)
     reader = MessageQueue.create_from_handle(writer.export_handle(), 1)
     joining = threading.Thread(target=reader.wait_until_ready, kwargs={"timeout": 30})
     joining.start()
@@ -534,25 +537,12 @@ def test_a_call_interrupted_while_it_waits_leaves_the_end_usable():
         reader.shutdown()
 
 
-def _tcp_pair() -> tuple[MessageQueue, MessageQueue]:
-    """A writer and its one remote (TCP) reader, both in this process."""
-    import threading
-
-    writer = MessageQueue(1, 0, [], 1 << 16, 4, "127.0.0.1")
-    reader = MessageQueue.create_from_handle(writer.export_handle(), 1)
-    joining = threading.Thread(target=reader.wait_until_ready, kwargs={"timeout": 30})
-    joining.start()
-    writer.wait_until_ready(timeout=30)
-    joining.join()
-    return writer, reader
-
-
 def test_a_tcp_writer_interrupted_between_two_readers_shuts_its_end():
     # Its message number did not move: the next message went out under the same
     # number, and a reader that had the first dropped it as a replay (lost, silently).
     from shm_broadcast.errors import ClosedError
 
-    writer, reader = _tcp_pair()
+    writer, reader = _local_pair(tcp=True)
     tcp = writer._tcp_writer
     real = tcp._send_raw
 
@@ -580,7 +570,7 @@ def test_a_tcp_reader_interrupted_as_it_takes_a_message_shuts_its_end():
     # "expected message #1, got #2 (messages were lost on the way)".
     from shm_broadcast.errors import ClosedError
 
-    writer, reader = _tcp_pair()
+    writer, reader = _local_pair(tcp=True)
     tcp = reader._tcp_reader
     real = tcp._pull
 
