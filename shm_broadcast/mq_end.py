@@ -297,8 +297,13 @@ class QueueEnd:
                     self._ring.ring_readers()
                     self._ring.ring_writer()
             finally:
-                if not self._in_call:
-                    self._release()
+                # Released now unless a call runs (it releases the queue on its way
+                # out): taking the turn shows no other thread's call is starting.
+                if not self._in_call and self._call_lock.acquire(False):
+                    try:
+                        self._release()
+                    finally:
+                        self._call_lock.release()
 
     close = shutdown
 
