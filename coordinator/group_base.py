@@ -64,8 +64,9 @@ _name_counters: dict[str, int] = defaultdict(int)
 # names a group by its place in the order its groups are built, so two threads
 # building at once would give one group different names on different ranks: its
 # connections cross (a sum with another group's rank) or hang past the timeout.
-_BUILDING = threading.Lock()
-_builder = [""]  # what the thread holding _BUILDING builds
+# An RLock for its owner check only (a build never takes it twice: see building).
+_BUILDING = threading.RLock()
+_builder = [""]  # what the thread holding _BUILDING builds ("" outside building's try)
 # What a forked child may still read of its parent's group (shm_broadcast.forked).
 _DESCRIPTIVE = (
     "unique_name", "rank", "ranks", "world_size", "rank_in_group", "local_rank", "device",
@@ -77,8 +78,13 @@ _DESCRIPTIVE = (
 def building(what: str) -> Iterator[NotSupportedError | None]:
     """Around building c10d groups (``what``): holds ``_BUILDING`` and yields None,
     or yields the error to raise when another thread of this process holds it (at
-    once, without waiting)."""
-    if not _BUILDING.acquire(blocking=False):
+    once, without waiting). An exception a signal handler raises can land just
+    after the lock was taken, before the ``try`` below: the lock is then this
+    thread's with no build of it under way (``_builder`` empty), and this thread's
+    next build takes it back (every later build raised this error before)."""
+    if _BUILDING._is_owned() and not _builder[0]:  # type: ignore[attr-defined]
+        _BUILDING.release()
+    if _BUILDING._is_owned() or not _BUILDING.acquire(blocking=False):  # type: ignore[attr-defined]
         yield NotSupportedError(
             "building groups from two threads at once",
             "groupcoord",
@@ -87,10 +93,11 @@ def building(what: str) -> Iterator[NotSupportedError | None]:
             "a time, in the same order on every rank",
         )
         return
-    _builder[0] = what
     try:
+        _builder[0] = what
         yield None
     finally:
+        _builder[0] = ""  # (no Python call before the release)
         _BUILDING.release()
 
 

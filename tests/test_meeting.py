@@ -340,3 +340,35 @@ def test_groups_built_from_two_threads_at_once_fail_at_once_on_every_rank() -> N
         kind, took, message = results[first]
         assert kind == "DesyncError" and took < 10.0, (rank, took, message)
         assert "from nothing (group" in message and "another thread" in message
+
+
+def test_a_build_interrupted_as_it_took_the_lock_does_not_refuse_every_later_build() -> None:
+    # An exception from a signal handler just after the lock was taken left it held:
+    # every later build of the process raised NotSupportedError ("another thread of
+    # this process is building  now").
+    from coordinator import group_base
+
+    real = group_base._BUILDING
+
+    class TakenThenInterrupted:
+        def acquire(self, *args: Any, **kwargs: Any) -> bool:
+            real.acquire(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        def _is_owned(self) -> bool:
+            return real._is_owned()
+
+        def release(self) -> None:
+            real.release()
+
+    group_base._BUILDING = TakenThenInterrupted()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with group_base.building("group a"):
+                pass
+    finally:
+        group_base._BUILDING = real
+    with group_base.building("group b") as refused:
+        assert refused is None
+    with group_base.building("group c") as refused:  # and it was released again
+        assert refused is None
