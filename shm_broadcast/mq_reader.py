@@ -119,7 +119,7 @@ class ReaderEnd(QueueEnd):
             return 0
         assert self._ring is not None and self._cursor is not None
         dropped = 0
-        while self._ring.ready(self._cursor.idx, self._local_index):
+        while self._cursor.message_ready(self._local_index):
             self.dequeue(timeout=get_config().timeout_s)  # published: no wait but a stream's
             dropped += 1
         return dropped

@@ -19,6 +19,20 @@ The first byte of a chunk says what it holds; the message itself starts
   (u64), then the codec's binary tensor header (dtype code, shape); its bytes
   start 64 bytes further. A small ``send``/``recv`` is mostly this path.
 * ``RAW``: bytes written through ``MessageQueue.acquire_write``.
+* ``REWIND``: no message; the next one starts in chunk 0. When the messages
+  of ``REWIND_MIN_BYTES`` or more written since the cursor was last at chunk
+  0 add up to ``REWIND_SPAN_BYTES`` and every reader has read everything, the
+  writer starts the next such message at chunk 0 again instead of the next
+  chunk in ring order: a ping-pong, or a queue whose readers keep up, keeps
+  reusing a few MiB of chunks, which stay in the CPU's caches, where a 64 MiB
+  ring written in order is DRAM-bound on both sides.
+
+A rewind costs no room. When the writer comes round to the ``REWIND`` chunk
+it left and some reader has not read it yet (a burst right after the
+rewind), it steps over it instead of waiting, so whatever fitted the ring
+without a reader still does; the chunk before it says which (byte
+``NEXT_AT``: 0 in order, 1 stepped over). Both ends remember the ``REWIND``
+they passed last, so only that chunk's reader looks at the byte.
 
 A :class:`RingCursor` is one queue end's position in the ring. Waiting for a
 chunk is the queue's business (deadlines, liveness, notices): each call gets
@@ -39,12 +53,21 @@ from .codec import MESSAGE_PREFIX, Codec, EncodedMessage, read_message, write_me
 from .errors import ProtocolError
 from .ring import ShmRingBuffer
 
-__all__ = ["MSG_OFFSET", "RingCursor"]
+__all__ = ["MSG_OFFSET", "REWIND_MIN_BYTES", "REWIND_SPAN_BYTES", "RingCursor"]
 
 INLINE = 1
 STREAM = 2
 RAW = 3
 TENSOR = 6
+REWIND = 7
+# Messages this large count towards, and may start, a rewind (see REWIND): a
+# smaller one touches little of its chunk, which stays cached anyway.
+REWIND_MIN_BYTES = 64 * 1024
+# How many bytes of such messages a writer lets pass through the ring before
+# it starts again at chunk 0, if the ring is empty then.
+REWIND_SPAN_BYTES = 2 << 20
+# The byte of a chunk that says whether the REWIND chunk after it was stepped over.
+NEXT_AT = 1
 MSG_OFFSET = 64
 _TENSOR_HEAD = struct.Struct("<BQ")  # the tensor header's length, the tensor's bytes
 _STREAM_LEN = struct.Struct("<Q")
@@ -68,20 +91,77 @@ class RingCursor:
         self.what = what
         self.idx = 0
         self.chunks = 0  # chunks written or read so far (idx wraps; this does not)
+        self.span = 0  # writer: bytes of large messages written since idx was last 0
+        # The REWIND chunk this end passed last, until it comes round to it again.
+        self.left_rewind: int | None = None
         self.capacity = ring.max_chunk_bytes - MSG_OFFSET  # message bytes in one chunk
         self.broken = False
         # Set just before a chunk is published (writer) or released (reader) and
-        # cleared by the _advance after it: still set when the call has ended, an
+        # cleared once the cursor has moved on: still set when the call has ended, an
         # exception (a signal handler's) came between the two, and the cursor is
         # one chunk behind what the ring says: the queue must close (MessageQueue's
         # _end_call), or the next message is written over a published one, or read
         # from a chunk the writer has not reached (read out of order, silently).
         self.in_step = False
 
-    def _advance(self) -> None:
-        self.idx = (self.idx + 1) % self.ring.max_chunks
+    def _past_rewind(self, nxt: int) -> int:
+        """Writer: the chunk to take at ``nxt``, the ``REWIND`` it left last:
+        ``nxt`` once every reader has read it, else the one after (stepped over)."""
+        ring = self.ring
+        return nxt if ring.chunk_free(nxt) else (nxt + 1) % ring.max_chunks
+
+    def _publish(self, idx: int, rewind: bool = False) -> None:
+        """Writer: chunk ``idx`` is complete; let the readers see it and move on (to
+        chunk 0 after a ``REWIND``)."""
+        ring = self.ring
+        if rewind:
+            nxt = 0
+            self.left_rewind = idx
+        else:
+            nxt = idx + 1 if idx + 1 < ring.max_chunks else 0
+            if nxt == self.left_rewind:
+                self.left_rewind = None
+                stepped = self._past_rewind(nxt)
+                ring.buf[ring.chunk_at[idx] + NEXT_AT] = stepped != nxt
+                nxt = stepped
+        self.in_step = True
+        ring.publish(idx)
+        self.idx = nxt
+        if not nxt:
+            self.span = 0
         self.chunks += 1
         self.in_step = False
+
+    def _release(self, idx: int, me: int, rewind: bool = False) -> None:
+        """Reader ``me``: done with chunk ``idx``; move on (to chunk 0 after a
+        ``REWIND``; over the one it passed last, when the writer stepped over it)."""
+        ring = self.ring
+        if rewind:
+            nxt = 0
+            self.left_rewind = idx
+        else:
+            nxt = idx + 1 if idx + 1 < ring.max_chunks else 0
+            if nxt == self.left_rewind:
+                self.left_rewind = None
+                if ring.buf[ring.chunk_at[idx] + NEXT_AT]:  # read before the release
+                    nxt = nxt + 1 if nxt + 1 < ring.max_chunks else 0
+        self.in_step = True
+        ring.release(idx, me)
+        self.idx = nxt
+        self.chunks += 1
+        self.in_step = False
+
+    def _ahead(self, count: int) -> list[int]:
+        """Writer: the ``count`` chunks from here that messages would take now."""
+        out = [self.idx]
+        rewind_left = self.left_rewind
+        while len(out) < count:
+            nxt = (out[-1] + 1) % self.ring.max_chunks
+            if nxt == rewind_left:
+                rewind_left = None
+                nxt = self._past_rewind(nxt)
+            out.append(nxt)
+        return out
 
     def free_for(self, tensor_bytes: list[int]) -> bool:
         """Writer: whether lone tensors of these byte counts, written in order from
@@ -96,7 +176,7 @@ class RingCursor:
             needed += 1 if fits_one else -(-(n + _STREAM_ALLOWANCE) // self.capacity)
         if needed > ring.max_chunks:
             return False
-        return all(ring.chunk_free((self.idx + j) % ring.max_chunks) for j in range(needed))
+        return all(ring.chunk_free(idx) for idx in self._ahead(needed))
 
     # ---- writer ---------------------------------------------------------------
 
@@ -104,12 +184,26 @@ class RingCursor:
         if not self.ring.chunk_free(idx):
             wait_free(idx)
 
+    def _rewind_if_empty(self, nbytes: int) -> None:
+        """Writer, before a message of ``nbytes`` (``REWIND_MIN_BYTES`` or more):
+        past ``REWIND_SPAN_BYTES`` since chunk 0, when every reader has read
+        everything (the chunk written last is free: readers release in ring order),
+        publish a ``REWIND`` and go back to chunk 0."""
+        idx = self.idx
+        self.span += nbytes
+        ring = self.ring
+        if idx == 0 or self.span <= REWIND_SPAN_BYTES or not ring.chunk_free(idx - 1):
+            return
+        ring.begin_write(idx)[ring.chunk_at[idx]] = REWIND
+        self._publish(idx, rewind=True)
+        self.span = nbytes
+
     def write(self, msg: EncodedMessage, wait_free: WaitFor) -> bool:
         """Write ``msg`` in one chunk; False (nothing written) when it is larger than
         a chunk: then :meth:`write_stream` it."""
         if msg.nbytes > self.capacity:
             return False
-        buf, at, idx = self._begin(INLINE, wait_free)
+        buf, at, idx = self._begin(INLINE, wait_free, msg.nbytes)
         if msg.frames:
             write_message(msg, buf, at + MSG_OFFSET, self.ring.address)
         else:
@@ -117,9 +211,7 @@ class RingCursor:
             pos = at + MSG_OFFSET
             MESSAGE_PREFIX.pack_into(buf, pos, len(header), 0)
             buf[pos + 8 : pos + 8 + len(header)] = header
-        self.in_step = True
-        self.ring.publish(idx)
-        self._advance()
+        self._publish(idx)
         return True
 
     def write_tensor(self, tensor: Any, meta: bytes, wait_free: WaitFor) -> bool:
@@ -129,21 +221,21 @@ class RingCursor:
         nbytes = tensor.nbytes
         if nbytes > self.capacity - MSG_OFFSET or _TENSOR_HEAD.size + len(meta) > MSG_OFFSET:
             return False
-        buf, at, idx = self._begin(TENSOR, wait_free)
+        buf, at, idx = self._begin(TENSOR, wait_free, nbytes)
         pos = at + MSG_OFFSET
         _TENSOR_HEAD.pack_into(buf, pos, len(meta), nbytes)
         start = pos + _TENSOR_HEAD.size
         buf[start : start + len(meta)] = meta
         if nbytes:
             ctypes.memmove(self.ring.address + pos + MSG_OFFSET, tensor.data_ptr(), nbytes)
-        self.in_step = True
-        self.ring.publish(idx)
-        self._advance()
+        self._publish(idx)
         return True
 
-    def _begin(self, kind: int, wait_free: WaitFor) -> tuple[memoryview, int, int]:
-        """Open the next chunk for writing, once free, marked ``kind``: (the ring's
-        buffer, the chunk's offset in it, its index)."""
+    def _begin(self, kind: int, wait_free: WaitFor, nbytes: int) -> tuple[memoryview, int, int]:
+        """Open the next chunk for a message of ``nbytes``, once free, marked
+        ``kind``: (the ring's buffer, the chunk's offset in it, its index)."""
+        if nbytes >= REWIND_MIN_BYTES:
+            self._rewind_if_empty(nbytes)
         idx = self.idx
         self._free(idx, wait_free)
         buf = self.ring.begin_write(idx)
@@ -166,10 +258,12 @@ class RingCursor:
             segments.append(v)
             total += pad + len(v)
         count = -(-total // self.capacity)
+        if total >= REWIND_MIN_BYTES:
+            self._rewind_if_empty(total)
         if count <= ring.max_chunks:
             # It fits the ring: every chunk it needs is free before any is written.
-            for j in range(count):
-                self._free((self.idx + j) % ring.max_chunks, wait_free)
+            for idx in self._ahead(count):
+                self._free(idx, wait_free)
         first = True
         try:
             while segments:
@@ -190,9 +284,7 @@ class RingCursor:
                     segments[0] = segments[0][n:]
                     if not segments[0]:
                         segments.pop(0)
-                self.in_step = True
-                ring.publish(idx)
-                self._advance()
+                self._publish(idx)
         except BaseException:
             if not first:
                 ring.set_shutdown()
@@ -203,12 +295,10 @@ class RingCursor:
     def raw_write(self, wait_free: WaitFor) -> Iterator[memoryview]:
         """A writable view of the next chunk's payload, published when the block ends
         (not when it raises)."""
-        buf, at, idx = self._begin(RAW, wait_free)
+        buf, at, idx = self._begin(RAW, wait_free, 0)
         with buf[at + MSG_OFFSET : at + self.ring.max_chunk_bytes] as view:
             yield view
-        self.in_step = True
-        self.ring.publish(idx)
-        self._advance()
+        self._publish(idx)
 
     # ---- reader ----------------------------------------------------------------
 
@@ -219,11 +309,31 @@ class RingCursor:
             wait_ready(idx)
         return idx
 
+    def _wait_message(self, me: int, wait_ready: WaitFor) -> int:
+        """The chunk the next message starts in, once written: a ``REWIND`` chunk on
+        the way is released and the wait goes on at chunk 0."""
+        ring = self.ring
+        while True:
+            idx = self.idx
+            if not ring.ready(idx, me):
+                wait_ready(idx)
+            if ring.buf[ring.chunk_at[idx]] != REWIND:
+                return idx
+            self._release(idx, me, rewind=True)
+
+    def message_ready(self, me: int) -> bool:
+        """Reader: whether a message is published and unread (no wait, no move)."""
+        ring = self.ring
+        idx = self.idx
+        if ring.ready(idx, me) and ring.buf[ring.chunk_at[idx]] == REWIND:
+            idx = 0  # a writer rewinds only to a chunk this reader has read
+        return ring.ready(idx, me)
+
     def read(self, me: int, wait_ready: WaitFor, into: memoryview | None = None) -> Any:
         """The next message for local reader ``me``, decoded; a lone tensor of
         ``len(into)`` bytes lands in ``into`` (see ``MessageQueue.dequeue``)."""
         ring = self.ring
-        idx = self._wait_written(me, wait_ready)
+        idx = self._wait_message(me, wait_ready)
         buf = ring.buf
         at = ring.chunk_at[idx]
         kind = buf[at]
@@ -246,9 +356,7 @@ class RingCursor:
             raise ProtocolError(f"{self.what}: chunk {idx} has unknown kind {kind}")
         finally:
             # Released even when decoding failed, so the queue stays usable.
-            self.in_step = True
-            ring.release(idx, me)
-            self._advance()
+            self._release(idx, me)
 
     def _read_tensor(self, buf: memoryview, pos: int, into: memoryview | None) -> Any:
         meta_len, nbytes = _TENSOR_HEAD.unpack_from(buf, pos)
@@ -294,7 +402,7 @@ class RingCursor:
     def raw_read(self, me: int, wait_ready: WaitFor) -> Iterator[memoryview]:
         """A view of the next chunk's payload, released to the writer when the block ends."""
         ring = self.ring
-        idx = self._wait_written(me, wait_ready)
+        idx = self._wait_message(me, wait_ready)
         at = ring.chunk_at[idx]
         if ring.buf[at] == STREAM:
             raise ProtocolError(
@@ -305,9 +413,7 @@ class RingCursor:
             with ring.buf[at + MSG_OFFSET : at + ring.max_chunk_bytes] as view:
                 yield view
         finally:
-            self.in_step = True
-            ring.release(idx, me)
-            self._advance()
+            self._release(idx, me)
 
 
 class _StreamIn:
@@ -335,8 +441,7 @@ class _StreamIn:
         self.view.release()
         if self.left <= 0:
             raise ProtocolError(f"{cursor.what}: a streamed message's parts run past its end")
-        cursor.ring.release(self.idx, self.me)
-        cursor._advance()
+        cursor._release(self.idx, self.me)
         self.idx = cursor._wait_written(self.me, self.wait_ready)
         self.view = self._open(cursor.ring.chunk_at[self.idx] + MSG_OFFSET)
 
@@ -370,8 +475,7 @@ class _StreamIn:
         self.view.release()
         if unread:
             raise ProtocolError(f"{cursor.what}: a streamed message's parts do not add up")
-        cursor.ring.release(self.idx, self.me)
-        cursor._advance()
+        cursor._release(self.idx, self.me)
 
     def abandon(self) -> None:
         """After a failure: drop the view into the ring (the queue is broken anyway)."""

@@ -11,7 +11,7 @@ import pytest
 import zmq
 from fake_writer import fake_remote_writer
 from ready_flags import mark, wait_for
-from test_mq_queue import make_queue
+from test_mq_queue import local_pair, make_queue
 
 from coordinator.launch import start_ranks
 from shm_broadcast.codec import Codec, frames_as_buffers
@@ -365,22 +365,6 @@ def test_handshake_socket_files_of_dead_writers_are_swept():
                 os.unlink(p)
 
 
-def _local_pair(max_chunks: int = 4, tcp: bool = False) -> tuple[MessageQueue, MessageQueue]:
-    """A writer and its one reader, both in this process: local, or remote (TCP)."""
-    import threading
-
-    if tcp:
-        writer = MessageQueue(1, 0, [], 1 << 16, max_chunks, "127.0.0.1")
-    else:
-        writer = MessageQueue(1, 1, [1], 1 << 16, max_chunks)
-    reader = MessageQueue.create_from_handle(writer.export_handle(), 1)
-    joining = threading.Thread(target=reader.wait_until_ready, kwargs={"timeout": 30})
-    joining.start()
-    writer.wait_until_ready(timeout=30)
-    joining.join()
-    return writer, reader
-
-
 class _TakenThenInterrupted:
     """An end's call lock whose first acquire takes the real lock and then raises
     KeyboardInterrupt: what an exception from a signal handler does when it lands
@@ -409,7 +393,7 @@ def test_a_call_interrupted_as_it_takes_the_lock_leaves_the_end_usable():
     # The lock stayed held: every later enqueue (or dequeue) waited to its deadline
     # ("another thread's call on this end of the queue did not end"), for ever
     # with timeout=None (vLLM's semantics).
-    writer, reader = _local_pair()
+    writer, reader = local_pair()
     try:
         for end, call in (
             (writer, lambda: writer.enqueue({"step": 1}, timeout=5)),
@@ -434,7 +418,7 @@ def test_a_call_made_inside_a_running_call_of_its_thread_is_refused_at_once():
     # thread to its deadline, then blamed "another thread's call".
     from shm_broadcast.errors import GroupcoordValueError
 
-    writer, reader = _local_pair(max_chunks=2)
+    writer, reader = local_pair(max_chunks=2)
     try:
         writer.enqueue(1, timeout=5)
         writer.enqueue(2, timeout=5)  # the ring is full: the next enqueue waits
@@ -454,19 +438,21 @@ def test_a_call_made_inside_a_running_call_of_its_thread_is_refused_at_once():
         reader.shutdown()
 
 
-def _interrupt_once_after_the_step(end: MessageQueue) -> None:
-    """The end's next move to the following chunk raises KeyboardInterrupt instead:
-    an exception from a signal handler landing between a chunk's publish (writer) or
-    release (reader) and the cursor's move on (Python runs pending handlers as a
-    function starts)."""
-    cursor = end._cursor
-    real = cursor._advance
+def interrupt_once_after_the_step(end: MessageQueue) -> None:
+    """The end's next chunk publish (writer) or release (reader) is followed by a
+    KeyboardInterrupt before its cursor moves on: an exception from a signal
+    handler landing between the two (Python runs pending handlers as a call
+    returns)."""
+    ring = end._cursor.ring
+    step = "publish" if end.role == "writer" else "release"
+    real = getattr(ring, step)
 
-    def interrupted() -> None:
-        cursor._advance = real
+    def interrupted(*args: Any) -> None:
+        delattr(ring, step)  # the class's method again
+        real(*args)
         raise KeyboardInterrupt
 
-    cursor._advance = interrupted
+    setattr(ring, step, interrupted)
 
 
 def test_a_reader_interrupted_between_release_and_moving_on_shuts_its_end():
@@ -474,11 +460,11 @@ def test_a_reader_interrupted_between_release_and_moving_on_shuts_its_end():
     # the writer reused that chunk it returned message 5 before 2, 3 and 4.
     from shm_broadcast.errors import ClosedError
 
-    writer, reader = _local_pair(max_chunks=4)
+    writer, reader = local_pair(max_chunks=4)
     try:
         for i in range(1, 4):
             writer.enqueue(i, timeout=5)
-        _interrupt_once_after_the_step(reader)
+        interrupt_once_after_the_step(reader)
         with pytest.raises(KeyboardInterrupt):
             reader.dequeue(timeout=5)  # message 1: read, released, then interrupted
         writer.enqueue(4, timeout=5)
@@ -498,9 +484,9 @@ def test_a_writer_interrupted_between_publish_and_moving_on_shuts_its_end():
     # that chunk once read, where the reader, one chunk on, never looked (lost).
     from shm_broadcast.errors import ClosedError
 
-    writer, reader = _local_pair(max_chunks=4)
+    writer, reader = local_pair(max_chunks=4)
     try:
-        _interrupt_once_after_the_step(writer)
+        interrupt_once_after_the_step(writer)
         with pytest.raises(KeyboardInterrupt):
             writer.enqueue(1, timeout=5)  # published, then interrupted
         with pytest.raises(ClosedError, match="part-way"):
@@ -518,7 +504,7 @@ def test_a_call_interrupted_while_it_waits_leaves_the_end_usable():
     # must not cost the queue).
     import signal
 
-    writer, reader = _local_pair()
+    writer, reader = local_pair()
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -542,7 +528,7 @@ def test_a_tcp_writer_interrupted_between_two_readers_shuts_its_end():
     # number, and a reader that had the first dropped it as a replay (lost, silently).
     from shm_broadcast.errors import ClosedError
 
-    writer, reader = _local_pair(tcp=True)
+    writer, reader = local_pair(tcp=True)
     tcp = writer._tcp_writer
     real = tcp._send_raw
 
@@ -570,7 +556,7 @@ def test_a_tcp_reader_interrupted_as_it_takes_a_message_shuts_its_end():
     # "expected message #1, got #2 (messages were lost on the way)".
     from shm_broadcast.errors import ClosedError
 
-    writer, reader = _local_pair(tcp=True)
+    writer, reader = local_pair(tcp=True)
     tcp = reader._tcp_reader
     real = tcp._pull
 

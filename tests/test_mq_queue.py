@@ -41,6 +41,21 @@ def make_queue(rank, world_size, n_local, max_chunk_bytes=1 << 14, max_chunks=8,
     return mq
 
 
+def local_pair(max_chunks: int = 4, tcp: bool = False) -> tuple[MessageQueue, MessageQueue]:
+    """A writer and its one reader (64 KiB chunks), both in this process: local, or
+    remote (TCP)."""
+    if tcp:
+        writer = MessageQueue(1, 0, [], 1 << 16, max_chunks, "127.0.0.1")
+    else:
+        writer = MessageQueue(1, 1, [1], 1 << 16, max_chunks)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 1)
+    joining = threading.Thread(target=reader.wait_until_ready, kwargs={"timeout": 30})
+    joining.start()
+    writer.wait_until_ready(timeout=30)
+    joining.join()
+    return writer, reader
+
+
 def mixed_message(i):
     """Small dicts, tuples, tensors, and every 97th one too large for a chunk."""
     kind = i % 5
@@ -69,17 +84,35 @@ def check_message(i, got):
         assert type(got) is type(want) and got == want, (i, got, want)
 
 
-def _ordering_rank(rank, world_size, n_local, count):
+def _ordering_rank(rank, world_size, n_local, count, rewind_span=None):
     import torch.distributed as dist
 
+    from shm_broadcast import ring_messages
+
+    if rewind_span is not None:  # the writer goes back to chunk 0 whenever it may
+        ring_messages.REWIND_MIN_BYTES = 0
+        ring_messages.REWIND_SPAN_BYTES = rewind_span
     mq = make_queue(rank, world_size, n_local)
     if rank == 0:
+        rewinds = 0
+        cursor = mq._cursor
+        rewind = cursor._rewind_if_empty
+
+        def counting(nbytes: int) -> None:
+            nonlocal rewinds
+            before = cursor.chunks
+            rewind(nbytes)
+            rewinds += cursor.chunks != before
+
+        cursor._rewind_if_empty = counting
         for i in range(count):
             msg = mixed_message(i)
             # Every third message goes already encoded (as tensor dicts do):
             # readers must get the same object whichever path it takes.
             mq.enqueue(encode_message(msg) if i % 3 == 0 else msg, timeout=60)
-        result = count
+            while rewind_span is not None and i % 10 == 0 and not mq.all_read():
+                time.sleep(0.0005)  # now and then the readers catch up: a REWIND next
+        result = count if rewind_span is None else rewinds
     else:
         kept = []
         for i in range(count):
@@ -97,6 +130,14 @@ def _ordering_rank(rank, world_size, n_local, count):
 
 def test_order_kept_over_10000_mixed_messages_with_three_local_readers():
     assert run_ranks(_ordering_rank, 4, 3, 10_000, timeout=120) == [10_000] * 4
+
+
+def test_order_kept_when_the_writer_starts_again_at_chunk_zero_whenever_the_ring_is_empty():
+    # A REWIND chunk before every message written into an empty ring (not at chunk
+    # 0): the writer's check races the readers' releases.
+    results = run_ranks(_ordering_rank, 4, 2, 3_000, 1, timeout=120)  # 2 ring, 1 TCP
+    assert results[1:] == [3_000] * 3
+    assert results[0] >= 250, results[0]  # REWINDs written
 
 
 def test_order_kept_with_local_and_remote_readers():
@@ -767,3 +808,125 @@ def _admission_rank(rank, world_size):
 
 def test_a_timeout_before_a_streamed_message_leaves_the_queue_usable():
     assert run_ranks(_admission_rank, 2, timeout=60) == [None, [1, 9, 4]]
+
+
+def _rewind_sample(i: int) -> object:
+    """About 30 KB each, as a lone tensor, an inline dict, or (every third) a
+    100 KB tensor streamed through two 64 KiB chunks."""
+    if i % 3 == 0:
+        return torch.full((25_000,), i, dtype=torch.int32)
+    if i % 3 == 1:
+        return torch.full((7_500,), i, dtype=torch.int32)
+    return {"i": i, "b": bytes([i % 256]) * 30_000}
+
+
+def _same(got: object, want: object) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and torch.equal(got, want)
+    return got == want
+
+
+def test_a_writer_whose_reader_keeps_up_starts_again_at_chunk_zero(monkeypatch):
+    # Past REWIND_SPAN_BYTES since chunk 0, a message into an empty ring starts at
+    # chunk 0 again (the chunks stay in cache); with the reader behind, ring order.
+    from shm_broadcast import ring_messages
+
+    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
+    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", 40_000)
+    writer, reader = local_pair(max_chunks=8)
+    cursor = writer._cursor
+    try:
+        places = []
+        for i in range(30):  # one at a time: the ring is empty before each
+            writer.enqueue(_rewind_sample(i), timeout=5)
+            places.append(cursor.idx)
+            assert _same(reader.dequeue(timeout=5), _rewind_sample(i)), i
+        assert max(places) <= 3 < cursor.chunks - 30  # without REWINDs: all 8 chunks
+        for i in range(30, 35):  # a burst: the reader is behind (7 of the 8 chunks)
+            writer.enqueue(_rewind_sample(i), timeout=1)
+        for i in range(30, 35):
+            assert _same(reader.dequeue(timeout=5), _rewind_sample(i)), i
+        writer.enqueue(_rewind_sample(35), timeout=5)
+        assert cursor.idx <= 2  # empty again: from chunk 0
+        assert reader.drop_unread() == 1  # sees the message past the REWIND
+        with writer.acquire_write(timeout=5) as view:
+            view[:3] = b"raw"
+        with reader.acquire_read(timeout=5) as view:
+            assert bytes(view[:3]) == b"raw"
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_a_rewind_takes_no_room_from_a_burst_that_follows_it(monkeypatch):
+    # The REWIND chunk is still unread when the writer comes round to it: it steps
+    # over it, so the ring holds as many messages without a reader as before.
+    from shm_broadcast import ring_messages
+    from shm_broadcast.errors import GroupcoordTimeoutError
+
+    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
+    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", 40_000)
+    writer, reader = local_pair(max_chunks=8)
+    cursor = writer._cursor
+    one_chunk = torch.arange(7_500, dtype=torch.int32)  # 30,000 bytes
+    try:
+        writer.enqueue(one_chunk, timeout=5)
+        reader.dequeue(timeout=5)
+        writer.enqueue(one_chunk + 1, timeout=5)  # REWIND in chunk 1, this in chunk 0
+        # Chunk 1's REWIND is unread as chunk 0 is published: the next is chunk 2.
+        assert (cursor.idx, cursor.left_rewind) == (2, None)
+        assert writer.takes_without_waiting([one_chunk.nbytes] * 6)
+        assert not writer.takes_without_waiting([one_chunk.nbytes] * 7)
+        for i in range(2, 8):  # chunks 2-7, stepping over the unread REWIND
+            writer.enqueue(one_chunk + i, timeout=1)
+        assert (cursor.idx, cursor.left_rewind) == (0, None)
+        with pytest.raises(GroupcoordTimeoutError):  # all 8 hold what is unread
+            writer.enqueue(one_chunk + 8, timeout=0.2)
+        for i in range(1, 8):
+            assert torch.equal(reader.dequeue(timeout=5), one_chunk + i), i
+        writer.enqueue(one_chunk + 8, timeout=5)
+        assert torch.equal(reader.dequeue(timeout=5), one_chunk + 8)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_an_end_interrupted_as_it_steps_over_a_rewind_shuts_its_end(monkeypatch):
+    # Between the REWIND chunk's publish (writer) or release (reader) and the
+    # cursor's move to chunk 0: the end is one chunk off what the ring says.
+    from test_mq_faults import interrupt_once_after_the_step
+
+    from shm_broadcast import ring_messages
+
+    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
+    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", 40_000)
+    writer, reader = local_pair(max_chunks=8)
+    try:
+        for _ in range(2):
+            writer.enqueue(_rewind_sample(1), timeout=5)
+            reader.dequeue(timeout=5)
+        interrupt_once_after_the_step(writer)  # the next step is the REWIND's
+        with pytest.raises(KeyboardInterrupt):
+            writer.enqueue(_rewind_sample(1), timeout=5)
+        with pytest.raises(ClosedError, match="part-way"):
+            writer.enqueue(_rewind_sample(1), timeout=5)
+        # A REWIND with no message after it: the reader follows it and finds none.
+        with pytest.raises(ClosedError, match="writer shut the queue down"):
+            reader.dequeue(timeout=5)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    writer, reader = local_pair(max_chunks=8)
+    try:
+        for i in range(3):
+            writer.enqueue(_rewind_sample(1), timeout=5)
+            if i < 2:
+                reader.dequeue(timeout=5)
+        interrupt_once_after_the_step(reader)  # its next step is over the REWIND
+        with pytest.raises(KeyboardInterrupt):
+            reader.dequeue(timeout=5)
+        with pytest.raises(ClosedError, match="part-way"):
+            reader.dequeue(timeout=5)
+    finally:
+        writer.shutdown()
+        reader.shutdown()

@@ -90,10 +90,9 @@ def _corrupt(rank: int, world_size: int) -> str:
     message = ""
     if rank == 0:
         cursor = mq._cursor
-        buf, at, idx = cursor._begin(TENSOR, lambda i: None)
+        buf, at, idx = cursor._begin(TENSOR, lambda i: None, 0)
         buf[at + MSG_OFFSET] = 200  # a header longer than its room
-        mq._ring.publish(idx)
-        cursor._advance()
+        cursor._publish(idx)
         mq.enqueue(torch.arange(3), timeout=30)
     else:
         with pytest.raises(ProtocolError) as info:
