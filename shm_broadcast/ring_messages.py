@@ -94,6 +94,7 @@ class RingCursor:
         self.span = 0  # writer: bytes of large messages written since idx was last 0
         # The REWIND chunk this end passed last, until it comes round to it again.
         self.left_rewind: int | None = None
+        self.last = 0  # writer: the chunk it published last (readers release in order)
         self.capacity = ring.max_chunk_bytes - MSG_OFFSET  # message bytes in one chunk
         self.broken = False
         # Set just before a chunk is published (writer) or released (reader) and
@@ -126,6 +127,7 @@ class RingCursor:
                 nxt = stepped
         self.in_step = True
         ring.publish(idx)
+        self.last = idx
         self.idx = nxt
         if not nxt:
             self.span = 0
@@ -187,12 +189,13 @@ class RingCursor:
     def _rewind_if_empty(self, nbytes: int) -> None:
         """Writer, before a message of ``nbytes`` (``REWIND_MIN_BYTES`` or more):
         past ``REWIND_SPAN_BYTES`` since chunk 0, when every reader has read
-        everything (the chunk written last is free: readers release in ring order),
+        everything (the chunk published last is free: readers release in the order
+        of publishing; not ``idx - 1``, which may be a ``REWIND`` stepped over),
         publish a ``REWIND`` and go back to chunk 0."""
         idx = self.idx
         self.span += nbytes
         ring = self.ring
-        if idx == 0 or self.span <= REWIND_SPAN_BYTES or not ring.chunk_free(idx - 1):
+        if idx == 0 or self.span <= REWIND_SPAN_BYTES or not ring.chunk_free(self.last):
             return
         ring.begin_write(idx)[ring.chunk_at[idx]] = REWIND
         self._publish(idx, rewind=True)

@@ -891,6 +891,36 @@ def test_a_rewind_takes_no_room_from_a_burst_that_follows_it(monkeypatch):
         reader.shutdown()
 
 
+def test_no_rewind_while_a_reader_is_behind_a_rewind_it_has_passed(monkeypatch):
+    # The chunk before the writer's place is a REWIND it stepped over, which the
+    # reader has read, but the reader has not read what came after it: the ring is
+    # not empty, so the next message goes on in ring order (a rewind would put it
+    # behind the unread chunks and make the one after it wait).
+    from shm_broadcast import ring_messages
+
+    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
+    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", 80_000)
+    writer, reader = local_pair(max_chunks=8)
+    cursor = writer._cursor
+    one_chunk = torch.arange(7_500, dtype=torch.int32)  # 30,000 bytes
+    try:
+        for i in range(2):  # chunks 0 and 1, read
+            writer.enqueue(one_chunk + i, timeout=5)
+            assert torch.equal(reader.dequeue(timeout=5), one_chunk + i)
+        writer.enqueue(one_chunk + 2, timeout=5)  # REWIND in chunk 2, this in chunk 0
+        writer.enqueue(one_chunk + 3, timeout=5)  # chunk 1, stepping over chunk 2
+        assert cursor.idx == 3
+        assert torch.equal(reader.dequeue(timeout=5), one_chunk + 2)  # reads the REWIND
+        writer.enqueue(one_chunk + 4, timeout=5)  # chunk 3: chunk 1 is unread
+        assert cursor.idx == 4
+        writer.enqueue(one_chunk + 5, timeout=1)
+        for i in range(3, 6):
+            assert torch.equal(reader.dequeue(timeout=5), one_chunk + i), i
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
 def test_an_end_interrupted_as_it_steps_over_a_rewind_shuts_its_end(monkeypatch):
     # Between the REWIND chunk's publish (writer) or release (reader) and the
     # cursor's move to chunk 0: the end is one chunk off what the ring says.
