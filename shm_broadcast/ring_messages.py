@@ -105,26 +105,34 @@ class RingCursor:
         # from a chunk the writer has not reached (read out of order, silently).
         self.in_step = False
 
-    def _past_rewind(self, nxt: int) -> int:
-        """Writer: the chunk to take at ``nxt``, the ``REWIND`` it left last:
-        ``nxt`` once every reader has read it, else the one after (stepped over)."""
-        ring = self.ring
-        return nxt if ring.chunk_free(nxt) else (nxt + 1) % ring.max_chunks
-
-    def _publish(self, idx: int, rewind: bool = False) -> None:
-        """Writer: chunk ``idx`` is complete; let the readers see it and move on (to
-        chunk 0 after a ``REWIND``)."""
+    def _following(self, idx: int, rewind: bool, writing: bool) -> int:
+        """The chunk after chunk ``idx`` for this end: 0 after a ``REWIND`` (which
+        it then remembers), else the next in ring order, or the one after that when
+        the next is the ``REWIND`` it passed last and the writer steps over it. The
+        writer decides (some reader has not read that ``REWIND`` yet) and says so in
+        byte ``NEXT_AT`` of chunk ``idx``, which its readers read (before release)."""
         ring = self.ring
         if rewind:
-            nxt = 0
             self.left_rewind = idx
+            return 0
+        nxt = idx + 1 if idx + 1 < ring.max_chunks else 0
+        if nxt != self.left_rewind:
+            return nxt
+        self.left_rewind = None
+        at = ring.chunk_at[idx] + NEXT_AT
+        if writing:
+            over = not ring.chunk_free(nxt)
+            ring.buf[at] = over
         else:
-            nxt = idx + 1 if idx + 1 < ring.max_chunks else 0
-            if nxt == self.left_rewind:
-                self.left_rewind = None
-                stepped = self._past_rewind(nxt)
-                ring.buf[ring.chunk_at[idx] + NEXT_AT] = stepped != nxt
-                nxt = stepped
+            over = bool(ring.buf[at])
+        return (nxt + 1) % ring.max_chunks if over else nxt
+
+    def _publish(self, idx: int, rewind: bool = False) -> None:
+        """Writer: chunk ``idx`` is complete; let the readers see it and move on."""
+        ring = self.ring
+        nxt = idx + 1 if idx + 1 < ring.max_chunks else 0
+        if rewind or nxt == self.left_rewind:  # else the common case, inline
+            nxt = self._following(idx, rewind, True)
         self.in_step = True
         ring.publish(idx)
         self.last = idx
@@ -135,18 +143,11 @@ class RingCursor:
         self.in_step = False
 
     def _release(self, idx: int, me: int, rewind: bool = False) -> None:
-        """Reader ``me``: done with chunk ``idx``; move on (to chunk 0 after a
-        ``REWIND``; over the one it passed last, when the writer stepped over it)."""
+        """Reader ``me``: done with chunk ``idx``; move on."""
         ring = self.ring
-        if rewind:
-            nxt = 0
-            self.left_rewind = idx
-        else:
-            nxt = idx + 1 if idx + 1 < ring.max_chunks else 0
-            if nxt == self.left_rewind:
-                self.left_rewind = None
-                if ring.buf[ring.chunk_at[idx] + NEXT_AT]:  # read before the release
-                    nxt = nxt + 1 if nxt + 1 < ring.max_chunks else 0
+        nxt = idx + 1 if idx + 1 < ring.max_chunks else 0
+        if rewind or nxt == self.left_rewind:  # else the common case, inline
+            nxt = self._following(idx, rewind, False)
         self.in_step = True
         ring.release(idx, me)
         self.idx = nxt
@@ -155,13 +156,15 @@ class RingCursor:
 
     def _ahead(self, count: int) -> list[int]:
         """Writer: the ``count`` chunks from here that messages would take now."""
+        ring = self.ring
         out = [self.idx]
         rewind_left = self.left_rewind
         while len(out) < count:
-            nxt = (out[-1] + 1) % self.ring.max_chunks
+            nxt = (out[-1] + 1) % ring.max_chunks
             if nxt == rewind_left:
                 rewind_left = None
-                nxt = self._past_rewind(nxt)
+                if not ring.chunk_free(nxt):  # stepped over (see _following)
+                    nxt = (nxt + 1) % ring.max_chunks
             out.append(nxt)
         return out
 

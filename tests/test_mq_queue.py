@@ -810,6 +810,18 @@ def test_a_timeout_before_a_streamed_message_leaves_the_queue_usable():
     assert run_ranks(_admission_rank, 2, timeout=60) == [None, [1, 9, 4]]
 
 
+def _rewinding_pair(
+    monkeypatch: pytest.MonkeyPatch, span: int = 40_000
+) -> tuple[MessageQueue, MessageQueue]:
+    """An in-process pair (eight 64 KiB chunks) whose writer rewinds once messages
+    of 20,000 bytes or more add up to ``span`` bytes since chunk 0."""
+    from shm_broadcast import ring_messages
+
+    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
+    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", span)
+    return local_pair(max_chunks=8)
+
+
 def _rewind_sample(i: int) -> object:
     """About 30 KB each, as a lone tensor, an inline dict, or (every third) a
     100 KB tensor streamed through two 64 KiB chunks."""
@@ -829,11 +841,7 @@ def _same(got: object, want: object) -> bool:
 def test_a_writer_whose_reader_keeps_up_starts_again_at_chunk_zero(monkeypatch):
     # Past REWIND_SPAN_BYTES since chunk 0, a message into an empty ring starts at
     # chunk 0 again (the chunks stay in cache); with the reader behind, ring order.
-    from shm_broadcast import ring_messages
-
-    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
-    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", 40_000)
-    writer, reader = local_pair(max_chunks=8)
+    writer, reader = _rewinding_pair(monkeypatch)
     cursor = writer._cursor
     try:
         places = []
@@ -861,12 +869,9 @@ def test_a_writer_whose_reader_keeps_up_starts_again_at_chunk_zero(monkeypatch):
 def test_a_rewind_takes_no_room_from_a_burst_that_follows_it(monkeypatch):
     # The REWIND chunk is still unread when the writer comes round to it: it steps
     # over it, so the ring holds as many messages without a reader as before.
-    from shm_broadcast import ring_messages
     from shm_broadcast.errors import GroupcoordTimeoutError
 
-    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
-    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", 40_000)
-    writer, reader = local_pair(max_chunks=8)
+    writer, reader = _rewinding_pair(monkeypatch)
     cursor = writer._cursor
     one_chunk = torch.arange(7_500, dtype=torch.int32)  # 30,000 bytes
     try:
@@ -896,11 +901,7 @@ def test_no_rewind_while_a_reader_is_behind_a_rewind_it_has_passed(monkeypatch):
     # reader has read, but the reader has not read what came after it: the ring is
     # not empty, so the next message goes on in ring order (a rewind would put it
     # behind the unread chunks and make the one after it wait).
-    from shm_broadcast import ring_messages
-
-    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
-    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", 80_000)
-    writer, reader = local_pair(max_chunks=8)
+    writer, reader = _rewinding_pair(monkeypatch, span=80_000)
     cursor = writer._cursor
     one_chunk = torch.arange(7_500, dtype=torch.int32)  # 30,000 bytes
     try:
@@ -926,11 +927,7 @@ def test_an_end_interrupted_as_it_steps_over_a_rewind_shuts_its_end(monkeypatch)
     # cursor's move to chunk 0: the end is one chunk off what the ring says.
     from test_mq_faults import interrupt_once_after_the_step
 
-    from shm_broadcast import ring_messages
-
-    monkeypatch.setattr(ring_messages, "REWIND_MIN_BYTES", 20_000)
-    monkeypatch.setattr(ring_messages, "REWIND_SPAN_BYTES", 40_000)
-    writer, reader = local_pair(max_chunks=8)
+    writer, reader = _rewinding_pair(monkeypatch)
     try:
         for _ in range(2):
             writer.enqueue(_rewind_sample(1), timeout=5)
@@ -946,7 +943,7 @@ def test_an_end_interrupted_as_it_steps_over_a_rewind_shuts_its_end(monkeypatch)
     finally:
         writer.shutdown()
         reader.shutdown()
-    writer, reader = local_pair(max_chunks=8)
+    writer, reader = _rewinding_pair(monkeypatch)
     try:
         for i in range(3):
             writer.enqueue(_rewind_sample(1), timeout=5)
