@@ -93,6 +93,7 @@ _Ext = msgspec.msgpack.Ext
 _SIMPLE = frozenset({type(None), bool, int, float, str})
 _SIMPLE_KEYS = frozenset({type(None), bool, int, float, str, bytes})
 _EMPTY: Any = object()  # what next() gives for a list of empty lists
+_NO_FRAMES: tuple[()] = ()  # a message without frames shares this (nothing appends to it)
 
 
 class Codec:
@@ -135,11 +136,14 @@ class Codec:
                 self._keepalive = []
                 self._slow = True
                 header = self._enc.encode(self._walk(obj))
+            if not self._frames:  # the common small message: no lists to hand over
+                return EncodedMessage(header, _NO_FRAMES, _NO_FRAMES, _NO_FRAMES)
             return EncodedMessage(header, self._frames, self._frame_lens, self._keepalive)
         finally:
-            self._frames = []
-            self._frame_lens = []
-            self._keepalive = []
+            if self._frames:  # handed over with the message (or an error): fresh ones
+                self._frames = []
+                self._frame_lens = []
+                self._keepalive = []
             self._slow = False
 
     def _walk(self, obj: Any) -> Any:

@@ -58,6 +58,9 @@ EXT_SURROGATE_STR = 19  # a str UTF-8 cannot hold (lone surrogates): "surrogatep
 _PREFIX = struct.Struct("<II")
 MESSAGE_PREFIX = _PREFIX  # u32 header_len, u32 n_frames: starts every written message
 _FRAME_LEN = struct.Struct("<Q")
+_PREFIX_BYTES = _PREFIX.size
+_FRAME_LEN_BYTES = _FRAME_LEN.size
+_ALIGN_MASK = FRAME_ALIGN - 1
 _FRAME_LENS: dict[int, struct.Struct] = {}  # frame count -> the layout of their lengths
 
 
@@ -78,7 +81,11 @@ class EncodedMessage:
     __slots__ = ("header", "frames", "frame_lens", "nbytes", "keepalive")
 
     def __init__(
-        self, header: bytes, frames: list[Any], frame_lens: list[int], keepalive: list[Any]
+        self,
+        header: bytes,
+        frames: Sequence[Any],
+        frame_lens: Sequence[int],
+        keepalive: Sequence[Any],
     ) -> None:
         self.header = header
         # The tensors whose memory the frames point into, kept alive with them.
@@ -88,9 +95,11 @@ class EncodedMessage:
         # (non-contiguous) tensor / ndarray that write_message copies strided.
         self.frames = frames
         self.frame_lens = frame_lens
-        size = _PREFIX.size + _FRAME_LEN.size * len(frames) + len(header)
-        for n in frame_lens:
-            size += (-size & (FRAME_ALIGN - 1)) + n
+        size = _PREFIX_BYTES + len(header)
+        if frame_lens:
+            size += _FRAME_LEN_BYTES * len(frame_lens)
+            for n in frame_lens:
+                size += (-size & _ALIGN_MASK) + n
         self.nbytes = size
 
 
