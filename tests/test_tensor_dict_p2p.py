@@ -451,6 +451,36 @@ def test_tensors_objects_and_dicts_share_one_channel_in_order(mode: str) -> None
         assert got == {"shared": True, "used": mode != "gloo"}
 
 
+def _both_send_first_after_a_ping_pong(rank: int, world: int) -> int:
+    g = _group(rank, world, "shm")
+    peer = 1 - rank
+    try:
+        one = torch.full((256 * 1024,), float(rank))  # 1 MiB: the ring rewinds (REWIND)
+        for _ in range(12):  # a ping-pong: each pair's writer goes back to chunk 0
+            if rank == 0:
+                g.send(one, dst=peer)
+                g.recv(one.shape, one.dtype, src=peer)
+            else:
+                g.send(g.recv(one.shape, one.dtype, src=peer), dst=peer)
+        # Then both send 40 MiB before either receives: a pair's 64 MiB ring holds
+        # it without the receiver, a rewind or not.
+        sent = [torch.full((1024 * 1024,), float(10 * rank + i)) for i in range(10)]
+        for t in sent:
+            g.send(t, dst=peer)
+        got = [g.recv(sent[0].shape, sent[0].dtype, src=peer) for _ in range(10)]
+        assert all(bool((t == 10 * peer + i).all()) for i, t in enumerate(got))
+        g.barrier()
+        return len(got)
+    finally:
+        g.destroy()
+
+
+def test_both_ranks_send_40_mib_before_receiving_after_a_ping_pong() -> None:
+    # A sender runs up to its pair's ring ahead of the receiver: the writer's going
+    # back to chunk 0 after the ping-pong takes none of that room.
+    assert run_ranks(_both_send_first_after_a_ping_pong, 2, timeout=30) == [10, 10]
+
+
 def _recv_of_another_size(rank: int, world: int, mode: str) -> str:
     from shm_broadcast.errors import DesyncError
 
