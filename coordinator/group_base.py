@@ -462,12 +462,21 @@ class GroupBase:
         if self._destroyed:
             raise ClosedError(f"{self.unique_name} was destroyed")
         if self._plain_comm is None:
-            with self._call_lock:  # built once, by the first call's thread (a collective)
+            with self._call_lock:  # built once, by the first call's thread
                 if self._plain_comm is None:
-                    # Groups built without a device communicator still move tensors,
-                    # with plain torch.distributed calls.
+                    # Groups built without a device communicator still move tensors:
+                    # torch.distributed calls, and send/recv of CPU tensors through
+                    # the channels that carry the group's objects. Built from what the
+                    # group knows, with no collective call: the first call may be one
+                    # rank's send (a world group's ranks 0 and 1, the others elsewhere).
                     self._plain_comm = DeviceCommunicatorBase(
-                        self.cpu_group, self.device, self.device_group, self.unique_name
+                        self.cpu_group,
+                        self.device,
+                        self.device_group,
+                        self.unique_name,
+                        timeout_s=self.timeout_s,
+                        peer_pids=self._local_pids,
+                        p2p_channels=self._p2p_channels,
                     )
         return self._plain_comm
 

@@ -38,7 +38,7 @@ from .errors import DesyncError, GroupcoordTypeError, GroupcoordValueError, NotS
 from .padded_parts import check_lengths
 from .shm_reduce import OneTorchThread
 from .shm_small import SmallCalls, VaryingParts
-from .transports import TorchTransport, Transport, TransportChain
+from .transports import ChannelTransport, TorchTransport, Transport, TransportChain
 
 __all__ = ["All2AllManagerBase", "Cache", "DeviceCommunicatorBase"]
 
@@ -66,10 +66,20 @@ class DeviceCommunicatorBase:
         use_all2all: bool = False,
         *,
         timeout_s: float | None = None,
+        peer_pids: dict[int, int] | None = None,
+        p2p_channels: P2PChannels | None = None,
     ) -> None:
+        """``peer_pids`` (global rank -> pid of the peers on this host, as
+        ``_local_peer_pids`` finds them): given by a caller that has them, so that
+        building makes no collective call and may happen on one rank's first
+        ``send``. ``p2p_channels``: ``send``/``recv`` of CPU tensors go through them
+        to peers on this node (a GroupCoordinator without a device communicator
+        gives its own, which carry its objects and tensor dicts)."""
         # The deadline of this group's waits (GroupCoordinator passes its own);
         # None: GROUPCOORD_TIMEOUT_S.
         self.timeout_s = resolve_timeout(timeout_s)
+        if p2p_channels is not None:
+            self.p2p_channels = p2p_channels
         self.cpu_group = cpu_group
         self.device = device if device is not None else torch.device("cpu")
         self.device_group = device_group if device_group is not None else cpu_group
@@ -105,7 +115,7 @@ class DeviceCommunicatorBase:
         )
         # Global rank -> pid of peers on this host: a failed call names the dead ones.
         self.peer_pids: dict[int, int] = {}  # what errors of the exchange below can use
-        self.peer_pids = self._local_peer_pids()
+        self.peer_pids = dict(peer_pids) if peer_pids is not None else self._local_peer_pids()
         self.all_reduce_chain = AllReduceChain(
             [
                 *fast,
@@ -142,8 +152,12 @@ class DeviceCommunicatorBase:
         return []
 
     def _fast_transports(self) -> list[Transport]:
-        """Transports tried before c10d for the moving operations, in order (none here)."""
-        return []
+        """Transports tried before c10d for the moving operations, in order: here the
+        shared-memory channels for ``send``/``recv`` when this communicator has them."""
+        if self.p2p_channels is None:
+            return []
+        fallback = TorchTransport(self, self.device_group)
+        return [ChannelTransport(self.p2p_channels, self.ranks, fallback)]
 
     def _local_peer_pids(self) -> dict[int, int]:
         """Pids of the peers whose pids this process can judge (same host key: host,

@@ -31,7 +31,7 @@ from .base_device_communicator import DeviceCommunicatorBase
 from .errors import GroupcoordTypeError
 from .shm_all_reduce import ShmAllReduce
 from .shm_phases import layout_code, split_code
-from .transports import NOT_OFFERED, TorchTransport, Transport
+from .transports import NOT_OFFERED, Transport
 
 
 class CpuCommunicator(DeviceCommunicatorBase):
@@ -91,10 +91,7 @@ class CpuCommunicator(DeviceCommunicatorBase):
         return [self.shm_all_reduce]
 
     def _fast_transports(self) -> list[Transport]:
-        channels = ChannelTransport(
-            self.p2p_channels, self.ranks, TorchTransport(self, self.device_group)
-        )
-        return [ShmTransport(self.shm_all_reduce), channels]
+        return [ShmTransport(self.shm_all_reduce), *super()._fast_transports()]
 
     def _local_peer_pids(self) -> dict[int, int]:
         # The shm set-up exchanged pids; a failed Gloo call can then name the dead peer.
@@ -215,41 +212,3 @@ class ShmTransport(Transport):
         )
         part = part.view(length, *moved.shape[1:])
         return part.movedim(0, dim).contiguous() if dim else part
-
-
-class ChannelTransport(Transport):
-    """``send``/``recv`` through the communicator's shared-memory channel to each peer
-    on this node (the queue its tensor dicts use, so they stay in order with them):
-    10-20x less latency than Gloo's TCP pair for a small tensor. A pair with no
-    channel (a peer on another node, ``disable_shm_p2p``, a ring that did not fit
-    in /dev/shm) goes over ``fallback``: both ends of a pair agree through the
-    store, so the choice never splits a pair. The receiver checks the dtype and
-    element count it asked for against what came and names both on a mismatch."""
-
-    name = "shared-memory channels"
-
-    def __init__(self, channels: P2PChannels, ranks: list[int], fallback: Transport) -> None:
-        self.channels = channels
-        self.ranks = ranks
-        self.fallback = fallback
-
-    def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
-        if op not in ("send", "recv"):
-            return NOT_OFFERED
-        if not self.channels.peers:  # pairs without a channel fall back inside; so may all
-            return "no peer on this node to open a channel to (or disable_shm_p2p is set)"
-        return None if tensor.is_cpu else f"tensor is on {tensor.device}, not the CPU"
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        peer = self.ranks[dst]
-        if self.channels.open_to(peer, "send"):
-            self.channels.send_tensor(peer, tensor, "send", first=True)
-        else:
-            self.fallback.send(tensor, dst)
-
-    def recv(self, shape: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
-        peer = self.ranks[src]
-        if self.channels.open_from(peer, "recv"):
-            # The decoded tensor owns its memory: nothing to allocate or copy into.
-            return self.channels.recv_tensor(peer, dtype, shape, "recv")
-        return self.fallback.recv(shape, dtype, src)

@@ -3,7 +3,9 @@
 All-reduce has its chain (``all_reduce_backends``); the operations that move
 tensors (all-gather, all-gatherv, reduce-scatter, broadcast, send, recv)
 have this one. A communicator holds ``[*fast, torch]``: ``[shared memory,
-torch]`` on CPU, ``[pynccl, torch]`` on CUDA. Each transport says, per
+shared-memory channels, torch]`` on CPU, ``[pynccl, torch]`` on CUDA, and
+``[shared-memory channels, torch]`` in the torch communicator of a group
+without a device communicator (vLLM's world group). Each transport says, per
 operation and tensor, whether it takes the call and if not why, so the base
 class's public methods check the arguments once and hand the call to
 ``select(op, tensor)`` with no subclass overriding anything. The last entry
@@ -25,6 +27,8 @@ from typing import Protocol, TypeVar
 
 import torch
 from torch.distributed import ProcessGroup
+
+from shm_broadcast.p2p_channels import P2PChannels
 
 from . import c10d_calls
 from .errors import GroupcoordValueError
@@ -231,3 +235,41 @@ class TorchTransport(Transport):
         with self.comm._gloo("recv", peer=src, group=self.group):
             c10d_calls.recv_blocking(self.group, out, src, self.comm.what).wait()
         return out
+
+
+class ChannelTransport(Transport):
+    """``send``/``recv`` through the communicator's shared-memory channel to each peer
+    on this node (the queue its tensor dicts use, so they stay in order with them):
+    10-20x less latency than Gloo's TCP pair for a small tensor. A pair with no
+    channel (a peer on another node, ``disable_shm_p2p``, a ring that did not fit
+    in /dev/shm) goes over ``fallback``: both ends of a pair agree through the
+    store, so the choice never splits a pair. The receiver checks the dtype and
+    element count it asked for against what came and names both on a mismatch."""
+
+    name = "shared-memory channels"
+
+    def __init__(self, channels: P2PChannels, ranks: list[int], fallback: Transport) -> None:
+        self.channels = channels
+        self.ranks = ranks
+        self.fallback = fallback
+
+    def refusal(self, op: str, tensor: torch.Tensor) -> str | None:
+        if op not in ("send", "recv"):
+            return NOT_OFFERED
+        if not self.channels.peers:  # pairs without a channel fall back inside; so may all
+            return "no peer on this node to open a channel to (or disable_shm_p2p is set)"
+        return None if tensor.is_cpu else f"tensor is on {tensor.device}, not the CPU"
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        peer = self.ranks[dst]
+        if self.channels.open_to(peer, "send"):
+            self.channels.send_tensor(peer, tensor, "send", first=True)
+        else:
+            self.fallback.send(tensor, dst)
+
+    def recv(self, shape: torch.Size, dtype: torch.dtype, src: int) -> torch.Tensor:
+        peer = self.ranks[src]
+        if self.channels.open_from(peer, "recv"):
+            # The decoded tensor owns its memory: nothing to allocate or copy into.
+            return self.channels.recv_tensor(peer, dtype, shape, "recv")
+        return self.fallback.recv(shape, dtype, src)

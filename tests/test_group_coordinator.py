@@ -307,6 +307,56 @@ def _destroy_only(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
+def _pair_in_a_group_without_a_communicator(rank: int, world_size: int) -> dict:
+    """Ranks 0 and 1 of a group without a device communicator (vLLM's world group)
+    exchange tensors and objects while ranks 2 and 3 are elsewhere (asleep)."""
+    init_gloo(rank, world_size)
+    g = GroupCoordinator(
+        [list(range(world_size))], rank, "gloo", False, group_name="world", timeout=20
+    )
+    start = time.monotonic()
+    out: dict = {}
+    if rank == 0:
+        g.send(data(0, (1024,)), dst=1)
+        g.send_object({"step": 1}, dst=1)
+        g.send(data(0, (3, 5), torch.int64), dst=1)
+        g.send(data(0, (8,)), dst=1)
+        out["back"] = g.recv(1024, torch.float32, src=1).tolist()
+    elif rank == 1:
+        first = g.recv((1024,), torch.float32, src=0)
+        out["first"] = torch.equal(first, data(0, (1024,)))
+        out["object"] = g.recv_object(src=0)
+        out["second"] = torch.equal(
+            g.recv((3, 5), torch.int64, src=0), data(0, (3, 5), torch.int64)
+        )
+        try:
+            g.recv((9,), torch.float32, src=0)  # rank 0 sent 8 elements
+        except DesyncError as exc:
+            out["desync"] = str(exc)
+        g.send(first * 2, dst=0)
+    else:
+        time.sleep(3.0)
+    out["took"] = time.monotonic() - start
+    if rank < 2:
+        out["transport"] = g._tensor_comm().transports.select("send", torch.ones(1)).name
+    g.barrier()
+    g.destroy()
+    return out
+
+
+def test_two_ranks_of_a_group_without_a_communicator_exchange_tensors_alone() -> None:
+    """Its first send/recv makes no collective call (it built the group's torch
+    communicator with an all-gather, which waited for ranks 2 and 3 to the deadline),
+    and CPU tensors go through the shared-memory channels its objects use, in one
+    order with them."""
+    out = run_ranks(_pair_in_a_group_without_a_communicator, 4, timeout=60)
+    assert out[0]["back"] == (data(0, (1024,)) * 2).tolist()
+    assert out[1]["first"] and out[1]["second"] and out[1]["object"] == {"step": 1}
+    assert "recv(float32[9])" in out[1]["desync"] and "float32[8]" in out[1]["desync"]
+    assert out[0]["took"] < 2.0 and out[1]["took"] < 2.0, out
+    assert out[0]["transport"] == out[1]["transport"] == "shared-memory channels"
+
+
 def _queue_reader_with_an_idle_writer(rank: int, world_size: int) -> float:
     g = world_group(rank, world_size, timeout=1.5, use_message_queue_broadcaster=True)
     start = time.monotonic()
