@@ -503,7 +503,7 @@ class DeviceCommunicatorBase:
             shape = torch.Size(size)
         except TypeError as exc:
             raise GroupcoordTypeError(f"size must be a sequence of ints, got {size!r}") from exc
-        if any(s < 0 for s in shape):
+        if shape and min(shape) < 0:
             raise GroupcoordValueError(f"size must not be negative, got {tuple(shape)}")
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size

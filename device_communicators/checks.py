@@ -113,8 +113,10 @@ def dict_tensor(value: torch.Tensor, argument: str, device: torch.device) -> Non
 
 
 def _on_device(value: torch.Tensor, device: torch.device) -> bool:
-    if device.type == "cpu":
-        return value.is_cpu  # reading value.device costs ~0.5 us: every call's path
+    # Every call's path: reading value.device costs ~0.5 us, device.type 0.25 us,
+    # comparing with a CPU device 0.02 us.
+    if device == _CPU or device.type == "cpu":
+        return value.is_cpu
     # cuda:1 vs cuda:0 matters; "cpu" vs "cpu:0" does not.
     here = value.device
     return here.type == device.type and (device.index is None or here.index == device.index)
@@ -171,6 +173,7 @@ def rank(
 _REDUCE_OP_TYPES = (dist.ReduceOp, dist.ReduceOp.RedOpType)
 _Parameter = torch.nn.Parameter
 _Tensor = torch.Tensor
+_CPU = torch.device("cpu")
 _BITWISE_OPS = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
 
 

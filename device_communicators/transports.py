@@ -151,6 +151,9 @@ class TransportChain:
         )
 
     def select(self, op: str, tensor: torch.Tensor) -> Transport:
+        for transport in self.transports:  # every call's path: no closure until none takes it
+            if transport.refusal(op, tensor) is None:
+                return transport
         return first_taker(
             self.transports, lambda t: t.refusal(op, tensor), self.owner, f"{op} of", tensor
         )

@@ -312,44 +312,34 @@ class P2PChannels:
         # receiver's pid, attached or not, and ends the wait if it dies. The
         # call's ``first`` message is checked while it waits for room (the queue
         # checks only until its first chunk is written: nothing of the call sent).
-        limit = self._limit(limit)
+        # No limit: the group's timeout from now (the common call builds no Limit).
+        timeout_s = self.timeout_s if limit is None else limit.timeout_s
         check = self.stall_check if first else None
-        self._queue_wait(
-            lambda: mq.enqueue(
+        try:
+            mq.enqueue(
                 obj,
-                timeout=limit.left(),
+                timeout=timeout_s if limit is None else limit.left(),
                 stall_check=None if check is None else lambda peers: check(operation, peers, True),
-            ),
-            dst,
-            operation,
-            limit.timeout_s,
-            "sender",
-            "the receiver has not read the shared-memory channel",
-        )
+            )
+        except (GroupcoordTimeoutError, PeerDiedError) as exc:
+            waiting_for = "the receiver has not read the shared-memory channel"
+            raise self._named(exc, dst, operation, timeout_s, "sender", waiting_for) from exc
 
-    def _queue_wait(
+    def _named(
         self,
-        call: Callable[[], Any],
+        exc: GroupcoordTimeoutError | PeerDiedError,
         peer: int,
         operation: str,
         timeout_s: float,
         role: str,
         waiting_for: str,
-    ) -> Any:
-        """One enqueue or dequeue; its errors name the group, the operation and the peer."""
-        try:
-            return call()
-        except GroupcoordTimeoutError as exc:
-            raise GroupcoordTimeoutError(
-                self.name,
-                operation,
-                timeout_s,
-                [peer],
-                f"{role} rank {self.rank}",
-                waiting_for,
-            ) from exc
-        except PeerDiedError as exc:
-            raise PeerDiedError(self.name, operation, [peer], str(exc)) from exc
+    ) -> GroupcoordTimeoutError | PeerDiedError:
+        """The queue's ``exc`` as this group's error, naming the operation and the peer."""
+        if isinstance(exc, PeerDiedError):
+            return PeerDiedError(self.name, operation, [peer], str(exc))
+        return GroupcoordTimeoutError(
+            self.name, operation, timeout_s, [peer], f"{role} rank {self.rank}", waiting_for
+        )
 
     def send_message(self, dst: int, msg: EncodedMessage, operation: str) -> None:
         """Send an encoded object (a tensor dict's head), whatever its size: one
@@ -461,20 +451,17 @@ class P2PChannels:
         limit: Limit | None,
         into: memoryview | None = None,
     ) -> Any:
-        limit = self._limit(limit)
+        timeout_s = self.timeout_s if limit is None else limit.timeout_s
         check = self.stall_check
-        return self._queue_wait(
-            lambda: mq.dequeue(
-                timeout=limit.left(),
+        try:
+            return mq.dequeue(
+                timeout=timeout_s if limit is None else limit.left(),
                 into=into,
                 stall_check=None if check is None else lambda peers: check(operation, peers, False),
-            ),
-            src,
-            operation,
-            limit.timeout_s,
-            "receiver",
-            "nothing arrived on the shared-memory channel",
-        )
+            )
+        except (GroupcoordTimeoutError, PeerDiedError) as exc:
+            waiting_for = "nothing arrived on the shared-memory channel"
+            raise self._named(exc, src, operation, timeout_s, "receiver", waiting_for) from exc
 
     def recv_message(self, src: int, operation: str) -> Any:
         """The object :meth:`send_message` sent."""
