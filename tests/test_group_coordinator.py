@@ -28,6 +28,7 @@ from coordinator.errors import (
 )
 from coordinator.group_coordinator import GraphCaptureContext, GroupCoordinator
 from coordinator.launch import init_gloo, run_ranks, start_ranks
+from shm_broadcast.config import set_config
 from shm_broadcast.segments import list_segments
 
 
@@ -307,9 +308,10 @@ def _destroy_only(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
-def _pair_in_a_group_without_a_communicator(rank: int, world_size: int) -> dict:
+def _pair_in_a_group_without_a_communicator(rank: int, world_size: int, shm: bool) -> dict:
     """Ranks 0 and 1 of a group without a device communicator (vLLM's world group)
     exchange tensors and objects while ranks 2 and 3 are elsewhere (asleep)."""
+    set_config(disable_shm_p2p=not shm)
     init_gloo(rank, world_size)
     g = GroupCoordinator(
         [list(range(world_size))], rank, "gloo", False, group_name="world", timeout=20
@@ -344,17 +346,19 @@ def _pair_in_a_group_without_a_communicator(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_two_ranks_of_a_group_without_a_communicator_exchange_tensors_alone() -> None:
+@pytest.mark.parametrize("shm", [True, False], ids=["channels", "gloo"])
+def test_two_ranks_of_a_group_without_a_communicator_exchange_tensors_alone(shm: bool) -> None:
     """Its first send/recv makes no collective call (it built the group's torch
     communicator with an all-gather, which waited for ranks 2 and 3 to the deadline),
     and CPU tensors go through the shared-memory channels its objects use, in one
-    order with them."""
-    out = run_ranks(_pair_in_a_group_without_a_communicator, 4, timeout=60)
+    order with them (over Gloo when those are switched off)."""
+    out = run_ranks(_pair_in_a_group_without_a_communicator, 4, shm, timeout=60)
     assert out[0]["back"] == (data(0, (1024,)) * 2).tolist()
     assert out[1]["first"] and out[1]["second"] and out[1]["object"] == {"step": 1}
     assert "recv(float32[9])" in out[1]["desync"] and "float32[8]" in out[1]["desync"]
     assert out[0]["took"] < 2.0 and out[1]["took"] < 2.0, out
-    assert out[0]["transport"] == out[1]["transport"] == "shared-memory channels"
+    assert out[0]["transport"] == out[1]["transport"]
+    assert (out[0]["transport"] == "shared-memory channels") == shm, out[0]["transport"]
 
 
 def _queue_reader_with_an_idle_writer(rank: int, world_size: int) -> float:
@@ -423,7 +427,6 @@ def test_large_objects_without_a_queue_arrive_whole_and_stay_whole(world_size: i
 
 
 def _queue_that_does_not_fit(rank: int, world_size: int) -> tuple[bool, list]:
-    from shm_broadcast.config import set_config
     from shm_broadcast.segments import shm_free_bytes
 
     # A ring bigger than what /dev/shm has free, as in a container's 64 MiB.
@@ -449,7 +452,6 @@ def test_a_queue_that_does_not_fit_in_shared_memory_leaves_the_group_working() -
 
 
 def _queue_with_little_room(rank: int, world_size: int) -> tuple[int, list]:
-    from shm_broadcast.config import set_config
     from shm_broadcast.segments import shm_free_bytes
 
     # The configured ring is more than /dev/shm has free; a small one fits.
@@ -474,8 +476,6 @@ def test_a_queue_with_little_shared_memory_gets_a_small_ring() -> None:
 
 
 def _no_shared_memory(rank: int, world_size: int, shm_dir: str) -> list:
-    from shm_broadcast.config import set_config
-
     # A machine without a usable /dev/shm (missing, as in some sandboxes, or read-only).
     set_config(shm_dir=shm_dir)
     g = world_group(rank, world_size, use_message_queue_broadcaster=True)
@@ -760,8 +760,6 @@ def test_two_threads_calling_one_group_take_turns() -> None:
 def _threads_making_calls_of_several_steps(rank: int, world_size: int, mode: str) -> list[str]:
     import threading
 
-    from shm_broadcast.config import set_config
-
     set_config(timeout_s=30.0)  # a pairing gone wrong waits this long, not the default
     init_gloo(rank, world_size)
     # "queue": objects and tensor dicts through the message queue; "shm": through
@@ -828,7 +826,6 @@ def test_two_threads_making_calls_of_several_steps_take_turns_whole(mode: str) -
 
 
 def _a_queue_read_beside_a_collective(rank: int, world_size: int, call: str) -> list[str]:
-    from shm_broadcast.config import set_config
 
     set_config(timeout_s=20.0)
     init_gloo(rank, world_size)
@@ -875,7 +872,6 @@ def _destroyed_while_a_thread_waits(rank: int, world_size: int, numel: int) -> l
     import threading
 
     from coordinator.errors import ClosedError
-    from shm_broadcast.config import set_config
 
     set_config(timeout_s=20.0)
     init_gloo(rank, world_size)
