@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -101,15 +102,22 @@ def building(what: str) -> Iterator[NotSupportedError | None]:
         _BUILDING.release()
 
 
-def unread_broadcasts_dropper(mq: Any) -> Callable[[], str]:
-    """What a group runs on every rank when its ranks' calls are found out of step
-    (before the ``DesyncError``): a queue broadcast that a reader's rank made another
-    call instead of reading (``broadcast_tensor_dict``, ``broadcast_object`` from
-    rank 0) is dropped, or that rank's next read would return it as the next
-    broadcast's. It holds the queue, not the group (no cycle through the
-    communicator). Returns the note the error ends with."""
+def desync_cleanup(mq: Any, group: GroupBase) -> Callable[[str | None], str]:
+    """What ``group`` runs on every rank when its ranks' calls are found out of step
+    (before the ``DesyncError``), given why the ranks can no longer be brought back
+    in step (None: the group stays usable): then the group closes on this rank (its
+    later calls raise ``ClosedError`` naming why). A queue broadcast that a reader's
+    rank made another call instead of reading (``broadcast_tensor_dict``,
+    ``broadcast_object`` from rank 0) is dropped, or that rank's next read would
+    return it as the next broadcast's. It holds the queue and a weak reference to
+    the group (no cycle through the communicator). Returns the note the error ends
+    with."""
+    owner = weakref.ref(group)
 
-    def drop() -> str:
+    def drop(closing: str | None) -> str:
+        closed = owner() if closing is not None else None
+        if closed is not None and closed._failure is None:
+            closed._failure = closing
         dropped = mq.drop_unread()
         if not dropped:
             return ""
@@ -222,6 +230,11 @@ class GroupBase:
         # The device communicator's lean path for small calls (shm_small.SmallCalls).
         self._small: SmallCalls | None = None
         self.mq_broadcaster: Any = None
+        # Broadcasts through mq_broadcaster this rank wrote or read (compared when
+        # the ranks' calls are found out of step: see _mq_broadcast), and the shared-
+        # memory path's count of them, which its call stamps carry.
+        self._queue_calls = 0
+        self._count_queue_call: Callable[[], None] | None = None
         # The queue calls' stall checks (ShmBase.check_queue_wait), by operation.
         self._queue_checks: dict[str, Callable[[list[int]], None]] = {}
         # Peers on this host, rank -> pid: a failed call names a dead one at once.
@@ -348,7 +361,8 @@ class GroupBase:
                 return
             shm = getattr(self.device_communicator, "shm_all_reduce", None)
             if shm is not None:
-                shm.set_desync_hook(unread_broadcasts_dropper(self.mq_broadcaster))
+                shm.set_desync_hook(desync_cleanup(self.mq_broadcaster, self))
+                self._count_queue_call = shm.count_queue_call
                 writing = self.rank_in_group == 0
                 self._queue_checks = {
                     op: functools.partial(shm.check_queue_wait, op, writing)

@@ -29,7 +29,7 @@ from shm_broadcast.group_io import all_gather_bytes
 
 from . import tensor_dicts
 from .errors import DesyncError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
-from .group_base import building, get_device_communicator_cls, unread_broadcasts_dropper
+from .group_base import building, desync_cleanup, get_device_communicator_cls
 from .group_messaging import COMPLETED, GroupMessaging, Handle
 
 # Bound once: every eager collective asks it first (two module lookups fewer a call).
@@ -291,19 +291,34 @@ class GroupCoordinator(GroupMessaging):
         self._collective(operation, dist.all_gather, parts, digest, self.cpu_group)
         if bool((digests == digest).all()):
             return
-        # Every rank saw the same table, so every rank takes this path.
-        gathered = self._collective(operation, all_gather_bytes, self.cpu_group, mine.encode())
-        for rank, theirs in enumerate(c.decode() for c in gathered):
-            if theirs != mine:
-                mq, note = self.mq_broadcaster, ""
-                if mq is not None:  # every rank drops, then goes on (no new broadcast sooner)
-                    note = unread_broadcasts_dropper(mq)()
-                    self._collective(operation, dist.barrier, self.cpu_group)
-                raise DesyncError(
-                    f"{self.unique_name}: rank {self.rank_in_group} called {mine} as call "
-                    f"#{seq} of the group, rank {rank} called {theirs} (debug_desync check)"
-                    f"{note}"
-                )
+        # Every rank saw the same table, so every rank takes this path. The queue
+        # broadcasts each made so far come along: see PhaseLines._check_agreement.
+        shown = f"{self._queue_calls}|{mine}".encode()
+        gathered = self._collective(operation, all_gather_bytes, self.cpu_group, shown)
+        table = [c.decode().split("|", 1) for c in gathered]
+        rank = next(r for r, (_, theirs) in enumerate(table) if theirs != mine)
+        message = (
+            f"{self.unique_name}: rank {self.rank_in_group} called {mine} as call #{seq} of "
+            f"the group, rank {rank} called {table[rank][1]} (debug_desync check)"
+        )
+        counts = [int(count) for count, _ in table]
+        closing = None
+        if len(set(counts)) > 1:
+            closing = (
+                f"before this call the ranks had made {counts} broadcasts through the group's "
+                "message queue (one rank's broadcast met another call on the others), so "
+                f"their calls are out of step by whole calls: {self.unique_name} is closed "
+                "on every rank (create it anew)"
+            )
+            message = f"{message}; {closing}"
+        note = ""
+        mq = self.mq_broadcaster
+        if mq is not None:  # every rank drops, then goes on (no new broadcast sooner)
+            note = desync_cleanup(mq, self)(None)
+            self._collective(operation, dist.barrier, self.cpu_group)
+        if closing is not None:
+            self._failure = message  # after the barrier, which a closed group refuses
+        raise DesyncError(message + note)
 
     def _traced_all_gatherv(self, tensor: torch.Tensor, dim: int, sizes: list[int]) -> Any:
         dim = checks.dim(checks.traced_tensor(tensor, "input_"), dim)

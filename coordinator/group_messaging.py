@@ -15,9 +15,10 @@ from device_communicators import c10d_calls, object_bytes
 from shm_broadcast.codec import EncodedMessage, encode_message, loads, message_bytes
 from shm_broadcast.group_io import broadcast_bytes
 
+from . import tensor_dicts
 from .errors import DesyncError, GroupcoordTypeError
 from .group_base import GroupBase
-from .metadata import OBJECT_LIST, expect, object_message, received_object
+from .metadata import OBJECT_LIST, expect, object_message, received_object, tensor_dict_in
 
 
 class Handle(Protocol):
@@ -44,8 +45,10 @@ COMPLETED: Handle = _CompletedHandle()
 class GroupMessaging(GroupBase):
     """Objects and tensor dicts between a group's ranks (``GroupCoordinator`` is one)."""
 
-    # GroupCoordinator's: the CPU fast path, fingerprinted (declared for the type checker).
+    # GroupCoordinator's: the CPU fast path, fingerprinted (declared for the type checker;
+    # the tensor dict functions this class hands itself to use them).
     broadcast: Callable[..., torch.Tensor]
+    all_gather: Callable[..., torch.Tensor]
 
     # ---- objects ------------------------------------------------------------------
 
@@ -65,7 +68,17 @@ class GroupMessaging(GroupBase):
             msg = encode_message(obj) if mine else None  # refuses what it cannot carry, first
             data = self._broadcast_bytes("broadcast_object", msg, src)
             got = obj if mine else loads(data)
-        return got if mine else expect(got, None, self._called("broadcast_object", src), src)
+        if mine:
+            return got
+        try:
+            return expect(got, None, self._called("broadcast_object", src), src)
+        except DesyncError:
+            # The source broadcast a tensor dict: take the tensors it sends after its
+            # message, so that no call of this rank meets one of them, then raise.
+            described = tensor_dict_in(got)
+            if described is not None:
+                tensor_dicts.receive_broadcast(self, described, src)
+            raise
 
     def _broadcast_bytes(
         self,
@@ -108,8 +121,14 @@ class GroupMessaging(GroupBase):
         check = self._queue_checks.get(operation)
         if self.rank_in_group == 0:
             self.mq_broadcaster.enqueue(obj, stall_check=check)
-            return obj
-        return self.mq_broadcaster.dequeue(stall_check=check)
+        else:
+            obj = self.mq_broadcaster.dequeue(stall_check=check)
+        # Counted on every rank: ranks whose counts differ when their calls are found
+        # out of step had a broadcast with no reader, and the group closes.
+        self._queue_calls += 1
+        if self._count_queue_call is not None:
+            self._count_queue_call()
+        return obj
 
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: ProcessGroup | None = None
@@ -156,7 +175,15 @@ class GroupMessaging(GroupBase):
                 got = self._p2p_channels.recv_message(peer, "recv_object")
             else:
                 got = loads(self._recv_bytes(src, "recv_object"))
-        return received_object(got, self._called("recv_object", src), src)
+            try:
+                return received_object(got, self._called("recv_object", src), src)
+            except DesyncError:
+                # The peer sent a tensor dict: take the tensors it sends after its
+                # message, so that this pair's next receive gets its next call's.
+                described = tensor_dict_in(got)
+                if described is not None:
+                    tensor_dicts.drop_sent_parts(self, src, described)
+                raise
 
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:
         # One message unit with a header that says "an object's bytes": a tensor

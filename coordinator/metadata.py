@@ -214,8 +214,14 @@ def dropped(exc: ProtocolError) -> Described | None:
     transfers before it raises: then its pair or group stays in step, and its next
     receive gets the next dict. None when the message was no tensor dict's, or
     not msgpack at all (nothing can be known of what follows)."""
+    return tensor_dict_in(exc.outline)
+
+
+def tensor_dict_in(message: Any) -> Described | None:
+    """The described dict ``message`` holds when it is a well-formed tensor dict's
+    message, else None."""
     try:
-        return checked(exc.outline, "", 0)
+        return checked(message, "", 0)
     except (ProtocolError, DesyncError):
         return None
 

@@ -16,7 +16,7 @@ the group arguments already.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -81,14 +81,9 @@ def broadcast(
     metadata_group: ProcessGroup | None,
 ) -> dict[str, Any]:
     """``src``'s dict on every rank of ``group`` (``src`` gets its own dict back)."""
-    tensors_pg = tensor_group if tensor_group is not None else group.device_group
-    meta_pg = metadata_group if metadata_group is not None else group.cpu_group
     via_mq = group.mq_broadcaster is not None and src == 0 and metadata_group is None
-    # A CPU group's own broadcast (shared memory, fingerprinted) moves the tensors
-    # that travel alone, one after another; else c10d's broadcasts, all at once.
-    own = group.device.type == "cpu" and tensor_group is None and metadata_group is None
-    src_rank = group.ranks[src]
     if group.rank_in_group == src:
+        own, meta_pg, tensors_pg = _routes(group, tensor_group, metadata_group)
         if tensor_dict is None:
             raise GroupcoordTypeError("tensor_dict is required on the source rank")
         if via_mq:
@@ -106,7 +101,7 @@ def broadcast(
         works = [
             dist.broadcast(
                 c10d_calls.dense(t),
-                src=src_rank,
+                src=group.ranks[src],
                 group=meta_pg if t.is_cpu else tensors_pg,
                 async_op=True,
             )
@@ -114,21 +109,6 @@ def broadcast(
         ]
         group._wait_all("broadcast_tensor_dict", works)
         return dict(tensor_dict)
-    works = []
-
-    def receive(item: SeparateTensor) -> torch.Tensor:
-        out = _empty(group, item)
-        if own:
-            return group.broadcast(out, src)
-        pg = meta_pg if out.is_cpu else tensors_pg
-        works.append(dist.broadcast(out, src=src_rank, group=pg, async_op=True))
-        return out
-
-    def received(described: Described) -> dict[str, Any]:
-        result = rebuild(described, receive)
-        group._wait_all("broadcast_tensor_dict", works)
-        return result
-
     called = group._called("broadcast_tensor_dict", src)
     try:
         if via_mq:
@@ -141,9 +121,37 @@ def broadcast(
         # the source sends after it, so the group stays in step, then raise.
         left = dropped(exc)
         if left is not None:
-            received(left)
+            receive_broadcast(group, left, src, tensor_group, metadata_group)
         raise
-    return received(described)
+    return receive_broadcast(group, described, src, tensor_group, metadata_group)
+
+
+def receive_broadcast(
+    group: Group,
+    described: Described,
+    src: int,
+    tensor_group: ProcessGroup | None = None,
+    metadata_group: ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """A broadcast tensor dict on a receiving rank, from its message (``described``):
+    the tensors that follow it are received from ``src`` as :func:`broadcast`'s
+    source sends them. Also run by a ``broadcast_object`` that got a tensor dict's
+    message, before it raises, so its group stays in step."""
+    own, meta_pg, tensors_pg = _routes(group, tensor_group, metadata_group)
+    src_rank = group.ranks[src]
+    works = []
+
+    def receive(item: SeparateTensor) -> torch.Tensor:
+        out = _empty(group, item)
+        if own:
+            return group.broadcast(out, src)
+        pg = meta_pg if out.is_cpu else tensors_pg
+        works.append(dist.broadcast(out, src=src_rank, group=pg, async_op=True))
+        return out
+
+    result = rebuild(described, receive)
+    group._wait_all("broadcast_tensor_dict", works)
+    return result
 
 
 def send(
@@ -216,9 +224,10 @@ def recv(group: Group, src: int, all_gather_group: Group | None) -> dict[str, An
         return _recv_parts(group, peer, src, all_gather_group)
 
 
-def _recv_parts(
-    group: Group, peer: int, src: int, all_gather_group: Group | None
-) -> dict[str, Any]:
+def _fetcher(group: Group, src: int) -> Callable[[SeparateTensor, tuple[int, ...]], torch.Tensor]:
+    """How a receiver of in-group rank ``src``'s dict takes each tensor sent after its
+    message, as :func:`send` sends it (whole, or a slice in ``shape``)."""
+    peer = group.ranks[src]
     channels = group._p2p_channels
     shm = channels if channels.open_from(peer, "recv_tensor_dict") else None
 
@@ -234,12 +243,25 @@ def _recv_parts(
         )
         return out
 
-    def drop(described: Described) -> None:
-        """Take what the sender sends after the dict's message (whole tensors or its
-        slices), so that this pair's next message is the next dict's."""
-        for item in described.separate.values():
-            fetch(item, (math.prod(item.shape) // item.slices,) if item.slices else item.shape)
+    return fetch
 
+
+def drop_sent_parts(group: Group, src: int, described: Described) -> None:
+    """Take what in-group rank ``src`` sends after a dict's message (whole tensors or
+    its slices) and drop it, so that the pair's next message is the next call's:
+    for a receive that refuses the dict (``recv_object`` included), before it raises.
+    The caller holds the pair's receiving turn."""
+    fetch = _fetcher(group, src)
+    for item in described.separate.values():
+        fetch(item, (math.prod(item.shape) // item.slices,) if item.slices else item.shape)
+
+
+def _recv_parts(
+    group: Group, peer: int, src: int, all_gather_group: Group | None
+) -> dict[str, Any]:
+    channels = group._p2p_channels
+    shm = channels if channels.open_from(peer, "recv_tensor_dict") else None
+    fetch = _fetcher(group, src)
     called = group._called("recv_tensor_dict", src)
     try:
         if shm is not None:
@@ -249,13 +271,13 @@ def _recv_parts(
     except ProtocolError as exc:  # did not decode here (an undeclared class)
         left = dropped(exc)
         if left is not None:
-            drop(left)
+            drop_sent_parts(group, src, left)
         raise
     slices = all_gather_group.world_size if all_gather_group is not None else 1
 
     for n in {i.slices for i in described.separate.values() if i.slices}:
         if all_gather_group is None or slices != n:
-            drop(described)  # then refuse
+            drop_sent_parts(group, src, described)  # then refuse
             raise GroupcoordValueError(
                 f"all_gather_group: the sender sliced tensors {n} ways, so the receiver "
                 f"needs an all_gather_group of that size (got {slices}); this dict is dropped"
@@ -277,6 +299,18 @@ def _recv_parts(
 
 def _send_waiting(pg: ProcessGroup, tensor: torch.Tensor, dst: int) -> None:
     c10d_calls.send(pg, tensor, dst).wait()
+
+
+def _routes(
+    group: Group, tensor_group: ProcessGroup | None, metadata_group: ProcessGroup | None
+) -> tuple[bool, ProcessGroup, ProcessGroup]:
+    """How a broadcast dict's separate tensors travel: whether through the group's own
+    ``broadcast`` (a CPU group's: shared memory, fingerprinted, one after another),
+    else c10d's broadcasts (all at once) on which group for CPU and device tensors."""
+    own = group.device.type == "cpu" and tensor_group is None and metadata_group is None
+    meta_pg = metadata_group if metadata_group is not None else group.cpu_group
+    tensors_pg = tensor_group if tensor_group is not None else group.device_group
+    return own, meta_pg, tensors_pg
 
 
 def _empty(

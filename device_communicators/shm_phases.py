@@ -56,13 +56,19 @@ _BELL = 5  # int32 index within a line (bytes 20..23)
 # The fingerprint of the rank's calls: two slots of two int64s (bytes 32..63),
 # used by call parity, since a peer can be at most one call ahead of a rank
 # that has not checked yet (it cannot pass the next call's first barrier).
-# Per slot: operation/dtype/reduce-op/root packed; call number << 44 | count,
-# the call number's low 19 bits only, so the word stays a positive int64 for
-# ever (20 bits overflowed it at call 2**19 and every later call raised).
+# Per slot: operation/dtype/reduce-op/root packed; call number << 44 | queue
+# broadcasts << 36 | count: the call number's low 19 bits only, so the word stays
+# a positive int64 for ever (20 bits overflowed it at call 2**19 and every later
+# call raised); the low 8 bits of the group's message-queue broadcasts made so far
+# (``PhaseLines.count_queue_call``; not part of the call: see _check_agreement);
+# the element count below 2**36.
 _FP_SLOTS = (6, 4)  # by call parity: even calls, odd calls
-_COUNT_BITS = 44
-_CALL_MASK = (1 << (63 - _COUNT_BITS)) - 1
+_CALL_SHIFT = 44
+_CALL_MASK = (1 << (63 - _CALL_SHIFT)) - 1
+_COUNT_BITS = 36
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
+_QUEUE_MASK = (1 << (_CALL_SHIFT - _COUNT_BITS)) - 1
+_QUEUE_FIELD = _QUEUE_MASK << _COUNT_BITS
 # A code with this bit is a call whose ranks may bring different element counts
 # (a gather of parts of different lengths, an all_to_all_v): the counts are not
 # compared, the rest of the code (a gather's: with a checksum of the parts'
@@ -217,7 +223,7 @@ def _describe_stamp(stamp: tuple[int, int], near: int) -> str:
     number) whose low bits the stamp holds."""
     code, word = stamp
     count = word & _COUNT_MASK
-    offset = ((word >> _COUNT_BITS) - near) & _CALL_MASK
+    offset = ((word >> _CALL_SHIFT) - near) & _CALL_MASK
     if offset > _CALL_MASK // 2:
         offset -= _CALL_MASK + 1
     return f"{describe_call(code, count)} as call #{near + offset}"
@@ -316,10 +322,18 @@ class PhaseLines:
         self.operation = ""
         self.generation = 0
         self.calls = 0  # calls stamped so far (the same on every rank while in step)
+        # The group's message-queue broadcasts this rank wrote or read so far (its
+        # low bits in every stamp): see count_queue_call.
+        self.queue_calls = 0
+        self._queue_bits = 0
         # Called when the ranks' calls are found out of step, before the DesyncError
-        # (every rank raises it): the group's clean-up, returning a note for the
-        # message (``GroupCoordinator`` drops queue broadcasts its rank never read).
-        self.on_desync: Callable[[], str] | None = None
+        # (every rank raises it), with why the group closes (None: it stays usable):
+        # the group's clean-up, returning a note for the message (``GroupCoordinator``
+        # drops queue broadcasts its rank never read, and closes itself).
+        self.on_desync: Callable[[str | None], str] | None = None
+        # Called after that, on every rank, when the ranks' calls can no longer be
+        # brought back in step, with the error's message: the owner closes its path.
+        self.on_close: Callable[[str], None] | None = None
         # Set from another thread (an abort): the wait in progress ends with ClosedError.
         self.abandoned: str | None = None
         # Run with the liveness check of a long wait (the owner's crossed-wait check,
@@ -383,40 +397,86 @@ class PhaseLines:
 
     # ---- the call's fingerprint -------------------------------------------------------
 
+    def count_queue_call(self) -> None:
+        """A broadcast through the group's message queue, written (in-group rank 0)
+        or read, took place on this rank. Such a broadcast is no call of these lines
+        (the writer waits for no reader), so a rank whose broadcast had no reader
+        (the readers called something else) would make the group's next calls pair
+        one rank's call with another's next one, each found out of step only when
+        they differ: the count in the stamps lets the first mismatch tell it."""
+        self.queue_calls += 1
+        self._queue_bits = (self.queue_calls & _QUEUE_MASK) << _COUNT_BITS
+
     def stamp(self, code: int, count: int) -> None:
         """Record this rank's call before its first publish; checked after the first wait."""
         self.calls = calls = self.calls + 1
         at = self._my_stamp[calls & 1]
         counters = self._counters
         counters[at] = code
-        counters[at + 1] = ((calls & _CALL_MASK) << _COUNT_BITS) | count
+        counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | self._queue_bits | count
         self._check_pending = True
 
     def _check_agreement(self, phase: int, code: int, word: int) -> None:
         """A peer's stamp differs from this rank's (``code``, ``word``) after the
         call's first barrier (``phase``), when every rank's is visible (stored before
-        its counter): unless the call lets the counts differ and only they do, the
-        call fails everywhere. Every rank sees a mismatch, so with an ``on_desync``
-        hook each runs it and then meets the others once more (``phase + 1``, which
-        no call of this generation reaches now), so no rank goes on before every
-        rank's clean-up is done."""
+        its counter). Unless every rank made the same call (the counts may differ
+        where the call lets them, and the queue broadcasts made so far may: a
+        broadcast read after a call the writer made after writing it is in step),
+        the call fails everywhere. Every rank sees the same stamps, so every rank
+        decides alike, and with an ``on_desync`` hook each runs it and then meets
+        the others once more (``phase + 1``, which no call of this generation
+        reaches now), so no rank goes on before every rank's clean-up is done.
+
+        When the ranks' queue broadcasts differ too, a rank's broadcast had no
+        reader in the call the readers made instead (or the other way round): its
+        next call would pair with their next one, same-shaped calls would pass
+        with one rank's data a call ahead, so the group closes on every rank
+        (``on_close``), naming why."""
         counters = self._counters
+        differs = -1  # the first peer whose call is another
+        queue_split = -1  # the first peer whose queue broadcasts differ in number
         for at in self._peer_stamps[self.calls & 1]:
-            if counters[at] != code or counters[at + 1] != word:
-                if code & VARYING_COUNTS and counters[at] == code:
-                    if (counters[at + 1] ^ word) >> _COUNT_BITS == 0:
-                        continue  # the same call; only the counts differ, as they may
-                r = at // _QWORDS
-                note = ""
-                if self.on_desync is not None:
-                    note = self.on_desync()
-                    self.arrive(phase + 1)
-                raise DesyncError(
-                    f"{self.what}: rank {self.ranks[self.rank_in_group]} called "
-                    f"{_describe_stamp((code, word), self.calls)}, rank {self.ranks[r]} "
-                    f"called {_describe_stamp((counters[at], counters[at + 1]), self.calls)}: "
-                    f"the ranks' collectives are out of step (no result returned){note}"
-                )
+            theirs, apart = counters[at], counters[at + 1] ^ word
+            if apart & _QUEUE_FIELD and queue_split < 0:
+                queue_split = at
+            if theirs == code and (
+                not apart & ~_QUEUE_FIELD or (code & VARYING_COUNTS and not apart >> _CALL_SHIFT)
+            ):
+                continue  # the same call
+            if differs < 0:
+                differs = at
+        if differs < 0:
+            return
+        me = self.ranks[self.rank_in_group]
+        message = (
+            f"{self.what}: rank {me} called {_describe_stamp((code, word), self.calls)}, "
+            f"rank {self.ranks[differs // _QWORDS]} called "
+            f"{_describe_stamp((counters[differs], counters[differs + 1]), self.calls)}: "
+            "the ranks' collectives are out of step (no result returned)"
+        )
+        closing = None
+        if queue_split >= 0:
+            ahead = (
+                (counters[queue_split + 1] >> _COUNT_BITS) - (word >> _COUNT_BITS)
+            ) & _QUEUE_MASK
+            other = self.ranks[queue_split // _QWORDS]
+            more, fewer = (other, me) if ahead <= _QUEUE_MASK // 2 else (me, other)
+            closing = (
+                f"before this call rank {more} had made "
+                f"{min(ahead, _QUEUE_MASK + 1 - ahead)} more broadcast(s) through the "
+                f"group's message queue than rank {fewer} (one rank's broadcast met "
+                "another call on the others), so the ranks' calls are out of step by "
+                f"whole calls: {self.what} is closed on every rank (create it anew)"
+            )
+            message = f"{message}; {closing}"
+        note = ""
+        if self.on_desync is not None or closing is not None:
+            if self.on_desync is not None:
+                note = self.on_desync(message if closing is not None else None)
+            self.arrive(phase + 1)
+        if closing is not None and self.on_close is not None:
+            self.on_close(message)
+        raise DesyncError(message + note)
 
     def current_stamp(self) -> tuple[int, int]:
         """This rank's stamp of its current call: (code, element count)."""

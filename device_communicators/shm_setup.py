@@ -262,7 +262,7 @@ class ShmBase(AllReduceBackend):
         self.call_lock = threading.RLock()
         self._slots: SlotSegment | None = None
         self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
-        self._desync_hook: Callable[[], str] | None = None  # PhaseLines.on_desync
+        self._desync_hook: Callable[[str | None], str] | None = None  # PhaseLines.on_desync
         # Direct reads of the peers' memory (large calls, ``peer_reads``), where allowed.
         self.peer_reads: PeerReads | None = None
         self.peer_reads_reason: str | None = "not set up"
@@ -305,6 +305,7 @@ class ShmBase(AllReduceBackend):
         self._lines = None if self._slots is None else self._slots.lines
         if self._lines is not None:
             self._lines.on_desync = self._desync_hook
+            self._lines.on_close = self._close_in_step
             self._lines.crossed_check = _check_crossed
             self._lines.locate_peers = _locate_peers
         self.small.attach(self._slots if reason is None else None)
@@ -338,13 +339,20 @@ class ShmBase(AllReduceBackend):
             if i != self.rank_in_group
         }
 
-    def set_desync_hook(self, hook: Callable[[], str] | None) -> None:
+    def set_desync_hook(self, hook: Callable[[str | None], str] | None) -> None:
         """What runs on every rank when the ranks' calls are found out of step, before
-        each raises ``DesyncError`` (its note ends the message): the group's clean-up
-        (``GroupCoordinator`` drops the queue broadcasts its rank never read)."""
+        each raises ``DesyncError`` (its note ends the message), with why the path
+        closes (None: it stays usable): the group's clean-up (``GroupCoordinator``
+        drops the queue broadcasts its rank never read, and closes itself)."""
         self._desync_hook = hook
         if self._lines is not None:
             self._lines.on_desync = hook
+
+    def count_queue_call(self) -> None:
+        """A broadcast through the owner group's message queue took place on this rank
+        (``PhaseLines.count_queue_call``: the next call's stamp carries the count)."""
+        if self._lines is not None:
+            self._lines.count_queue_call()
 
     def set_timeout(self, timeout_s: float, deadline: float | None = None) -> None:
         """The timeout of the calls that follow (a caller with a per-call timeout), or
@@ -420,6 +428,15 @@ class ShmBase(AllReduceBackend):
             self._failure = reason
         if self._lines is not None:
             self._lines.leave()
+
+    def _close_in_step(self, reason: str) -> None:
+        """Every rank closes this path at the same call, for the same ``reason`` (the
+        ranks' calls can no longer be brought back in step): later calls raise
+        ``ClosedError`` naming it. No rank leaves (``PhaseLines.leave``): none will
+        wait for another again, and a peer still on its way out of the last barrier
+        would take the lowered counter for a rank gone."""
+        if self._failure is None:
+            self._failure = reason
 
     def _one_piece(
         self, lines: PhaseLines, tensor: torch.Tensor, turn: WayTurn | None = None

@@ -418,53 +418,98 @@ def test_debug_desync_checks_a_comm_over_gloo(case, world):
         assert got["after"] == [float(sum(range(world)))] * 100
 
 
-def _unread_broadcast(rank: int, world: int, gloo_debug: bool) -> dict:
+def _queue_broadcast_met_by_another_call(
+    rank: int, world: int, case: str, gloo_debug: bool
+) -> list[str]:
+    """Rank 0 broadcasts through the group's queue where (some of) the others make
+    another call; then every rank reduces a value that changes each call, twice,
+    and broadcasts once more. Returns what each call returned or raised."""
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
-    from shm_broadcast.errors import DesyncError
+    from shm_broadcast.errors import GroupcoordError
 
     if gloo_debug:
-        set_config(disable_shm_all_reduce=True, debug_desync=True)
+        set_config(disable_shm_all_reduce=True, debug_desync=True, timeout_s=10.0)
+    else:
+        set_config(timeout_s=10.0)
     init_gloo(rank, world)
     group = GroupCoordinator(
         [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
         group_name="stale",
     )  # fmt: skip
-    try:
-        # Rank 0 broadcasts step 1 through the queue, then reduces; the last rank
-        # makes a plain broadcast instead of reading step 1 (the others read it).
-        raised = ""
+    last = world - 1
+    if case == "unread":
+        # The last rank makes a plain broadcast instead of reading step 1; the
+        # others read it, and then reduce with rank 0.
+        calls = {
+            0: [lambda: group.broadcast_tensor_dict({"step": 1, "t": torch.ones(4)}, src=0),
+                lambda: group.all_reduce(torch.ones(4))],
+            last: [lambda: group.broadcast(torch.ones(4), src=0)],
+        }.get(rank, [lambda: group.broadcast_tensor_dict(None, src=0),
+                     lambda: group.all_reduce(torch.ones(4))])  # fmt: skip
+    else:
+        # Rank 0 broadcasts its dict (through the queue); the others take the same
+        # call for one from the last rank (a broadcast of its own, no queue).
+        src = 0 if rank == 0 else last
+        calls = [
+            lambda: group.broadcast_tensor_dict(
+                {"t": torch.ones(4)} if rank == src else None, src=src
+            )
+        ]
+    for step in (1, 2):  # then the same calls everywhere, whose sums tell them apart
+        calls.append(lambda step=step: group.all_reduce(torch.full((4,), float(step))))
+    calls.append(lambda: group.broadcast_object("next" if rank == 0 else None, src=0))
+    seen = []
+    for call in calls:
         try:
-            if rank == 0:
-                group.broadcast_tensor_dict({"step": 1, "t": torch.ones(4)}, src=0)
-                group.all_reduce(torch.ones(4))
-            elif rank == world - 1:
-                group.broadcast(torch.ones(4), src=0)
-            else:
-                assert group.broadcast_tensor_dict(None, src=0)["step"] == 1
-                group.all_reduce(torch.ones(4))
-        except DesyncError as exc:
-            raised = str(exc)
-        # In step again: the next broadcast is step 2 on every rank, not the step 1
-        # the last rank never read.
-        got = group.broadcast_tensor_dict({"step": 2} if rank == 0 else None, src=0)
-        return {"raised": raised, "step": got["step"]}
-    finally:
-        group.destroy()
+            got = call()
+            seen.append(f"ret {got.tolist() if isinstance(got, torch.Tensor) else got}")
+        except GroupcoordError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    group.destroy()
+    return seen
+
+
+def _sums(seen: list[str], world: int) -> list[str]:
+    """The all_reduce results among ``seen`` that are no step's right sum."""
+    right = {f"ret {[float(world * step)] * 4}" for step in (1, 2)}
+    return [
+        s
+        for s in seen
+        if s.startswith("ret [") and s not in right and s != "ret [1.0, 1.0, 1.0, 1.0]"
+    ]
 
 
 @pytest.mark.parametrize("gloo_debug", [False, True], ids=["shm", "gloo-debug"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_queue_broadcast_left_unread_by_a_desync_is_dropped(world, gloo_debug):
-    """A reader's rank that made another call instead of reading a queue broadcast
-    raised DesyncError (with every rank), and its next read returned the old
-    broadcast as the new one (step 1 for step 2, no error)."""
-    results = run_ranks(_unread_broadcast, world, gloo_debug, timeout=60)
-    for rank, got in enumerate(results):
-        assert got["raised"], f"rank {rank} returned from a mismatched call"
-        assert got["step"] == 2, (rank, got)
-        dropped = "message-queue broadcast(s) from rank 0 that this rank had not read"
-        assert (dropped in got["raised"]) == (rank == world - 1), (rank, got["raised"])
+@pytest.mark.parametrize(("case", "world"), [("unread", 2), ("unread", 3), ("another source", 3)])
+def test_a_queue_broadcast_met_by_another_call_closes_the_group_on_every_rank(
+    case, world, gloo_debug
+):
+    """A queue broadcast is one-way: its writer returns, while a reader that made
+    another call instead raises DesyncError with the others at the writer's next
+    call. The ranks' calls were then a whole call apart ("another source": the
+    writer's second all_reduce met the others' first: it returned [4.0] * 4 at
+    world 3, its 2.0 plus their 1.0s, with no error), so every rank
+    closes the group, the reader dropping the broadcast it never read: each call
+    after raises ClosedError naming why, and none returns a wrong value."""
+    results = run_ranks(_queue_broadcast_met_by_another_call, world, case, gloo_debug, timeout=60)
+    for rank, seen in enumerate(results):
+        assert not _sums(seen, world), (rank, seen)
+    for rank, seen in enumerate(results):
+        raised = [s for s in seen if s.startswith("DesyncError")]
+        assert len(raised) == 1, (rank, seen)
+        assert "closed on every rank" in raised[0], (rank, raised)
+        after = seen[seen.index(raised[0]) + 1 :]
+        assert after and all(s.startswith("ClosedError") for s in after), (rank, seen)
+        assert all("closed on every rank" in s for s in after), (rank, seen)
+        # Before the error, a rank's calls returned their own values.
+        for s in seen[: seen.index(raised[0])]:
+            assert s.startswith("ret") and "5.0" not in s, (rank, seen)
+    # The reader that never read the broadcast dropped it.
+    dropped = "message-queue broadcast(s) from rank 0 that this rank had not read"
+    unread = [world - 1] if case == "unread" else list(range(1, world))
+    for rank, seen in enumerate(results):
+        assert any(dropped in s for s in seen) == (rank in unread), (rank, seen)
 
 
 def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
@@ -541,7 +586,7 @@ def _readers_in_a_collective(rank: int, world: int) -> dict:
     collective instead of reading; at world 3 rank 2 reads all it can."""
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
-    from shm_broadcast.errors import DesyncError
+    from shm_broadcast.errors import ClosedError, DesyncError
 
     set_config(timeout_s=30.0, mq_max_chunks=2)
     init_gloo(rank, world)
@@ -562,10 +607,13 @@ def _readers_in_a_collective(rank: int, world: int) -> dict:
     except DesyncError as exc:
         raised = str(exc)
     took = time.monotonic() - started
-    got = group.broadcast_tensor_dict({"step": 9} if rank == 0 else None, src=0)
-    total = group.all_reduce(torch.ones(4)).tolist()
+    try:  # the ranks' calls are whole calls apart: the group is closed
+        group.broadcast_tensor_dict({"step": 9} if rank == 0 else None, src=0)
+        after = "returned"
+    except ClosedError as exc:
+        after = str(exc)
     group.destroy()
-    return {"raised": raised, "took": took, "read": read, "step": got["step"], "sum": total}
+    return {"raised": raised, "took": took, "read": read, "after": after}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -573,8 +621,10 @@ def test_a_writer_waiting_on_readers_that_wait_for_it_in_a_collective_raises(wor
     """The writer's queue full of broadcasts rank 1 made a collective instead of
     reading: rank 1 waited for rank 0 in the collective until its timeout and rank 0
     for a free chunk as long as rank 1 lived. Now every rank raises DesyncError
-    naming both within about a second; rank 1 drops the two broadcasts it never
-    read, and the next broadcast is the one every rank reads."""
+    naming both within about a second, and rank 1 drops the two broadcasts it never
+    read. Rank 0 had made two broadcasts that rank 1 did not, so the ranks' calls
+    are whole calls apart: the group closes on every rank (see
+    test_a_queue_broadcast_met_by_another_call_closes_the_group_on_every_rank)."""
     results = run_ranks(_readers_in_a_collective, world, timeout=90)
     writing = "broadcast_tensor_dict(src=0) writing the message queue"
     for rank, got in enumerate(results):
@@ -585,7 +635,8 @@ def test_a_writer_waiting_on_readers_that_wait_for_it_in_a_collective_raises(wor
         dropped = "2 message-queue broadcast(s) from rank 0 that this rank had not read"
         assert (dropped in got["raised"]) == (rank == 1), (rank, got["raised"])
         assert got["took"] < 10.0, (rank, got)
-        assert got["step"] == 9 and got["sum"] == [float(world)] * 4, (rank, got)
+        assert "closed on every rank" in got["raised"], (rank, got)
+        assert "unusable after an earlier failure" in got["after"], (rank, got)
     if world == 3:
         assert results[2]["read"] == [0, 1], results[2]
 
@@ -1045,3 +1096,74 @@ def test_a_crossed_call_leaves_its_group_before_its_peer_is_released():
         "CrossedCallsError",
         "DesyncError, then PeerLeftError",
     ]
+
+
+def _object_call_meets_a_tensor_dict(rank: int, world: int, p2p: bool, shm: bool) -> list[str]:
+    """The last rank broadcasts (``p2p``: rank 0 sends to rank 1) a tensor dict with a
+    tensor too large to ride in its message, where the others receive an object;
+    then every rank reduces values that change by call, and receives the next
+    message."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import GroupcoordError
+
+    set_config(timeout_s=10.0, disable_shm_p2p=not shm)
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="odict")
+    big = {"x": torch.arange(100_000.0), "k": 1}  # 400 KB: sent after the message
+    last = world - 1
+    if p2p:  # rank 0 sends, rank 1 receives
+        sends = rank == 0
+        calls = [
+            (lambda: group.send_tensor_dict(big, dst=1))
+            if sends
+            else (lambda: group.recv_object(src=0)),
+            (lambda: group.send_object("next", dst=1))
+            if sends
+            else (lambda: group.recv_object(src=0)),
+        ]
+    else:
+        calls = [
+            (lambda: group.broadcast_tensor_dict(big, src=last))
+            if rank == last
+            else (lambda: group.broadcast_object(None, src=last)),
+            lambda: group.broadcast_object("next" if rank == 0 else None, src=0),
+        ]
+    reduces = [lambda v=v: group.all_reduce(torch.full((4,), v)) for v in (1.0, 2.0)]
+    seen = []
+    for call in [calls[0], *reduces, calls[1]]:
+        try:
+            got = call()
+            shown = type(got).__name__ if isinstance(got, dict) else got
+            seen.append(f"ret {got.tolist() if isinstance(got, torch.Tensor) else shown}")
+        except GroupcoordError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    group.destroy()
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("p2p", "shm"),
+    [(False, True), (True, True), (True, False)],
+    ids=["broadcast", "p2p", "p2p-gloo"],
+)
+def test_an_object_receive_that_meets_a_tensor_dict_takes_its_tensors_and_stays_in_step(p2p, shm):
+    """A ``broadcast_object`` (``recv_object``) that got a tensor dict's message raised
+    DesyncError and left the dict's large tensors, sent after the message, to the
+    rank's next calls: the broadcast's source was then a whole call ahead (its
+    all_reduce of 1.0 met the others' broadcast of the tensor, and its all_reduce of
+    2.0 their 1.0, returning [4.0] * 4 at world 3 with no error); the pair's next
+    receive took the tensor. Now the receiver takes those tensors before it raises,
+    and every later call is right."""
+    world = 2 if p2p else 3
+    results = run_ranks(_object_call_meets_a_tensor_dict, world, p2p, shm, timeout=60)
+    for rank, seen in enumerate(results):
+        receiver = rank != world - 1 if not p2p else rank == 1
+        first = seen[0]
+        if receiver:
+            assert first.startswith("DesyncError") and "sent a tensor dict" in first, (rank, seen)
+        else:
+            assert first.startswith("ret"), (rank, seen)
+        sums = [f"ret {[world * s] * 4}" for s in (1.0, 2.0)]
+        sent_last = p2p and rank == 0  # send_object returns None
+        assert seen[1:] == [*sums, "ret None" if sent_last else "ret next"], (rank, seen)

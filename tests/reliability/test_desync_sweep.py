@@ -1,0 +1,167 @@
+"""Random sequences of a group's calls in which one rank's call now and then differs
+from the others' (its size, dtype, operation or root): every call returns the right
+value or raises, and the ranks end in step or with the group closed on every rank.
+No call returns a wrong value (docs/RELIABILITY.md rows 83 and 84: a queue broadcast
+or a tensor dict's trailing tensors left the ranks a call apart, and same-shaped
+calls then returned each other's data).
+
+Fast mode runs fixed seeds; long mode (``--long``) random ones."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator.launch import init_gloo, run_ranks
+
+from ._common import LONG, report
+
+OPS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "gather",
+    "barrier",
+    "broadcast_object",
+    "broadcast_tensor_dict",
+)
+SIZES = (1, 7, 64, 4096, 65536, 1 << 20)  # elements: the lean path, slots, streamed
+DTYPES = (torch.float32, torch.bfloat16, torch.int64)
+STEPS = 60
+
+
+def _plan(seed: int, world: int) -> list[dict[str, Any]]:
+    """The calls, the same on every rank: each step's call, and (in 3 steps of 10)
+    the rank that makes another one, and which."""
+    rng = random.Random(seed)
+    plan = []
+    for _ in range(STEPS):
+        call = {
+            "op": rng.choice(OPS),
+            "n": rng.choice(SIZES),
+            "dtype": rng.choice(DTYPES),
+            "root": rng.randrange(world),
+        }
+        changed = dict(call)
+        if rng.random() < 0.3:
+            what = rng.choice(("n", "dtype", "op", "root"))
+            pool = {"n": SIZES, "dtype": DTYPES, "op": OPS, "root": range(world)}[what]
+            changed[what] = rng.choice([v for v in pool if v != call[what]])
+        plan.append({"call": call, "who": rng.randrange(world), "changed": changed})
+    return plan
+
+
+def _values(rank: int, step: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return ((torch.arange(n) * (rank + 3) + step) % 5).to(dtype)
+
+
+def _make(group: Any, rank: int, step: int, call: dict[str, Any]) -> Any:
+    op, root = call["op"], call["root"]
+    n = call["n"] - call["n"] % group.world_size if op == "reduce_scatter" else call["n"]
+    x = _values(rank, step, max(n, group.world_size), call["dtype"])
+    if op == "all_reduce":
+        return group.all_reduce(x)
+    if op == "all_gather":
+        return group.all_gather(x, dim=0)
+    if op == "reduce_scatter":
+        return group.reduce_scatter(x, dim=0)
+    if op == "broadcast":
+        return group.broadcast(x, src=root)
+    if op == "gather":
+        return group.gather(x, dst=root, dim=0)
+    if op == "barrier":
+        return group.barrier()
+    if op == "broadcast_object":
+        return group.broadcast_object({"step": step} if rank == root else None, src=root)
+    return group.broadcast_tensor_dict({"x": x, "step": step} if rank == root else None, src=root)
+
+
+def _right(got: Any, rank: int, world: int, step: int, call: dict[str, Any]) -> bool:
+    """Whether ``got`` is what every rank making ``call`` at ``step`` gives ``rank``."""
+    op, root, dtype = call["op"], call["root"], call["dtype"]
+    n = call["n"] - call["n"] % world if op == "reduce_scatter" else call["n"]
+    n = max(n, world)
+    if op == "barrier":
+        return got is None
+    if op == "broadcast_object":
+        return got == {"step": step}
+    if op == "broadcast_tensor_dict":
+        want = _values(root, step, n, dtype)
+        return got["step"] == step and torch.equal(got["x"], want)
+    if op == "gather" and rank != root:
+        return got is None
+    if op == "broadcast":
+        return torch.equal(got, _values(root, step, n, dtype))
+    parts = [_values(r, step, n, dtype) for r in range(world)]
+    if op in ("all_gather", "gather"):
+        return torch.equal(got, torch.cat(parts))
+    total = sum(p.to(torch.int64) for p in parts).to(dtype)
+    if op == "all_reduce":
+        return torch.equal(got, total)
+    rows = n // world
+    return torch.equal(got, total[rank * rows : (rank + 1) * rows])
+
+
+def _sweep(rank: int, world: int, seed: int, gloo_debug: bool) -> dict[str, Any]:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import ClosedError, GroupcoordError
+
+    if gloo_debug:
+        set_config(disable_shm_all_reduce=True, disable_shm_p2p=True, debug_desync=True)
+    set_config(timeout_s=20.0)
+    init_gloo(rank, world)
+    group = GroupCoordinator(
+        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
+        group_name="sweep",
+    )  # fmt: skip
+    counts = {"right": 0, "raised": 0, "wrong": []}
+    for step, entry in enumerate(_plan(seed, world)):
+        call = entry["changed"] if rank == entry["who"] else entry["call"]
+        try:
+            got = _make(group, rank, step, call)
+        except GroupcoordError:
+            counts["raised"] += 1
+            continue
+        if entry["changed"] != entry["call"]:
+            continue  # a changed step: what a one-way call returns is its own
+        if _right(got, rank, world, step, call):
+            counts["right"] += 1
+        else:
+            counts["wrong"].append(f"step {step}: {call}")
+    try:
+        group.barrier()
+        counts["end"] = "in step"
+    except ClosedError:
+        counts["end"] = "closed"
+    except GroupcoordError as exc:  # the ranks' calls apart, unseen (the old tree's)
+        counts["end"] = f"{type(exc).__name__}: {exc}"
+    group.destroy()
+    return counts
+
+
+CASES = [(4, 1, False), (4, 6, False), (4, 7, False), (3, 2, False), (3, 0, True), (3, 5, True)]
+
+
+@pytest.mark.timeout(600 if LONG else 120)
+@pytest.mark.parametrize(("world", "seed", "gloo_debug"), CASES)
+def test_mismatched_calls_never_return_a_wrong_value(world, seed, gloo_debug) -> None:
+    if LONG:
+        seed = random.randrange(2**31)
+    results = run_ranks(_sweep, world, seed, gloo_debug, timeout=100)
+    report(
+        f"desync sweep, world {world}{', Gloo debug' if gloo_debug else ''}",
+        seed=seed,
+        right=[r["right"] for r in results],
+        raised=[r["raised"] for r in results],
+        end=[r["end"] for r in results],
+    )
+    for rank, r in enumerate(results):
+        assert not r["wrong"], (seed, rank, r["wrong"])
+        assert r["right"] > 0 and r["raised"] > 0, (seed, rank, r)
+    ends = {r["end"] for r in results}
+    assert ends in ({"in step"}, {"closed"}), (seed, results)
