@@ -16,7 +16,7 @@ from shm_broadcast.codec import EncodedMessage, encode_message, loads, message_b
 from shm_broadcast.group_io import broadcast_bytes
 
 from . import tensor_dicts
-from .errors import DesyncError, GroupcoordTypeError
+from .errors import DesyncError, GroupcoordError, GroupcoordTypeError
 from .group_base import GroupBase
 from .metadata import OBJECT_LIST, expect, object_message, received_object, tensor_dict_in
 
@@ -178,12 +178,22 @@ class GroupMessaging(GroupBase):
             try:
                 return received_object(got, self._called("recv_object", src), src)
             except DesyncError:
-                # The peer sent a tensor dict: take the tensors it sends after its
-                # message, so that this pair's next receive gets its next call's.
-                described = tensor_dict_in(got)
-                if described is not None:
-                    tensor_dicts.drop_sent_parts(self, src, described)
+                self._finish_refused(got, src)
                 raise
+
+    def _finish_refused(self, message: Any, src: int) -> None:
+        """A receive from in-group rank ``src`` refused ``message`` (a ``DesyncError``;
+        the caller holds the pair's receiving turn): when it is a tensor dict's,
+        take the tensors its sender sends after it, so that the pair's next receive
+        gets the sender's next call, not one of them. ``message`` may be its bytes."""
+        if isinstance(message, bytes):
+            try:
+                message = loads(message)
+            except GroupcoordError:  # not one of ours: nothing is known to follow
+                return
+        described = tensor_dict_in(message)
+        if described is not None:
+            tensor_dicts.drop_sent_parts(self, src, described)
 
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None:
         # One message unit with a header that says "an object's bytes": a tensor
@@ -229,5 +239,11 @@ class GroupMessaging(GroupBase):
             size = (size,)  # vLLM callers pass a plain element count too
         peer = (self.rank_in_group - 1) % self.world_size if src is None else src
         with self._p2p_channels.turn(self.ranks[peer], False):
-            out: torch.Tensor = self._p2p("recv", peer, self._tensor_comm().recv, size, dtype, src)
+            try:
+                out: torch.Tensor = self._p2p(
+                    "recv", peer, self._tensor_comm().recv, size, dtype, src
+                )
+            except DesyncError as exc:
+                self._finish_refused(exc.received, peer)
+                raise
         return out

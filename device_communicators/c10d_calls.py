@@ -334,20 +334,25 @@ def _header(buf: torch.Tensor) -> tuple[int, int]:
     return ctypes.c_int64.from_address(at).value, ctypes.c_int64.from_address(at + 8).value
 
 
-def _sent(pg: Any, src: int, code: int, count: int, end: float | None) -> str:
-    """What a header that is not the one expected says was sent; when its data
-    follows as a message of its own, that message is received and dropped, so the
-    pair stays in step."""
+def _sent(
+    pg: Any, src: int, buf: torch.Tensor, code: int, count: int, end: float | None
+) -> tuple[str, bytes | None]:
+    """What a header (in ``buf``) that is not the one expected says was sent, and
+    an object's bytes if that is what came; when its data follows as a message of
+    its own, that message is received, so the pair stays in step."""
     if code == BYTES_CODE and count >= 0:
         sent, nbytes = f"an object's {count} bytes (send_object or send_tensor_dict)", count
     elif 0 <= code < len(WIRE_DTYPES) and count >= 0:
         sent = f"a {WIRE_DTYPES[code]}[{count}] tensor"
         nbytes = count * torch_dtype(WIRE_DTYPES[code]).itemsize
     else:
-        return "a message without a tensor header (not a groupcoord send)"
-    if nbytes > INLINE_MAX_BYTES:  # its data follows alone: consume it
-        _wait(pg.recv([torch.empty(nbytes, dtype=torch.uint8)], src, P2P_TAG), end)
-    return sent
+        return "a message without a tensor header (not a groupcoord send)", None
+    if nbytes <= INLINE_MAX_BYTES:  # it came with the header
+        data = ctypes.string_at(buf.data_ptr() + _HEADER, nbytes) if code == BYTES_CODE else None
+        return sent, data
+    rest = torch.empty(nbytes, dtype=torch.uint8)
+    _wait(pg.recv([rest], src, P2P_TAG), end)
+    return sent, rest.numpy().tobytes() if code == BYTES_CODE else None
 
 
 def _called(tensor: torch.Tensor) -> str:
@@ -429,8 +434,9 @@ class _HeaderFirst:
         try:
             code, count = _header(buf)
             if code != self._code or (self._count >= 0 and count != self._count) or count < 0:
-                sent = _sent(pg, src, code, count, end)
+                sent, payload = _sent(pg, src, buf, code, count, end)
                 self._error = _out_of_step(self._what, pg, self._called, src, sent)
+                self._error.received = payload  # bytes a caller may decode (a dict's)
                 raise self._error
             nbytes = count if into is None else into.nbytes
             if nbytes <= INLINE_MAX_BYTES:  # it came with the header

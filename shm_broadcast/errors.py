@@ -101,6 +101,11 @@ class DesyncError(GroupcoordValueError):
     """Ranks of a group called different collectives (operation, dtype, size, op or
     root) as the same call; raised on every rank before any result is returned."""
 
+    # A point-to-point receive's: the message that came instead, when it was not a
+    # tensor (decoded, or its bytes), so a caller that knows more of the protocol
+    # can take what its sender sends after it (a tensor dict's tensors).
+    received: Any = None
+
 
 class GroupcoordTypeError(GroupcoordError, TypeError):
     """An argument of a type that cannot work (dtype, object kind ...)."""

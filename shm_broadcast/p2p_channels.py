@@ -497,11 +497,13 @@ class P2PChannels:
                 sent = "a tensor as an object (send_object)"
             else:
                 sent = f"a {type(got).__name__}, not a tensor"
-            raise DesyncError(
+            error = DesyncError(
                 f"{self.name}: rank {self.rank} called {operation}({_short(dtype)}[{numel}]) "
                 f"from rank {src}, which sent {sent}: the ranks' point-to-point calls "
                 "are out of step"
             )
+            error.received = got
+            raise error
         # A reshape costs 2 us even when it changes nothing: only when it must.
         return got if got.shape == shape else got.reshape(shape)
 

@@ -1098,11 +1098,11 @@ def test_a_crossed_call_leaves_its_group_before_its_peer_is_released():
     ]
 
 
-def _object_call_meets_a_tensor_dict(rank: int, world: int, p2p: bool, shm: bool) -> list[str]:
+def _object_call_meets_a_tensor_dict(rank: int, world: int, p2p: str, shm: bool) -> list[str]:
     """The last rank broadcasts (``p2p``: rank 0 sends to rank 1) a tensor dict with a
-    tensor too large to ride in its message, where the others receive an object;
-    then every rank reduces values that change by call, and receives the next
-    message."""
+    tensor too large to ride in its message, where the others receive an object
+    (``p2p`` "tensor": a tensor of that tensor's size and dtype); then every rank
+    reduces values that change by call, and receives the next message."""
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
     from shm_broadcast.errors import GroupcoordError
@@ -1114,10 +1114,12 @@ def _object_call_meets_a_tensor_dict(rank: int, world: int, p2p: bool, shm: bool
     last = world - 1
     if p2p:  # rank 0 sends, rank 1 receives
         sends = rank == 0
+        receive = {
+            "object": lambda: group.recv_object(src=0),
+            "tensor": lambda: group.recv((100_000,), torch.float32, src=0),
+        }[p2p]
         calls = [
-            (lambda: group.send_tensor_dict(big, dst=1))
-            if sends
-            else (lambda: group.recv_object(src=0)),
+            (lambda: group.send_tensor_dict(big, dst=1)) if sends else receive,
             (lambda: group.send_object("next", dst=1))
             if sends
             else (lambda: group.recv_object(src=0)),
@@ -1144,24 +1146,27 @@ def _object_call_meets_a_tensor_dict(rank: int, world: int, p2p: bool, shm: bool
 
 @pytest.mark.parametrize(
     ("p2p", "shm"),
-    [(False, True), (True, True), (True, False)],
-    ids=["broadcast", "p2p", "p2p-gloo"],
+    [("", True), ("object", True), ("object", False), ("tensor", True), ("tensor", False)],
+    ids=["broadcast", "recv_object", "recv_object-gloo", "recv", "recv-gloo"],
 )
-def test_an_object_receive_that_meets_a_tensor_dict_takes_its_tensors_and_stays_in_step(p2p, shm):
-    """A ``broadcast_object`` (``recv_object``) that got a tensor dict's message raised
-    DesyncError and left the dict's large tensors, sent after the message, to the
-    rank's next calls: the broadcast's source was then a whole call ahead (its
-    all_reduce of 1.0 met the others' broadcast of the tensor, and its all_reduce of
-    2.0 their 1.0, returning [4.0] * 4 at world 3 with no error); the pair's next
-    receive took the tensor. Now the receiver takes those tensors before it raises,
-    and every later call is right."""
+def test_a_receive_that_meets_a_tensor_dict_takes_its_tensors_and_stays_in_step(p2p, shm):
+    """A ``broadcast_object`` (``recv_object``, ``recv``) that got a tensor dict's
+    message raised DesyncError and left the dict's large tensors, sent after the
+    message, to the rank's next calls: the broadcast's source was then a whole call
+    ahead (its all_reduce of 1.0 met the others' broadcast of the tensor, and its
+    all_reduce of 2.0 their 1.0, returning [4.0] * 4 at world 3 with no error); the
+    pair's next receive took the tensor, and every receive after got the message
+    before its own. Now the receiver takes those tensors before it raises, and
+    every later call is right."""
     world = 2 if p2p else 3
     results = run_ranks(_object_call_meets_a_tensor_dict, world, p2p, shm, timeout=60)
     for rank, seen in enumerate(results):
         receiver = rank != world - 1 if not p2p else rank == 1
         first = seen[0]
         if receiver:
-            assert first.startswith("DesyncError") and "sent a tensor dict" in first, (rank, seen)
+            assert first.startswith("DesyncError"), (rank, seen)
+            if p2p != "tensor":  # a tensor receive names the list or bytes that came
+                assert "sent a tensor dict" in first, (rank, seen)
         else:
             assert first.startswith("ret"), (rank, seen)
         sums = [f"ret {[world * s] * 4}" for s in (1.0, 2.0)]

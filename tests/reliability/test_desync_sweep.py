@@ -170,3 +170,98 @@ def test_mismatched_calls_never_return_a_wrong_value(world, seed, gloo_debug) ->
         assert r["raised"] > 0, (seed, rank, r)  # the sweep made the ranks disagree
     ends = {r["end"] for r in results}
     assert ends in ({"in step"}, {"closed"}), (seed, results)
+
+
+KINDS = ("tensor", "object", "dict", "dict with a large tensor")
+P2P_SIZES = (1, 64, 4096, 100_000, 1 << 20)
+
+
+def _p2p_plan(seed: int) -> list[dict[str, Any]]:
+    """A pair's messages, the same on both ranks: each step's kind, size, dtype and
+    sender, and (in 1 step of 4) the rank that sends or expects another."""
+    rng = random.Random(seed)
+    plan = []
+    for _ in range(STEPS + 20):
+        call = {
+            "kind": rng.choice(KINDS),
+            "n": rng.choice(P2P_SIZES),
+            "dtype": rng.choice(DTYPES),
+            "sender": rng.randrange(2),
+        }
+        changed = dict(call)
+        if rng.random() < 0.25:
+            what = rng.choice(("n", "dtype", "kind"))
+            pool = {"n": P2P_SIZES, "dtype": DTYPES, "kind": KINDS}[what]
+            changed[what] = rng.choice([v for v in pool if v != call[what]])
+        plan.append({"call": call, "who": rng.randrange(2), "changed": changed})
+    return plan
+
+
+def _p2p_sweep(rank: int, world: int, seed: int, shm: bool) -> dict[str, Any]:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import GroupcoordError
+
+    set_config(disable_shm_p2p=not shm, timeout_s=20.0)
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="p2psweep")
+    counts: dict[str, Any] = {"right": 0, "raised": 0, "wrong": []}
+    peer = 1 - rank
+    for step, entry in enumerate(_p2p_plan(seed)):
+        call = entry["changed"] if rank == entry["who"] else entry["call"]
+        kind, n, dtype = call["kind"], call["n"], call["dtype"]
+        x = _values(0, step, n, dtype)
+        dict_ = {"x": x if kind.startswith("dict with") else x[:8], "step": step}
+        try:
+            if rank == call["sender"]:
+                if kind == "tensor":
+                    group.send(x, dst=peer)
+                elif kind == "object":
+                    group.send_object({"step": step, "n": n}, dst=peer)
+                else:
+                    group.send_tensor_dict(dict_, dst=peer)
+                continue
+            if kind == "tensor":
+                got = group.recv((n,), dtype, src=peer)
+                right = torch.equal(got, x)
+            elif kind == "object":
+                right = group.recv_object(src=peer) == {"step": step, "n": n}
+            else:
+                got = group.recv_tensor_dict(src=peer)
+                right = got["step"] == step and torch.equal(got["x"], dict_["x"])
+        except GroupcoordError:
+            counts["raised"] += 1
+            continue
+        if entry["changed"] != entry["call"]:
+            continue
+        if right:
+            counts["right"] += 1
+        else:
+            counts["wrong"].append(f"step {step}: {call}")
+    group.barrier()
+    group.destroy()
+    return counts
+
+
+@pytest.mark.timeout(600 if LONG else 120)
+@pytest.mark.parametrize(
+    ("seed", "shm"), [(104884683, True), (1782089022, True), (3, True), (4, False), (5, False)]
+)
+def test_mismatched_point_to_point_calls_never_return_a_wrong_value(seed, shm) -> None:
+    """A pair's sends and receives of tensors, objects and tensor dicts, the two
+    sides' kinds, sizes or dtypes differing now and then: every receive of an
+    unchanged step that returns gets what was sent (a ``recv`` that met a tensor
+    dict left its large tensor in the channel, and every later receive of the
+    pair got the message before its own: a dict of the step before, no error)."""
+    if LONG:
+        seed = random.randrange(2**31)
+    results = run_ranks(_p2p_sweep, 2, seed, shm, timeout=100)
+    report(
+        f"desync sweep, point to point{'' if shm else ', Gloo'}",
+        seed=seed,
+        right=[r["right"] for r in results],
+        raised=[r["raised"] for r in results],
+    )
+    for rank, r in enumerate(results):
+        assert not r["wrong"], (seed, rank, r["wrong"])
+    assert sum(r["raised"] for r in results) > 0, (seed, results)
