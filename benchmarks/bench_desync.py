@@ -1,7 +1,9 @@
 """Cost of desync detection per shared-memory collective: what it adds to a call
 (stamping the call's fingerprint, then comparing every peer's after the first
 barrier), timed on real control lines in one process with every peer's stamp
-in agreement (the common case: the full comparison runs).
+in agreement (the common case: the full comparison runs); and the same where
+rank 0 has sent a point-to-point message in the group that rank 1 received, so
+the stamps' message counts differ and each call adds them up.
 
 Then what the debug check on the Gloo and NCCL paths (``GROUPCOORD_DEBUG_DESYNC=1``:
 a checksum all-gather before each collective) adds to a 4 KiB ``all_reduce`` of a
@@ -27,7 +29,10 @@ from _common import print_table, reproduce_command  # noqa: E402
 from coordinator.launch import init_gloo, run_ranks  # noqa: E402
 
 
-def _per_call_ns(world: int, calls: int) -> float:
+def _per_call_ns(world: int, calls: int, messages: bool = False) -> float:
+    """``messages``: rank 0 has sent a point-to-point message in the group that rank 1
+    received (a pipeline's stages), so their stamps differ and every call sums the
+    ranks' message counts in Python (``PhaseLines._check_agreement``)."""
     import torch
 
     from device_communicators.shm_phases import LINE, PhaseLines, call_code
@@ -37,6 +42,9 @@ def _per_call_ns(world: int, calls: int) -> float:
     views = [PhaseLines(region, ranks, r, "bench", 1.0, 1.0) for r in ranks]
     code = call_code("all_reduce", torch.float32, torch.distributed.ReduceOp.SUM, 0)
     me = views[0]
+    if messages:
+        me.count_message(sent=True)
+        views[1].count_message(sent=False)
     # A call's first barrier with its stamp (the peers' agreeing), then the same
     # barrier unstamped, in turns: the difference of the best of each is what the
     # detection adds (the machine's noise only ever adds).
@@ -106,8 +114,16 @@ def main() -> int:
     import torch
 
     print(f"# {reproduce_command()}")
-    rows = [{"world": w, "added per call (ns)": _per_call_ns(w, 20_000)} for w in (2, 4, 8)]
-    print_table(rows, ["world", "added per call (ns)"])
+    sent = "with a message sent and received (ns)"
+    rows = [
+        {
+            "world": w,
+            "added per call (ns)": _per_call_ns(w, 20_000),
+            sent: _per_call_ns(w, 20_000, messages=True),
+        }
+        for w in (2, 4, 8)
+    ]
+    print_table(rows, ["world", "added per call (ns)", sent])
     torch.set_num_threads(1)  # the forking parent stays single-threaded
     debug_rows = []
     for path, shm in (("shared memory", True), ("gloo", False)):

@@ -118,7 +118,7 @@ def desync_cleanup(mq: Any, group: GroupBase) -> Callable[[str | None], str]:
         closed = owner() if closing is not None else None
         if closed is not None and closed._failure is None:
             closed._failure = closing
-        dropped = mq.drop_unread()
+        dropped = mq.drop_unread() if mq is not None else 0
         if not dropped:
             return ""
         return (
@@ -235,6 +235,11 @@ class GroupBase:
         # memory path's count of them, which its call stamps carry.
         self._queue_calls = 0
         self._count_queue_call: Callable[[], None] | None = None
+        # Point-to-point messages this rank sent in the group less those it took
+        # (see GroupMessaging._counted), and the shared-memory path's count.
+        self._messages = 0
+        self._count_message: Callable[[bool], None] | None = None
+        self._traffic_thread = 0  # the thread of the last queue broadcast or message
         # The queue calls' stall checks (ShmBase.check_queue_wait), by operation.
         self._queue_checks: dict[str, Callable[[list[int]], None]] = {}
         # Peers on this host, rank -> pid: a failed call names a dead one at once.
@@ -358,17 +363,21 @@ class GroupBase:
                     self.unique_name,
                     exc,
                 )
-                return
-            shm = getattr(self.device_communicator, "shm_all_reduce", None)
-            if shm is not None:
-                shm.set_desync_hook(desync_cleanup(self.mq_broadcaster, self))
-                self._count_queue_call = shm.count_queue_call
-                writing = self.rank_in_group == 0
-                self._queue_checks = {
-                    op: functools.partial(shm.check_queue_wait, op, writing)
-                    for op in QUEUE_CALLS
-                    if op.startswith("broadcast")  # what goes through the group's queue
-                }
+        shm = getattr(self.device_communicator, "shm_all_reduce", None)
+        if shm is None:
+            return
+        # The shared-memory path's stamps carry the group's one-way traffic, and a
+        # mismatch it finds cleans up the group on every rank (desync_cleanup).
+        shm.set_desync_hook(desync_cleanup(self.mq_broadcaster, self))
+        self._count_message = shm.count_message
+        if self.mq_broadcaster is not None:
+            self._count_queue_call = shm.count_queue_call
+            writing = self.rank_in_group == 0
+            self._queue_checks = {
+                op: functools.partial(shm.check_queue_wait, op, writing)
+                for op in QUEUE_CALLS
+                if op.startswith("broadcast")  # what goes through the group's queue
+            }
 
     def __repr__(self) -> str:
         return f"GroupCoordinator({self.unique_name}, ranks={self.ranks}, rank={self.rank})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from device_communicators import checks
+from device_communicators.shm_phases import traffic_closing
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config
 from shm_broadcast.group_io import all_gather_bytes
@@ -280,36 +282,47 @@ class GroupCoordinator(GroupMessaging):
 
     def _in_step(self, operation: str, call: Callable[[], str]) -> None:
         """For ``debug_desync`` (:meth:`_checked`): every rank shows the others the call
-        it is about to make (a checksum; the calls themselves only when they differ);
-        ranks that disagree all raise DesyncError naming both sides."""
+        it is about to make (a checksum; the calls themselves only when they differ)
+        and its one-way traffic in the group so far (as the shared-memory path's
+        stamps do: ``PhaseLines._check_agreement``). Ranks that disagree all raise
+        DesyncError naming both sides; traffic out of balance closes the group."""
         seq = self._desync_seq
         self._desync_seq += 1
         mine = f"{operation}({call()})"
-        digest = torch.tensor([zlib.crc32(mine.encode())], dtype=torch.int64)
-        digests = torch.empty((self.world_size, 1), dtype=torch.int64)
-        parts = list(digests.unbind(0))
-        self._collective(operation, dist.all_gather, parts, digest, self.cpu_group)
-        if bool((digests == digest).all()):
-            return
-        # Every rank saw the same table, so every rank takes this path. The queue
-        # broadcasts each made so far come along: see PhaseLines._check_agreement.
-        shown = f"{self._queue_calls}|{mine}".encode()
-        gathered = self._collective(operation, all_gather_bytes, self.cpu_group, shown)
-        table = [c.decode().split("|", 1) for c in gathered]
-        rank = next(r for r, (_, theirs) in enumerate(table) if theirs != mine)
-        message = (
-            f"{self.unique_name}: rank {self.rank_in_group} called {mine} as call #{seq} of "
-            f"the group, rank {rank} called {table[rank][1]} (debug_desync check)"
+        threaded = bool(self._queue_calls or self._messages) and (
+            self._traffic_thread != threading.get_ident()
         )
-        counts = [int(count) for count, _ in table]
-        closing = None
-        if len(set(counts)) > 1:
-            closing = (
-                f"before this call the ranks had made {counts} broadcasts through the group's "
-                "message queue (one rank's broadcast met another call on the others), so "
-                f"their calls are out of step by whole calls: {self.unique_name} is closed "
-                "on every rank (create it anew)"
+        stamp = torch.tensor(
+            [zlib.crc32(mine.encode()), self._queue_calls, self._messages, threaded],
+            dtype=torch.int64,
+        )
+        stamps = torch.empty((self.world_size, 4), dtype=torch.int64)
+        parts = list(stamps.unbind(0))
+        self._collective(operation, dist.all_gather, parts, stamp, self.cpu_group)
+        same_call = bool((stamps[:, 0] == stamp[0]).all())
+        counts = stamps[:, 1].tolist()
+        in_flight = int(stamps[:, 2].sum())
+        balanced = len(set(counts)) == 1 and not in_flight
+        if same_call and (balanced or bool(stamps[:, 3].any())):
+            return  # (see PhaseLines._check_agreement)
+        # Every rank saw the same table, so every rank takes this path.
+        gathered = self._collective(operation, all_gather_bytes, self.cpu_group, mine.encode())
+        calls = [c.decode() for c in gathered]
+        me = self.rank_in_group
+        other = next((r for r, theirs in enumerate(calls) if theirs != mine), None)
+        if other is None:
+            message = f"{self.unique_name}: every rank called {mine} as call #{seq} of the group"
+        else:
+            message = (
+                f"{self.unique_name}: rank {me} called {mine} as call #{seq} of the group, "
+                f"rank {other} called {calls[other]}"
             )
+        message += " (debug_desync check)"
+        most, fewest = counts.index(max(counts)), counts.index(min(counts))
+        queue = (most, fewest, counts[most] - counts[fewest]) if most != fewest else None
+        sent = dict(enumerate(stamps[:, 2].tolist())) if in_flight else None
+        closing = traffic_closing(self.unique_name, queue, sent)
+        if closing is not None:
             message = f"{message}; {closing}"
         note = ""
         mq = self.mq_broadcaster

@@ -62,6 +62,8 @@ class Group(Protocol):
     def _wait_all(self, operation: str, works: list[Any]) -> None: ...
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None: ...
     def _recv_bytes(self, src: int, operation: str) -> bytes: ...
+    def _taking(self, receive: Callable[..., Any], *args: Any) -> Any: ...
+    def _counted(self, sent: bool) -> None: ...
     def _called(self, operation: str, src: int) -> str: ...
     def _broadcast_bytes(
         self, operation: str, msg: EncodedMessage | None, src: int, pg: ProcessGroup | None = None
@@ -184,6 +186,7 @@ def send(
     # The dict and its tensors as one unit: another thread's sends to this peer wait.
     with group._p2p_channels.turn(peer, True):
         _send_parts(group, peer, dst, msg, described, tensors, all_gather_group, slices)
+        group._counted(sent=True)
 
 
 def _send_parts(
@@ -265,9 +268,12 @@ def _recv_parts(
     called = group._called("recv_tensor_dict", src)
     try:
         if shm is not None:
-            described = checked(shm.recv_message(peer, "recv_tensor_dict"), called, src)
+            got = group._taking(shm.recv_message, peer, "recv_tensor_dict")
+            described = checked(got, called, src)
         else:
-            described = decode(group._recv_bytes(src, "recv_tensor_dict"), called, src)
+            described = decode(
+                group._taking(group._recv_bytes, src, "recv_tensor_dict"), called, src
+            )
     except ProtocolError as exc:  # did not decode here (an undeclared class)
         left = dropped(exc)
         if left is not None:

@@ -437,6 +437,7 @@ class _HeaderFirst:
                 sent, payload = _sent(pg, src, buf, code, count, end)
                 self._error = _out_of_step(self._what, pg, self._called, src, sent)
                 self._error.received = payload  # bytes a caller may decode (a dict's)
+                self._error.taken = True
                 raise self._error
             nbytes = count if into is None else into.nbytes
             if nbytes <= INLINE_MAX_BYTES:  # it came with the header

@@ -19,6 +19,7 @@ sides (``memory_fence``).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -56,19 +57,27 @@ _BELL = 5  # int32 index within a line (bytes 20..23)
 # The fingerprint of the rank's calls: two slots of two int64s (bytes 32..63),
 # used by call parity, since a peer can be at most one call ahead of a rank
 # that has not checked yet (it cannot pass the next call's first barrier).
-# Per slot: operation/dtype/reduce-op/root packed; call number << 44 | queue
-# broadcasts << 36 | count: the call number's low 19 bits only, so the word stays
-# a positive int64 for ever (20 bits overflowed it at call 2**19 and every later
-# call raised); the low 8 bits of the group's message-queue broadcasts made so far
-# (``PhaseLines.count_queue_call``; not part of the call: see _check_agreement);
-# the element count below 2**36.
+# Per slot: operation/dtype/reduce-op/root packed; call number << 53 | another
+# thread << 52 | messages << 43 | queue broadcasts << 35 | count: the call
+# number's low 10 bits only, so the word stays a positive int64 for ever (a field
+# reaching bit 63 overflowed it and every later call raised); whether this rank's
+# one-way calls of the group came from another thread than this call's; the low 9
+# bits of the point-to-point messages this rank sent less those it received in
+# the group (``PhaseLines.count_message``), the low 8 of the group's message-queue
+# broadcasts it made (``count_queue_call``): none of these three is part of the
+# call, see _check_agreement; the element count below 2**35.
 _FP_SLOTS = (6, 4)  # by call parity: even calls, odd calls
-_CALL_SHIFT = 44
-_CALL_MASK = (1 << (63 - _CALL_SHIFT)) - 1
-_COUNT_BITS = 36
+_COUNT_BITS = 35
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
-_QUEUE_MASK = (1 << (_CALL_SHIFT - _COUNT_BITS)) - 1
+_QUEUE_MASK = 0xFF
+_MESSAGES_MASK = 0x1FF
+_MESSAGES_SHIFT = _COUNT_BITS + 8
 _QUEUE_FIELD = _QUEUE_MASK << _COUNT_BITS
+_MESSAGES_FIELD = _MESSAGES_MASK << _MESSAGES_SHIFT
+_OTHER_THREAD = 1 << (_MESSAGES_SHIFT + 9)
+_TRAFFIC_FIELDS = _QUEUE_FIELD | _MESSAGES_FIELD | _OTHER_THREAD
+_CALL_SHIFT = _MESSAGES_SHIFT + 10
+_CALL_MASK = (1 << (63 - _CALL_SHIFT)) - 1
 # A code with this bit is a call whose ranks may bring different element counts
 # (a gather of parts of different lengths, an all_to_all_v): the counts are not
 # compared, the rest of the code (a gather's: with a checksum of the parts'
@@ -218,6 +227,36 @@ def check_all_to_all_counts(what: str, table: list[list[int]]) -> None:
                 )
 
 
+def traffic_closing(
+    what: str, queue: tuple[int, int, int] | None, sent: dict[int, int] | None
+) -> str | None:
+    """Why group ``what`` closes on every rank when its traffic before a call is out
+    of balance (``PhaseLines._check_agreement``, and Gloo's ``debug_desync`` check),
+    or None: ``queue``, (a rank, another, how many more broadcasts the first made
+    through the group's message queue); ``sent``, each rank's point-to-point
+    messages sent in the group less those it took, when they do not add up to 0."""
+    reasons = []
+    if queue is not None:
+        more, fewer, ahead = queue
+        reasons.append(
+            f"rank {more} had made {ahead} more broadcast(s) through the group's "
+            f"message queue than rank {fewer}"
+        )
+    if sent is not None:
+        counts = ", ".join(f"rank {r} {n:+d}" for r, n in sent.items())
+        reasons.append(
+            f"{sum(sent.values())} point-to-point message(s) sent in the group had not "
+            f"been received (sent less received: {counts})"
+        )
+    if not reasons:
+        return None
+    return (
+        f"before this call {' and '.join(reasons)}: a one-way call met another call on "
+        "the other side, or is to be read only after this call, so the ranks' calls may "
+        f"be out of step by whole calls: {what} is closed on every rank (create it anew)"
+    )
+
+
 def _describe_stamp(stamp: tuple[int, int], near: int) -> str:
     """The call of a stamp, numbered as the call nearest ``near`` (this rank's call
     number) whose low bits the stamp holds."""
@@ -322,10 +361,13 @@ class PhaseLines:
         self.operation = ""
         self.generation = 0
         self.calls = 0  # calls stamped so far (the same on every rank while in step)
-        # The group's message-queue broadcasts this rank wrote or read so far (its
-        # low bits in every stamp): see count_queue_call.
+        # The group's message-queue broadcasts this rank wrote or read so far, and
+        # the point-to-point messages it sent in the group less those it received
+        # (their low bits in every stamp): see count_queue_call, count_message.
         self.queue_calls = 0
-        self._queue_bits = 0
+        self.messages = 0
+        self._traffic_bits = 0
+        self._traffic_thread = 0  # the thread of the last of them
         # Called when the ranks' calls are found out of step, before the DesyncError
         # (every rank raises it), with why the group closes (None: it stays usable):
         # the group's clean-up, returning a note for the message (``GroupCoordinator``
@@ -405,7 +447,22 @@ class PhaseLines:
         one rank's call with another's next one, each found out of step only when
         they differ: the count in the stamps lets the first mismatch tell it."""
         self.queue_calls += 1
-        self._queue_bits = (self.queue_calls & _QUEUE_MASK) << _COUNT_BITS
+        self._set_traffic_bits()
+
+    def count_message(self, sent: bool) -> None:
+        """A point-to-point call of the group sent a message to a peer (``sent``) or
+        took one from a peer. At the group's next call the ranks' counts must show
+        every message sent received, or a rank's send met another call on its
+        receiver (or the other way round), and same-shaped calls after it would pair
+        one rank's call with another's next one (see _check_agreement)."""
+        self.messages += 1 if sent else -1
+        self._set_traffic_bits()
+
+    def _set_traffic_bits(self) -> None:
+        self._traffic_bits = ((self.queue_calls & _QUEUE_MASK) << _COUNT_BITS) | (
+            (self.messages & _MESSAGES_MASK) << _MESSAGES_SHIFT
+        )
+        self._traffic_thread = threading.get_ident()
 
     def stamp(self, code: int, count: int) -> None:
         """Record this rank's call before its first publish; checked after the first wait."""
@@ -413,61 +470,93 @@ class PhaseLines:
         at = self._my_stamp[calls & 1]
         counters = self._counters
         counters[at] = code
-        counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | self._queue_bits | count
+        traffic = self._traffic_bits
+        if traffic and self._traffic_thread != threading.get_ident():
+            traffic |= _OTHER_THREAD
+        counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | traffic | count
         self._check_pending = True
 
     def _check_agreement(self, phase: int, code: int, word: int) -> None:
         """A peer's stamp differs from this rank's (``code``, ``word``) after the
         call's first barrier (``phase``), when every rank's is visible (stored before
-        its counter). Unless every rank made the same call (the counts may differ
-        where the call lets them, and the queue broadcasts made so far may: a
-        broadcast read after a call the writer made after writing it is in step),
-        the call fails everywhere. Every rank sees the same stamps, so every rank
-        decides alike, and with an ``on_desync`` hook each runs it and then meets
-        the others once more (``phase + 1``, which no call of this generation
-        reaches now), so no rank goes on before every rank's clean-up is done.
+        its counter). Every rank sees the same stamps, so every rank decides alike.
 
-        When the ranks' queue broadcasts differ too, a rank's broadcast had no
-        reader in the call the readers made instead (or the other way round): its
-        next call would pair with their next one, same-shaped calls would pass
-        with one rank's data a call ahead, so the group closes on every rank
-        (``on_close``), naming why."""
+        The ranks' calls differ (the counts may, where the call lets them): the call
+        fails everywhere, and the group stays usable. With an ``on_desync`` hook
+        each rank runs it, then meets the others once more (``phase + 1``, which no
+        call of this generation reaches), so no rank goes on before every rank's
+        clean-up is done.
+
+        The traffic before the call is out of balance, whatever the calls: a rank
+        made more broadcasts through the group's message queue than another, or a
+        point-to-point message sent in the group was not received (the ranks'
+        counts of sent less received do not add up to 0). A one-way call (a
+        broadcast's writer, a send) then met another call on the other side, or is
+        read only after this call. The first can make a rank's next calls pair with
+        the others' previous ones (same-shaped calls would return each other's
+        data), and no rank can tell the two apart, so the group closes on every
+        rank (``on_close``), naming why: every message sent in a group is received,
+        every broadcast read, before the group's next collective."""
         counters = self._counters
+        peers = self._peer_stamps[self.calls & 1]
+        # The common difference first: the same call, message counts that differ
+        # by rank (one sent, another received) and add up to 0.
+        total = word >> _MESSAGES_SHIFT
+        for at in peers:
+            theirs = counters[at + 1]
+            if counters[at] != code or (theirs ^ word) & ~_MESSAGES_FIELD:
+                break
+            total += theirs >> _MESSAGES_SHIFT
+        else:
+            if not total & _MESSAGES_MASK:
+                return
         differs = -1  # the first peer whose call is another
         queue_split = -1  # the first peer whose queue broadcasts differ in number
-        for at in self._peer_stamps[self.calls & 1]:
-            theirs, apart = counters[at], counters[at + 1] ^ word
+        balances = {self.rank_in_group: (word >> _MESSAGES_SHIFT) & _MESSAGES_MASK}
+        threads = word & _OTHER_THREAD
+        for at in peers:
+            theirs, their_word = counters[at], counters[at + 1]
+            apart = their_word ^ word
+            balances[at // _QWORDS] = (their_word >> _MESSAGES_SHIFT) & _MESSAGES_MASK
+            threads |= their_word & _OTHER_THREAD
             if apart & _QUEUE_FIELD and queue_split < 0:
                 queue_split = at
             if theirs == code and (
-                not apart & ~_QUEUE_FIELD or (code & VARYING_COUNTS and not apart >> _CALL_SHIFT)
+                not apart & ~_TRAFFIC_FIELDS or (code & VARYING_COUNTS and not apart >> _CALL_SHIFT)
             ):
                 continue  # the same call
             if differs < 0:
                 differs = at
-        if differs < 0:
+        in_flight = sum(balances.values()) & _MESSAGES_MASK
+        if differs < 0 and (threads or (queue_split < 0 and not in_flight)):
+            # Every one-way call's message taken; or a rank made one from another
+            # thread than this call's, which may have come before or after this
+            # call there: the traffic tells nothing, as long as the calls agree.
             return
         me = self.ranks[self.rank_in_group]
-        message = (
-            f"{self.what}: rank {me} called {_describe_stamp((code, word), self.calls)}, "
-            f"rank {self.ranks[differs // _QWORDS]} called "
-            f"{_describe_stamp((counters[differs], counters[differs + 1]), self.calls)}: "
-            "the ranks' collectives are out of step (no result returned)"
-        )
-        closing = None
+        mine = _describe_stamp((code, word), self.calls)
+        if differs >= 0:
+            message = (
+                f"{self.what}: rank {me} called {mine}, rank {self.ranks[differs // _QWORDS]} "
+                f"called {_describe_stamp((counters[differs], counters[differs + 1]), self.calls)}: "
+                "the ranks' collectives are out of step (no result returned)"
+            )
+        else:
+            message = f"{self.what}: every rank called {mine} (no result returned)"
+        queue = None
         if queue_split >= 0:
             ahead = (
                 (counters[queue_split + 1] >> _COUNT_BITS) - (word >> _COUNT_BITS)
             ) & _QUEUE_MASK
             other = self.ranks[queue_split // _QWORDS]
-            more, fewer = (other, me) if ahead <= _QUEUE_MASK // 2 else (me, other)
-            closing = (
-                f"before this call rank {more} had made "
-                f"{min(ahead, _QUEUE_MASK + 1 - ahead)} more broadcast(s) through the "
-                f"group's message queue than rank {fewer} (one rank's broadcast met "
-                "another call on the others), so the ranks' calls are out of step by "
-                f"whole calls: {self.what} is closed on every rank (create it anew)"
-            )
+            behind = _QUEUE_MASK + 1 - ahead
+            queue = (other, me, ahead) if ahead <= _QUEUE_MASK // 2 else (me, other, behind)
+        sent = {
+            self.ranks[r]: b - (_MESSAGES_MASK + 1) if b > _MESSAGES_MASK // 2 else b
+            for r, b in sorted(balances.items())
+        }
+        closing = traffic_closing(self.what, queue, sent if in_flight else None)
+        if closing is not None:
             message = f"{message}; {closing}"
         note = ""
         if self.on_desync is not None or closing is not None:

@@ -354,6 +354,12 @@ class ShmBase(AllReduceBackend):
         if self._lines is not None:
             self._lines.count_queue_call()
 
+    def count_message(self, sent: bool) -> None:
+        """A point-to-point call of the owner group sent a message (``sent``) or took
+        one (``PhaseLines.count_message``: the next call's stamp carries the count)."""
+        if self._lines is not None:
+            self._lines.count_message(sent)
+
     def set_timeout(self, timeout_s: float, deadline: float | None = None) -> None:
         """The timeout of the calls that follow (a caller with a per-call timeout), or
         an absolute ``deadline`` (``time.monotonic()``) every wait ends by; errors

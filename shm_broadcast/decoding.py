@@ -21,7 +21,7 @@ from .array_frames import (
     numpy_dtype,
     torch_dtype,
 )
-from .errors import ProtocolError, UndeclaredTypeError
+from .errors import GroupcoordError, ProtocolError, UndeclaredTypeError
 from .safe_types import imported_struct, safe_type
 from .std_values import rebuild
 
@@ -95,11 +95,16 @@ class MessageDecoder:
             return self._dec.decode(header)
         except UndeclaredTypeError as exc:
             exc.outline = _outline(header)
+            exc.taken = True
             raise  # names the class and the fix
         except _MALFORMED as exc:
             error = ProtocolError(f"cannot decode message: {type(exc).__name__}: {exc}")
             error.outline = _outline(header)
+            error.taken = True
             raise error from exc
+        except GroupcoordError as exc:  # a value in it refused (a frame, a dtype)
+            exc.taken = True
+            raise
 
     def _frame(self, idx: Any) -> memoryview:
         if type(idx) is not int or not 0 <= idx < len(self._in_frames):

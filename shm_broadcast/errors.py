@@ -15,6 +15,11 @@ from typing import Any
 class GroupcoordError(Exception):
     """Base of every exception groupcoord raises on purpose."""
 
+    # A receive's: raised after it took its message (from a ring, a channel or the
+    # wire): a message that did not decode, or a ``DesyncError`` refusing what came.
+    # A group counts the message as received (``GroupMessaging._counted``).
+    taken: bool = False
+
 
 class GroupcoordTimeoutError(GroupcoordError, TimeoutError):
     """A bounded wait passed its deadline.

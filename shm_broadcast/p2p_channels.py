@@ -503,6 +503,7 @@ class P2PChannels:
                 "are out of step"
             )
             error.received = got
+            error.taken = True
             raise error
         # A reshape costs 2 us even when it changes nothing: only when it must.
         return got if got.shape == shape else got.reshape(shape)

@@ -512,6 +512,71 @@ def test_a_queue_broadcast_met_by_another_call_closes_the_group_on_every_rank(
         assert any(dropped in s for s in seen) == (rank in unread), (rank, seen)
 
 
+def _one_way_met_by_a_collective(rank: int, world: int, call: str, gloo_debug: bool) -> list:
+    """Rank 0 makes one-way ``call`` (to rank 1, or a queue broadcast) where the
+    others reduce; then every rank reduces twice more, a value per step. Returns
+    what each call returned (its first element) or raised."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import GroupcoordError
+
+    if gloo_debug:
+        set_config(disable_shm_all_reduce=True, disable_shm_p2p=True, debug_desync=True)
+    set_config(timeout_s=10.0)
+    init_gloo(rank, world)
+    group = GroupCoordinator(
+        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
+        group_name="oneway",
+    )  # fmt: skip
+    x = torch.ones(64)
+    one_way = {
+        "send": lambda: group.send(x, dst=1),
+        "send_object": lambda: group.send_object({"x": 1}, dst=1),
+        "send_tensor_dict": lambda: group.send_tensor_dict({"x": x}, dst=1),
+        "broadcast_object": lambda: group.broadcast_object({"x": 1}, src=0),
+        "broadcast_tensor_dict": lambda: group.broadcast_tensor_dict({"x": x}, src=0),
+    }[call]
+    seen = []
+    for step in (1, 2, 3):
+        try:
+            if step == 1 and rank == 0:
+                one_way()
+                seen.append("one-way")
+            else:
+                seen.append(group.all_reduce(torch.full((64,), float(step)))[0].item())
+        except GroupcoordError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    group.destroy()
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("call", "world", "gloo_debug"),
+    [("send", 2, False), ("send_object", 2, False), ("send_tensor_dict", 2, False),
+     ("broadcast_object", 2, False), ("broadcast_object", 3, False),
+     ("broadcast_tensor_dict", 2, False), ("broadcast_object", 2, True),
+     ("broadcast_tensor_dict", 3, True)],
+)  # fmt: skip
+def test_a_one_way_call_met_by_a_same_shaped_collective_closes_the_group(call, world, gloo_debug):
+    """A send through a shared-memory channel, or a queue broadcast, returns on its
+    own: where the others reduced instead, rank 0's next all_reduce met their
+    first, and both returned 3.0 where 1.0 and 2.0 were due (world 2), with no
+    error (docs/RELIABILITY.md row 85). No stamp field differed: only the message
+    sent and not received tells it. Now that call raises DesyncError on every rank
+    saying so, the group closes, and every later call raises ClosedError: no rank
+    gets a wrong value. (A send over Gloo waits for its receiver: not one-way.)"""
+    results = run_ranks(_one_way_met_by_a_collective, world, call, gloo_debug, timeout=60)
+    why = "more broadcast(s)" if call.startswith("broadcast") else "had not been received"
+    for rank, seen in enumerate(results):
+        sums = [v for v in seen if isinstance(v, float)]
+        assert not sums, (rank, seen)  # the only right sum (step 1's) is the one-way one's
+        raised = [v for v in seen if isinstance(v, str) and v.startswith("DesyncError")]
+        assert len(raised) == 1 and why in raised[0], (rank, seen)
+        assert "closed on every rank" in raised[0], (rank, seen)
+        after = seen[seen.index(raised[0]) + 1 :]
+        assert after and all(v.startswith("ClosedError") for v in after), (rank, seen)
+
+
 def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
     """Rank 0 makes a collective while rank 1 (and in "both read", rank 2) waits to
     read a queue broadcast from it; the other ranks make rank 0's collective."""
@@ -713,8 +778,9 @@ def test_a_receiver_waiting_on_a_sender_that_waits_for_it_in_a_collective_raises
 def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str, where: str) -> dict:
     """Rank 0 sends to rank 1 until the pair's channel is full, while rank 1 makes a
     barrier instead of receiving (of the same group, or of another: ``where``); then
-    rank 1 receives what was sent, and one more."""
-    from shm_broadcast.errors import DesyncError
+    rank 1 receives what was sent, and one more (``where`` another group: the
+    same group's barrier met sends not received, and closed it)."""
+    from shm_broadcast.errors import ClosedError, DesyncError
 
     group, other = _two_groups(rank, world, ("sstall", "sworld"), 30.0)
     barrier = group.barrier if where == "same group" else other.barrier
@@ -739,14 +805,24 @@ def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str, whe
     except DesyncError as exc:
         raised = str(exc)
     took = time.monotonic() - started
-    # In step: every message a send returned for arrives, in order, then the next.
-    n = int(group.all_reduce(torch.tensor([float(sent)])).item())
-    if rank == 0:
-        send(n)
-        got = list(range(n + 1))
+    # The count, agreed on the other group (where no message is on its way).
+    n = int(other.all_reduce(torch.tensor([float(sent)])).item())
+    got: list[int] = []
+    if where == "same group":
+        try:
+            group.all_reduce(torch.ones(2))
+            total = ["returned"]
+        except ClosedError as exc:
+            total = [str(exc)]
     else:
-        got = [receive() for _ in range(n + 1)]
-    total = group.all_reduce(torch.ones(2)).tolist() + other.all_reduce(torch.ones(1)).tolist()
+        # In step: every message a send returned for arrives, in order, then the next.
+        if rank == 0:
+            send(n)
+            got = list(range(n + 1))
+        else:
+            got = [receive() for _ in range(n + 1)]
+        total = group.all_reduce(torch.ones(2)).tolist()
+    total += other.all_reduce(torch.ones(1)).tolist()
     group.destroy()
     other.destroy()
     return {"raised": raised, "took": took, "sent": n, "in order": got == list(range(n + 1)),
@@ -760,8 +836,11 @@ def test_a_sender_waiting_for_room_on_a_receiver_in_a_collective_raises(call, wh
     in a barrier (of the group, or of another group of both ranks: a pipeline stage
     already at the world group's shut-down barrier): the next send waited for room
     until the timeout. Now, before any of that call is written, both raise
-    DesyncError naming both calls; the sends that returned are received after, in
-    order, and both groups reduce."""
+    DesyncError naming both calls. A barrier of another group: the sends that
+    returned are received after, in order, and both groups reduce. The same
+    group's barrier met sends not received, which its ranks cannot tell from sends
+    made instead of its calls (docs/RELIABILITY.md row 85): the group closes on both
+    ranks, saying why."""
     results = run_ranks(_sender_while_receiver_in_a_collective, 2, call, where, timeout=90)
     for rank, got in enumerate(results):
         assert f"{call}(dst=1) waiting for room in its shared-memory channel" in got["raised"], (
@@ -770,8 +849,13 @@ def test_a_sender_waiting_for_room_on_a_receiver_in_a_collective_raises(call, wh
         )
         assert "barrier()" in got["raised"], (rank, got)
         assert got["took"] < 10.0, (rank, got)
-        assert 0 < got["sent"] < 1000 and got["in order"], (rank, got)
-        assert got["sum"] == [2.0, 2.0, 2.0], (rank, got)
+        assert 0 < got["sent"] < 1000, (rank, got)
+        if where == "other group":
+            assert got["in order"] and got["sum"] == [2.0, 2.0, 2.0], (rank, got)
+            continue
+        closing = f"{got['sent']} point-to-point message(s) sent in the group had not been received"
+        assert closing in got["raised"] and "closed on every rank" in got["raised"], (rank, got)
+        assert "is unusable" in got["sum"][0] and got["sum"][1] == 2.0, (rank, got)
 
 
 def _two_groups(rank: int, world: int, names: tuple[str, str], timeout_s: float) -> tuple:
