@@ -29,6 +29,11 @@ def unregister_group(unique_name: str) -> None:
     _GROUPS.pop(unique_name, None)
 
 
+def live_groups() -> int:
+    """How many groups of this process are registered and alive."""
+    return sum(1 for ref in _GROUPS.values() if ref() is not None)
+
+
 def lookup_group(unique_name: str) -> Any:
     ref = _GROUPS.get(unique_name)
     group = ref() if ref is not None else None

@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 
 from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
-from device_communicators.shm_phases import QUEUE_CALLS
+from device_communicators.shm_phases import QUEUE_CALLS, groups_alive
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import (
@@ -256,6 +256,7 @@ class GroupBase:
             self.destroy()
             raise
         custom_ops.register_group(self.unique_name, self)
+        groups_alive(custom_ops.live_groups())  # (the stamps say so: see groups_alive)
         owned_here(self, f"group {self.unique_name}", _DESCRIPTIVE)
 
     def _meet(
@@ -462,6 +463,7 @@ class GroupBase:
             # rather than wait out its timeout to close what it uses.
             self.device_communicator.abandon("ended: the group was destroyed by another thread")
         custom_ops.unregister_group(self.unique_name)
+        groups_alive(custom_ops.live_groups())
         self._p2p_channels.close()
         if self.mq_broadcaster is not None:
             self.mq_broadcaster.shutdown()

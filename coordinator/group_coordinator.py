@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from device_communicators import checks
-from device_communicators.shm_phases import traffic_closing
+from device_communicators.shm_phases import closing_reason
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config
 from shm_broadcast.group_io import all_gather_bytes
 
-from . import tensor_dicts
+from . import custom_ops, tensor_dicts
 from .errors import DesyncError, GroupcoordTypeError, GroupcoordValueError, NotSupportedError
 from .group_base import building, desync_cleanup, get_device_communicator_cls
 from .group_messaging import COMPLETED, GroupMessaging, Handle
@@ -292,11 +292,12 @@ class GroupCoordinator(GroupMessaging):
         threaded = bool(self._queue_calls or self._messages) and (
             self._traffic_thread != threading.get_ident()
         )
+        several = custom_ops.live_groups() > 1  # (see shm_phases.groups_alive)
         stamp = torch.tensor(
-            [zlib.crc32(mine.encode()), self._queue_calls, self._messages, threaded],
+            [zlib.crc32(mine.encode()), self._queue_calls, self._messages, threaded, several],
             dtype=torch.int64,
         )
-        stamps = torch.empty((self.world_size, 4), dtype=torch.int64)
+        stamps = torch.empty((self.world_size, 5), dtype=torch.int64)
         parts = list(stamps.unbind(0))
         self._collective(operation, dist.all_gather, parts, stamp, self.cpu_group)
         same_call = bool((stamps[:, 0] == stamp[0]).all())
@@ -321,7 +322,10 @@ class GroupCoordinator(GroupMessaging):
         most, fewest = counts.index(max(counts)), counts.index(min(counts))
         queue = (most, fewest, counts[most] - counts[fewest]) if most != fewest else None
         sent = dict(enumerate(stamps[:, 2].tolist())) if in_flight else None
-        closing = traffic_closing(self.unique_name, queue, sent)
+        elsewhere = None
+        if other is not None:
+            elsewhere = [r for r, flag in enumerate(stamps[:, 4].tolist()) if flag]
+        closing = closing_reason(self.unique_name, queue, sent, elsewhere)
         if closing is not None:
             message = f"{message}; {closing}"
         note = ""

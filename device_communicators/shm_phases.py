@@ -58,24 +58,27 @@ _BELL = 5  # int32 index within a line (bytes 20..23)
 # used by call parity, since a peer can be at most one call ahead of a rank
 # that has not checked yet (it cannot pass the next call's first barrier).
 # Per slot: operation/dtype/reduce-op/root packed; call number << 53 | another
-# thread << 52 | messages << 43 | queue broadcasts << 35 | count: the call
-# number's low 10 bits only, so the word stays a positive int64 for ever (a field
-# reaching bit 63 overflowed it and every later call raised); whether this rank's
-# one-way calls of the group came from another thread than this call's; the low 9
-# bits of the point-to-point messages this rank sent less those it received in
-# the group (``PhaseLines.count_message``), the low 8 of the group's message-queue
-# broadcasts it made (``count_queue_call``): none of these three is part of the
-# call, see _check_agreement; the element count below 2**35.
+# thread << 52 | messages << 43 | queue broadcasts << 35 | other groups << 34 |
+# count: the call number's low 10 bits only, so the word stays a positive int64
+# for ever (a field reaching bit 63 overflowed it and every later call raised);
+# whether this rank's one-way calls of the group came from another thread than
+# this call's; the low 9 bits of the point-to-point messages this rank sent less
+# those it received in the group (``PhaseLines.count_message``), the low 8 of the
+# group's message-queue broadcasts it made (``count_queue_call``); whether this
+# rank's process has other groups (``groups_alive``): none of these is part of
+# the call, see _check_agreement; the element count below 2**34.
 _FP_SLOTS = (6, 4)  # by call parity: even calls, odd calls
-_COUNT_BITS = 35
+_COUNT_BITS = 34
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
+_OTHER_GROUPS = 1 << _COUNT_BITS
+_QUEUE_SHIFT = _COUNT_BITS + 1
 _QUEUE_MASK = 0xFF
 _MESSAGES_MASK = 0x1FF
-_MESSAGES_SHIFT = _COUNT_BITS + 8
-_QUEUE_FIELD = _QUEUE_MASK << _COUNT_BITS
+_MESSAGES_SHIFT = _QUEUE_SHIFT + 8
+_QUEUE_FIELD = _QUEUE_MASK << _QUEUE_SHIFT
 _MESSAGES_FIELD = _MESSAGES_MASK << _MESSAGES_SHIFT
 _OTHER_THREAD = 1 << (_MESSAGES_SHIFT + 9)
-_TRAFFIC_FIELDS = _QUEUE_FIELD | _MESSAGES_FIELD | _OTHER_THREAD
+_TRAFFIC_FIELDS = _QUEUE_FIELD | _MESSAGES_FIELD | _OTHER_THREAD | _OTHER_GROUPS
 _CALL_SHIFT = _MESSAGES_SHIFT + 10
 _CALL_MASK = (1 << (63 - _CALL_SHIFT)) - 1
 # A code with this bit is a call whose ranks may bring different element counts
@@ -227,33 +230,60 @@ def check_all_to_all_counts(what: str, table: list[list[int]]) -> None:
                 )
 
 
-def traffic_closing(
-    what: str, queue: tuple[int, int, int] | None, sent: dict[int, int] | None
+# _OTHER_GROUPS while this process has more than one group (``groups_alive``).
+_other_groups = 0
+
+
+def groups_alive(count: int) -> None:
+    """This process now has ``count`` groups (``GroupCoordinator``): with more than
+    one, a rank may call another group's collective where its peers call one of
+    this group's, which leaves this group's calls a whole call apart, so the
+    stamps say so and a mismatch closes the group (``PhaseLines._check_agreement``)."""
+    global _other_groups
+    _other_groups = _OTHER_GROUPS if count > 1 else 0
+
+
+def closing_reason(
+    what: str,
+    queue: tuple[int, int, int] | None,
+    sent: dict[int, int] | None,
+    elsewhere: list[int] | None = None,
 ) -> str | None:
-    """Why group ``what`` closes on every rank when its traffic before a call is out
-    of balance (``PhaseLines._check_agreement``, and Gloo's ``debug_desync`` check),
-    or None: ``queue``, (a rank, another, how many more broadcasts the first made
-    through the group's message queue); ``sent``, each rank's point-to-point
-    messages sent in the group less those it took, when they do not add up to 0."""
+    """Why group ``what`` closes on every rank after a call's stamps (``PhaseLines.
+    _check_agreement``, and Gloo's ``debug_desync`` check), or None: ``queue``, (a
+    rank, another, how many more broadcasts the first made through the group's
+    message queue); ``sent``, each rank's point-to-point messages sent in the group
+    less those it took, when they do not add up to 0; ``elsewhere``, where the
+    ranks' calls differ, the ranks whose processes have other groups."""
     reasons = []
     if queue is not None:
         more, fewer, ahead = queue
         reasons.append(
-            f"rank {more} had made {ahead} more broadcast(s) through the group's "
-            f"message queue than rank {fewer}"
+            f"before this call rank {more} had made {ahead} more broadcast(s) through "
+            f"the group's message queue than rank {fewer}"
         )
     if sent is not None:
         counts = ", ".join(f"rank {r} {n:+d}" for r, n in sent.items())
         reasons.append(
-            f"{sum(sent.values())} point-to-point message(s) sent in the group had not "
-            f"been received (sent less received: {counts})"
+            f"before this call {sum(sent.values())} point-to-point message(s) sent in "
+            f"the group had not been received (sent less received: {counts})"
+        )
+    if reasons:
+        reasons[-1] += (
+            ": a one-way call met another call on the other side, or is to be read "
+            "only after this call"
+        )
+    if elsewhere:
+        reasons.append(
+            f"rank(s) {elsewhere} have other groups, where one may have made a call in "
+            "place of one of this group's (or the other way round)"
         )
     if not reasons:
         return None
     return (
-        f"before this call {' and '.join(reasons)}: a one-way call met another call on "
-        "the other side, or is to be read only after this call, so the ranks' calls may "
-        f"be out of step by whole calls: {what} is closed on every rank (create it anew)"
+        f"{'; '.join(reasons)}; so the ranks' calls may be out of step by whole calls, "
+        f"which same-shaped calls would not show: {what} is closed on every rank "
+        "(create it anew)"
     )
 
 
@@ -459,7 +489,7 @@ class PhaseLines:
         self._set_traffic_bits()
 
     def _set_traffic_bits(self) -> None:
-        self._traffic_bits = ((self.queue_calls & _QUEUE_MASK) << _COUNT_BITS) | (
+        self._traffic_bits = ((self.queue_calls & _QUEUE_MASK) << _QUEUE_SHIFT) | (
             (self.messages & _MESSAGES_MASK) << _MESSAGES_SHIFT
         )
         self._traffic_thread = threading.get_ident()
@@ -473,7 +503,7 @@ class PhaseLines:
         traffic = self._traffic_bits
         if traffic and self._traffic_thread != threading.get_ident():
             traffic |= _OTHER_THREAD
-        counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | traffic | count
+        counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | traffic | _other_groups | count
         self._check_pending = True
 
     def _check_agreement(self, phase: int, code: int, word: int) -> None:
@@ -482,10 +512,14 @@ class PhaseLines:
         its counter). Every rank sees the same stamps, so every rank decides alike.
 
         The ranks' calls differ (the counts may, where the call lets them): the call
-        fails everywhere, and the group stays usable. With an ``on_desync`` hook
-        each rank runs it, then meets the others once more (``phase + 1``, which no
-        call of this generation reaches), so no rank goes on before every rank's
-        clean-up is done.
+        fails everywhere. With an ``on_desync`` hook each rank runs it, then meets
+        the others once more (``phase + 1``, which no call of this generation
+        reaches), so no rank goes on before every rank's clean-up is done. The
+        group stays usable, unless a rank's process has other groups
+        (``groups_alive``): a rank that called another group's collective in place
+        of this one's (or this one's in place of another's) left this group's calls
+        a whole call apart, same-shaped calls after it would pair one rank's call
+        with another's next one, and no rank can tell, so the group closes.
 
         The traffic before the call is out of balance, whatever the calls: a rank
         made more broadcasts through the group's message queue than another, or a
@@ -496,7 +530,9 @@ class PhaseLines:
         the others' previous ones (same-shaped calls would return each other's
         data), and no rank can tell the two apart, so the group closes on every
         rank (``on_close``), naming why: every message sent in a group is received,
-        every broadcast read, before the group's next collective."""
+        every broadcast read, before the group's next collective. Not while the
+        calls agree where a rank's last one-way call came from another thread than
+        this call's: that call may come before or after this one there."""
         counters = self._counters
         peers = self._peer_stamps[self.calls & 1]
         # The common difference first: the same call, message counts that differ
@@ -514,11 +550,14 @@ class PhaseLines:
         queue_split = -1  # the first peer whose queue broadcasts differ in number
         balances = {self.rank_in_group: (word >> _MESSAGES_SHIFT) & _MESSAGES_MASK}
         threads = word & _OTHER_THREAD
+        elsewhere = [self.rank_in_group] if word & _OTHER_GROUPS else []
         for at in peers:
             theirs, their_word = counters[at], counters[at + 1]
             apart = their_word ^ word
             balances[at // _QWORDS] = (their_word >> _MESSAGES_SHIFT) & _MESSAGES_MASK
             threads |= their_word & _OTHER_THREAD
+            if their_word & _OTHER_GROUPS:
+                elsewhere.append(at // _QWORDS)
             if apart & _QUEUE_FIELD and queue_split < 0:
                 queue_split = at
             if theirs == code and (
@@ -546,7 +585,7 @@ class PhaseLines:
         queue = None
         if queue_split >= 0:
             ahead = (
-                (counters[queue_split + 1] >> _COUNT_BITS) - (word >> _COUNT_BITS)
+                (counters[queue_split + 1] >> _QUEUE_SHIFT) - (word >> _QUEUE_SHIFT)
             ) & _QUEUE_MASK
             other = self.ranks[queue_split // _QWORDS]
             behind = _QUEUE_MASK + 1 - ahead
@@ -555,7 +594,8 @@ class PhaseLines:
             self.ranks[r]: b - (_MESSAGES_MASK + 1) if b > _MESSAGES_MASK // 2 else b
             for r, b in sorted(balances.items())
         }
-        closing = traffic_closing(self.what, queue, sent if in_flight else None)
+        others = [self.ranks[r] for r in sorted(elsewhere)] if differs >= 0 else None
+        closing = closing_reason(self.what, queue, sent if in_flight else None, others)
         if closing is not None:
             message = f"{message}; {closing}"
         note = ""

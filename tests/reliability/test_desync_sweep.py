@@ -3,7 +3,8 @@ from the others' (its size, dtype, operation or root): every call returns the ri
 value or raises, and the ranks end in step or with the group closed on every rank.
 No call returns a wrong value (docs/RELIABILITY.md rows 83 and 84: a queue broadcast
 or a tensor dict's trailing tensors left the ranks a call apart, and same-shaped
-calls then returned each other's data).
+calls then returned each other's data). The same over two groups of a world of
+four (TP 2 x PP 2), a changed call possibly on the other group (row 86).
 
 Fast mode runs fixed seeds; long mode (``--long``) random ones on shared memory."""
 
@@ -265,3 +266,97 @@ def test_mismatched_point_to_point_calls_never_return_a_wrong_value(seed, shm) -
     for rank, r in enumerate(results):
         assert not r["wrong"], (seed, rank, r["wrong"])
     assert sum(r["raised"] for r in results) > 0, (seed, results)
+
+
+GROUPS = ("tp", "pp")
+
+
+def _groups_plan(seed: int, world: int) -> list[dict[str, Any]]:
+    """As :func:`_plan`, each call on the TP or the PP group (world 4: TP 2 x PP 2),
+    and a changed call may be on the other group."""
+    rng = random.Random(seed)
+    plan = []
+    for _ in range(STEPS):
+        call = {
+            "group": rng.choice(GROUPS),
+            "op": rng.choice(OPS),
+            "n": rng.choice(SIZES),
+            "dtype": rng.choice(DTYPES),
+            "root": rng.randrange(2),
+        }
+        changed = dict(call)
+        if rng.random() < 0.3:
+            what = rng.choice(("n", "dtype", "op", "root", "group"))
+            pool = {"n": SIZES, "dtype": DTYPES, "op": OPS, "root": range(2), "group": GROUPS}
+            changed[what] = rng.choice([v for v in pool[what] if v != call[what]])
+        plan.append({"call": call, "who": rng.randrange(world), "changed": changed})
+    return plan
+
+
+def _groups_sweep(rank: int, world: int, seed: int) -> dict[str, Any]:
+    from coordinator import parallel_state as ps
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import ClosedError, GroupcoordError
+
+    set_config(timeout_s=20.0)
+    init_gloo(rank, world)
+    ps.init_distributed_environment(world, rank, backend="gloo")
+    ps.initialize_model_parallel(2, 2)
+    groups = {"tp": ps.get_tp_group(), "pp": ps.get_pp_group()}
+    counts: dict[str, Any] = {"right": 0, "raised": 0, "wrong": []}
+    for step, entry in enumerate(_groups_plan(seed, world)):
+        call = entry["changed"] if rank == entry["who"] else entry["call"]
+        group = groups[call["group"]]
+        me, size = group.rank_in_group, group.world_size
+        try:
+            got = _make(group, me, step, call)
+        except GroupcoordError:
+            counts["raised"] += 1
+            continue
+        if entry["changed"] != entry["call"]:
+            continue
+        if _right(got, me, size, step, call):
+            counts["right"] += 1
+        else:
+            counts["wrong"].append(f"step {step}: {call}")
+    ends = {}
+    for name, group in groups.items():
+        try:
+            group.barrier()
+            ends[name] = "in step"
+        except ClosedError:
+            ends[name] = "closed"
+    counts["end"] = ends
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+    return counts
+
+
+@pytest.mark.timeout(600 if LONG else 120)
+@pytest.mark.parametrize("seed", [2, 3])
+def test_calls_moved_to_another_group_never_return_a_wrong_value(seed) -> None:
+    """World 4 as TP 2 x PP 2, each call on the TP or the PP group, and now and then
+    one rank's call changed, its group too. A rank that calls the other group's
+    collective leaves both groups' calls a whole call apart, which no stamp shows
+    when the calls after it agree: seeds 2 and 3 returned wrong values (a TP
+    ``broadcast_object``, a PP ``gather``) before a mismatch closed the group where
+    any rank has other groups (docs/RELIABILITY.md row 86). Every group ends
+    closed on all its ranks or in step."""
+    if LONG:
+        seed = random.randrange(2**31)
+    results = run_ranks(_groups_sweep, 4, seed, timeout=100)
+    report(
+        "desync sweep, TP 2 x PP 2",
+        seed=seed,
+        right=[r["right"] for r in results],
+        raised=[r["raised"] for r in results],
+        end=[r["end"] for r in results],
+    )
+    for rank, r in enumerate(results):
+        assert not r["wrong"], (seed, rank, r["wrong"])
+        assert r["raised"] > 0, (seed, rank, r)
+    # A group's ranks end alike: TP groups {0, 1} and {2, 3}, PP groups {0, 2}, {1, 3}.
+    for name, members in (("tp", ((0, 1), (2, 3))), ("pp", ((0, 2), (1, 3)))):
+        for ranks in members:
+            ends = {results[r]["end"][name] for r in ranks}
+            assert len(ends) == 1, (seed, name, ranks, [results[r]["end"] for r in ranks])
