@@ -43,8 +43,8 @@ def _per_call_ns(world: int, calls: int, messages: bool = False) -> float:
     code = call_code("all_reduce", torch.float32, torch.distributed.ReduceOp.SUM, 0)
     me = views[0]
     if messages:
-        me.count_message(sent=True)
-        views[1].count_message(sent=False)
+        me.traffic.count_message(sent=True)
+        views[1].traffic.count_message(sent=False)
     # A call's first barrier with its stamp (the peers' agreeing), then the same
     # barrier unstamped, in turns: the difference of the best of each is what the
     # detection adds (the machine's noise only ever adds).

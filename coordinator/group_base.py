@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 
 from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
-from device_communicators.shm_phases import QUEUE_CALLS, groups_alive
+from device_communicators.shm_phases import QUEUE_CALLS, Traffic, groups_alive
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import (
@@ -230,16 +230,10 @@ class GroupBase:
         # The device communicator's lean path for small calls (shm_small.SmallCalls).
         self._small: SmallCalls | None = None
         self.mq_broadcaster: Any = None
-        # Broadcasts through mq_broadcaster this rank wrote or read (compared when
-        # the ranks' calls are found out of step: see _mq_broadcast), and the shared-
-        # memory path's count of them, which its call stamps carry.
-        self._queue_calls = 0
-        self._count_queue_call: Callable[[], None] | None = None
-        # Point-to-point messages this rank sent in the group less those it took
-        # (see GroupMessaging._counted), and the shared-memory path's count.
-        self._messages = 0
-        self._count_message: Callable[[bool], None] | None = None
-        self._traffic_thread = 0  # the thread of the last queue broadcast or message
+        # Queue broadcasts and point-to-point messages of this rank, which the
+        # collectives check (shm_phases.Traffic; the shared-memory path's stamps
+        # carry it, and so does the Gloo path's debug_desync check).
+        self._traffic = Traffic()
         # The queue calls' stall checks (ShmBase.check_queue_wait), by operation.
         self._queue_checks: dict[str, Callable[[list[int]], None]] = {}
         # Peers on this host, rank -> pid: a failed call names a dead one at once.
@@ -370,9 +364,8 @@ class GroupBase:
         # The shared-memory path's stamps carry the group's one-way traffic, and a
         # mismatch it finds cleans up the group on every rank (desync_cleanup).
         shm.set_desync_hook(desync_cleanup(self.mq_broadcaster, self))
-        self._count_message = shm.count_message
+        shm.set_traffic(self._traffic)
         if self.mq_broadcaster is not None:
-            self._count_queue_call = shm.count_queue_call
             writing = self.rank_in_group == 0
             self._queue_checks = {
                 op: functools.partial(shm.check_queue_wait, op, writing)

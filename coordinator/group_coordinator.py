@@ -289,12 +289,11 @@ class GroupCoordinator(GroupMessaging):
         seq = self._desync_seq
         self._desync_seq += 1
         mine = f"{operation}({call()})"
-        threaded = bool(self._queue_calls or self._messages) and (
-            self._traffic_thread != threading.get_ident()
-        )
+        traffic = self._traffic
+        threaded = bool(traffic.bits) and traffic.thread != threading.get_ident()
         several = custom_ops.live_groups() > 1  # (see shm_phases.groups_alive)
         stamp = torch.tensor(
-            [zlib.crc32(mine.encode()), self._queue_calls, self._messages, threaded, several],
+            [zlib.crc32(mine.encode()), traffic.queue_calls, traffic.messages, threaded, several],
             dtype=torch.int64,
         )
         stamps = torch.empty((self.world_size, 5), dtype=torch.int64)

@@ -5,7 +5,6 @@ vLLM's asynchronous sends return (ours complete before they return)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -129,20 +128,12 @@ class GroupMessaging(GroupBase):
                 obj = self.mq_broadcaster.dequeue(stall_check=check)
             except GroupcoordError as exc:
                 if exc.taken:  # read, and it did not decode here
-                    self._queue_counted()
+                    self._traffic.count_queue_call()
                 raise
-        self._queue_counted()
+        # Counted on every rank: ranks whose counts differ at a collective had a
+        # broadcast met by another call, and the group closes (shm_phases.Traffic).
+        self._traffic.count_queue_call()
         return obj
-
-    def _queue_counted(self) -> None:
-        """A broadcast through the group's queue, written or read here. Counted on
-        every rank: ranks whose counts differ at a collective had a broadcast met by
-        another call (or read after the collective), and the group closes
-        (``PhaseLines._check_agreement``; Gloo's ``debug_desync`` check)."""
-        self._queue_calls += 1
-        self._traffic_thread = threading.get_ident()
-        if self._count_queue_call is not None:
-            self._count_queue_call()
 
     def broadcast_object_list(
         self, obj_list: list[Any], src: int = 0, group: ProcessGroup | None = None
@@ -179,7 +170,7 @@ class GroupMessaging(GroupBase):
                 self._p2p_channels.send_message(peer, msg, "send_object")
             else:
                 self._send_bytes(message_bytes(msg), dst, "send_object")
-            self._counted(sent=True)
+            self._traffic.count_message(sent=True)
 
     def recv_object(self, src: int) -> Any:
         """The next object that in-group rank ``src`` sent with ``send_object``."""
@@ -198,29 +189,18 @@ class GroupMessaging(GroupBase):
 
     def _taking(self, receive: Callable[..., T], *args: Any) -> T:
         """``receive(*args)``, which takes one message from a peer of the group:
-        counted (:meth:`_counted`) once it returned, or raised having taken the
-        message (``GroupcoordError.taken``: it did not decode, or was refused)."""
+        counted (``shm_phases.Traffic``: the group's collectives check that every
+        message sent was taken before them) once it returned, or raised having
+        taken the message (``GroupcoordError.taken``: it did not decode, or was
+        refused)."""
         try:
             got = receive(*args)
         except GroupcoordError as exc:
             if exc.taken:
-                self._counted(sent=False)
+                self._traffic.count_message(sent=False)
             raise
-        self._counted(sent=False)
+        self._traffic.count_message(sent=False)
         return got
-
-    def _counted(self, sent: bool) -> None:
-        """A point-to-point call of the group sent its message to a peer (``sent``),
-        or took one from a peer (a receive that then refuses it has taken it too).
-        The group's collectives check that every message sent was taken before
-        them, and close the group on every rank when not
-        (``PhaseLines._check_agreement``; Gloo's ``debug_desync`` check): a send met
-        by another call on its receiver would otherwise let the sender's next calls
-        pair with the receiver's previous ones."""
-        self._messages += 1 if sent else -1
-        self._traffic_thread = threading.get_ident()
-        if self._count_message is not None:
-            self._count_message(sent)
 
     def _finish_refused(self, message: Any, src: int) -> None:
         """A receive from in-group rank ``src`` refused ``message`` (a ``DesyncError``;
@@ -266,7 +246,7 @@ class GroupMessaging(GroupBase):
         peer = (self.rank_in_group + 1) % self.world_size if dst is None else dst
         with self._p2p_channels.turn(self.ranks[peer], True):  # (over Gloo: header, data)
             self._p2p("send", peer, self._tensor_comm().send, tensor, dst)
-            self._counted(sent=True)
+            self._traffic.count_message(sent=True)
 
     def recv(
         self,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from device_communicators import c10d_calls
+from device_communicators.shm_phases import Traffic
 from shm_broadcast.codec import EncodedMessage, message_bytes
 from shm_broadcast.p2p_channels import P2PChannels
 
@@ -53,6 +54,7 @@ class Group(Protocol):
     device_group: ProcessGroup
     mq_broadcaster: Any
     _p2p_channels: P2PChannels
+    _traffic: Traffic
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor: ...
@@ -63,7 +65,6 @@ class Group(Protocol):
     def _send_bytes(self, payload: bytes, dst: int, operation: str) -> None: ...
     def _recv_bytes(self, src: int, operation: str) -> bytes: ...
     def _taking(self, receive: Callable[..., Any], *args: Any) -> Any: ...
-    def _counted(self, sent: bool) -> None: ...
     def _called(self, operation: str, src: int) -> str: ...
     def _broadcast_bytes(
         self, operation: str, msg: EncodedMessage | None, src: int, pg: ProcessGroup | None = None
@@ -186,7 +187,7 @@ def send(
     # The dict and its tensors as one unit: another thread's sends to this peer wait.
     with group._p2p_channels.turn(peer, True):
         _send_parts(group, peer, dst, msg, described, tensors, all_gather_group, slices)
-        group._counted(sent=True)
+        group._traffic.count_message(sent=True)
 
 
 def _send_parts(

@@ -63,8 +63,8 @@ _BELL = 5  # int32 index within a line (bytes 20..23)
 # for ever (a field reaching bit 63 overflowed it and every later call raised);
 # whether this rank's one-way calls of the group came from another thread than
 # this call's; the low 9 bits of the point-to-point messages this rank sent less
-# those it received in the group (``PhaseLines.count_message``), the low 8 of the
-# group's message-queue broadcasts it made (``count_queue_call``); whether this
+# those it received in the group, the low 8 of the group's message-queue
+# broadcasts it made (both ``Traffic``); whether this
 # rank's process has other groups (``groups_alive``): none of these is part of
 # the call, see _check_agreement; the element count below 2**34.
 _FP_SLOTS = (6, 4)  # by call parity: even calls, odd calls
@@ -230,6 +230,42 @@ def check_all_to_all_counts(what: str, table: list[list[int]]) -> None:
                 )
 
 
+class Traffic:
+    """A group's one-way calls on this rank, which its call stamps carry: the
+    broadcasts through its message queue this rank wrote or read, and the
+    point-to-point messages it sent in the group less those it took. Neither waits
+    for the other side, so a rank whose broadcast or send met another call there
+    would make the group's next calls pair one rank's call with another's next one:
+    at every collective the ranks' counts must show every broadcast read and every
+    message taken (``PhaseLines._check_agreement``; Gloo's ``debug_desync`` check
+    reads the counts here too)."""
+
+    __slots__ = ("queue_calls", "messages", "thread", "bits")
+
+    def __init__(self) -> None:
+        self.queue_calls = 0
+        self.messages = 0
+        self.thread = 0  # the thread of the last of them
+        self.bits = 0  # their low bits, as the stamps carry them
+
+    def count_queue_call(self) -> None:
+        """A broadcast through the group's message queue, written or read here."""
+        self.queue_calls += 1
+        self._update()
+
+    def count_message(self, sent: bool) -> None:
+        """A point-to-point call sent a message to a peer of the group (``sent``), or
+        took one from a peer (a receive that refuses what came has taken it)."""
+        self.messages += 1 if sent else -1
+        self._update()
+
+    def _update(self) -> None:
+        self.thread = threading.get_ident()
+        self.bits = ((self.queue_calls & _QUEUE_MASK) << _QUEUE_SHIFT) | (
+            (self.messages & _MESSAGES_MASK) << _MESSAGES_SHIFT
+        )
+
+
 # _OTHER_GROUPS while this process has more than one group (``groups_alive``).
 _other_groups = 0
 
@@ -391,13 +427,9 @@ class PhaseLines:
         self.operation = ""
         self.generation = 0
         self.calls = 0  # calls stamped so far (the same on every rank while in step)
-        # The group's message-queue broadcasts this rank wrote or read so far, and
-        # the point-to-point messages it sent in the group less those it received
-        # (their low bits in every stamp): see count_queue_call, count_message.
-        self.queue_calls = 0
-        self.messages = 0
-        self._traffic_bits = 0
-        self._traffic_thread = 0  # the thread of the last of them
+        # The group's one-way traffic on this rank, which every stamp carries (the
+        # owner group's own, once it hands it over: ShmBase.set_traffic).
+        self.traffic = Traffic()
         # Called when the ranks' calls are found out of step, before the DesyncError
         # (every rank raises it), with why the group closes (None: it stays usable):
         # the group's clean-up, returning a note for the message (``GroupCoordinator``
@@ -469,41 +501,17 @@ class PhaseLines:
 
     # ---- the call's fingerprint -------------------------------------------------------
 
-    def count_queue_call(self) -> None:
-        """A broadcast through the group's message queue, written (in-group rank 0)
-        or read, took place on this rank. Such a broadcast is no call of these lines
-        (the writer waits for no reader), so a rank whose broadcast had no reader
-        (the readers called something else) would make the group's next calls pair
-        one rank's call with another's next one, each found out of step only when
-        they differ: the count in the stamps lets the first mismatch tell it."""
-        self.queue_calls += 1
-        self._set_traffic_bits()
-
-    def count_message(self, sent: bool) -> None:
-        """A point-to-point call of the group sent a message to a peer (``sent``) or
-        took one from a peer. At the group's next call the ranks' counts must show
-        every message sent received, or a rank's send met another call on its
-        receiver (or the other way round), and same-shaped calls after it would pair
-        one rank's call with another's next one (see _check_agreement)."""
-        self.messages += 1 if sent else -1
-        self._set_traffic_bits()
-
-    def _set_traffic_bits(self) -> None:
-        self._traffic_bits = ((self.queue_calls & _QUEUE_MASK) << _QUEUE_SHIFT) | (
-            (self.messages & _MESSAGES_MASK) << _MESSAGES_SHIFT
-        )
-        self._traffic_thread = threading.get_ident()
-
     def stamp(self, code: int, count: int) -> None:
         """Record this rank's call before its first publish; checked after the first wait."""
         self.calls = calls = self.calls + 1
         at = self._my_stamp[calls & 1]
         counters = self._counters
         counters[at] = code
-        traffic = self._traffic_bits
-        if traffic and self._traffic_thread != threading.get_ident():
-            traffic |= _OTHER_THREAD
-        counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | traffic | _other_groups | count
+        traffic = self.traffic
+        bits = traffic.bits
+        if bits and traffic.thread != threading.get_ident():
+            bits |= _OTHER_THREAD
+        counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | bits | _other_groups | count
         self._check_pending = True
 
     def _check_agreement(self, phase: int, code: int, word: int) -> None:

@@ -43,6 +43,7 @@ from .shm_phases import (
     READ_DIRECTLY,
     VARYING_COUNTS,
     PhaseLines,
+    Traffic,
     call_code,
     describe_call,
     elsewhere_code,
@@ -263,6 +264,7 @@ class ShmBase(AllReduceBackend):
         self._slots: SlotSegment | None = None
         self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
         self._desync_hook: Callable[[str | None], str] | None = None  # PhaseLines.on_desync
+        self._traffic: Traffic | None = None  # set_traffic
         # Direct reads of the peers' memory (large calls, ``peer_reads``), where allowed.
         self.peer_reads: PeerReads | None = None
         self.peer_reads_reason: str | None = "not set up"
@@ -305,6 +307,8 @@ class ShmBase(AllReduceBackend):
         self._lines = None if self._slots is None else self._slots.lines
         if self._lines is not None:
             self._lines.on_desync = self._desync_hook
+            if self._traffic is not None:
+                self._lines.traffic = self._traffic
             self._lines.on_close = self._close_in_step
             self._lines.crossed_check = _check_crossed
             self._lines.locate_peers = _locate_peers
@@ -348,17 +352,13 @@ class ShmBase(AllReduceBackend):
         if self._lines is not None:
             self._lines.on_desync = hook
 
-    def count_queue_call(self) -> None:
-        """A broadcast through the owner group's message queue took place on this rank
-        (``PhaseLines.count_queue_call``: the next call's stamp carries the count)."""
+    def set_traffic(self, traffic: Traffic) -> None:
+        """The owner group's one-way traffic (``shm_phases.Traffic``), which this
+        path's call stamps carry: the group counts its queue broadcasts and
+        point-to-point messages there."""
+        self._traffic = traffic
         if self._lines is not None:
-            self._lines.count_queue_call()
-
-    def count_message(self, sent: bool) -> None:
-        """A point-to-point call of the owner group sent a message (``sent``) or took
-        one (``PhaseLines.count_message``: the next call's stamp carries the count)."""
-        if self._lines is not None:
-            self._lines.count_message(sent)
+            self._lines.traffic = traffic
 
     def set_timeout(self, timeout_s: float, deadline: float | None = None) -> None:
         """The timeout of the calls that follow (a caller with a per-call timeout), or

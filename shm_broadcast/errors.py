@@ -17,7 +17,7 @@ class GroupcoordError(Exception):
 
     # A receive's: raised after it took its message (from a ring, a channel or the
     # wire): a message that did not decode, or a ``DesyncError`` refusing what came.
-    # A group counts the message as received (``GroupMessaging._counted``).
+    # A group counts the message as received (``shm_phases.Traffic``).
     taken: bool = False
 
 

@@ -265,7 +265,7 @@ def pickle_through_groups(rank: int, world: int, path: str, port: int) -> Any:
             channel = g._p2p_channels._writers[1]
             channel._codec = Codec(allow_pickle=True)  # bypass the sender's own refusal
             channel.enqueue(CreatesFile(path))
-            g._counted(sent=True)  # as send_object counts it (recv_object takes it)
+            g._traffic.count_message(sent=True)  # as send_object counts it
             g._send_bytes(bomb, 1, "send_object")  # ... and over Gloo to one elsewhere
             s.store.set("p2p/0/1/0", bomb)  # as send_obj does
             s.store.set("bcast/0/0", bomb)  # as broadcast_obj does
