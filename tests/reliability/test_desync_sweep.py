@@ -151,6 +151,21 @@ def _sweep(rank: int, world: int, seed: int, gloo_debug: bool) -> dict[str, Any]
     return counts
 
 
+def _no_wrong_value(case: str, seed: int, results: list[dict[str, Any]]) -> None:
+    """Report a sweep's figures, and check that no rank got a wrong value and that
+    every rank raised at least once (the sweep made the ranks disagree)."""
+    report(
+        f"desync sweep, {case}",
+        seed=seed,
+        right=[r["right"] for r in results],
+        raised=[r["raised"] for r in results],
+        end=[r["end"] for r in results],
+    )
+    for rank, r in enumerate(results):
+        assert not r["wrong"], (seed, rank, r["wrong"])
+        assert r["raised"] > 0, (seed, rank, r)
+
+
 CASES = [(4, 1, False), (4, 6, False), (4, 7, False), (3, 2, False), (3, 0, True), (3, 5, True)]
 
 
@@ -164,16 +179,7 @@ def test_mismatched_calls_never_return_a_wrong_value(world, seed, gloo_debug) ->
     if LONG and not gloo_debug:
         seed = random.randrange(2**31)
     results = run_ranks(_sweep, world, seed, gloo_debug, timeout=100)
-    report(
-        f"desync sweep, world {world}{', Gloo debug' if gloo_debug else ''}",
-        seed=seed,
-        right=[r["right"] for r in results],
-        raised=[r["raised"] for r in results],
-        end=[r["end"] for r in results],
-    )
-    for rank, r in enumerate(results):
-        assert not r["wrong"], (seed, rank, r["wrong"])
-        assert r["raised"] > 0, (seed, rank, r)  # the sweep made the ranks disagree
+    _no_wrong_value(f"world {world}{', Gloo debug' if gloo_debug else ''}", seed, results)
     ends = {r["end"] for r in results}
     assert ends in ({"in step"}, {"closed"}), (seed, results)
 
@@ -329,16 +335,7 @@ def test_calls_moved_to_another_group_never_return_a_wrong_value(seed) -> None:
     after a moved call is still not caught when it is same-shaped (seeds 1 and 17
     return such a value: row 86's "left")."""
     results = run_ranks(_groups_sweep, 4, seed, timeout=100)
-    report(
-        "desync sweep, TP 2 x PP 2",
-        seed=seed,
-        right=[r["right"] for r in results],
-        raised=[r["raised"] for r in results],
-        end=[r["end"] for r in results],
-    )
-    for rank, r in enumerate(results):
-        assert not r["wrong"], (seed, rank, r["wrong"])
-        assert r["raised"] > 0, (seed, rank, r)
+    _no_wrong_value("TP 2 x PP 2", seed, results)
     # A group's ranks end alike: TP groups {0, 1} and {2, 3}, PP groups {0, 2}, {1, 3}.
     for name, members in (("tp", ((0, 1), (2, 3))), ("pp", ((0, 2), (1, 3)))):
         for ranks in members:
