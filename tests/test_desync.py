@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -418,25 +419,31 @@ def test_debug_desync_checks_a_comm_over_gloo(case, world):
         assert got["after"] == [float(sum(range(world)))] * 100
 
 
+def _queue_group(rank: int, world: int, name: str, gloo_debug: bool) -> Any:
+    """A group of every rank with a message queue, calls timing out after 10 s;
+    ``gloo_debug``: its collectives and sends over Gloo, with ``debug_desync``."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+
+    if gloo_debug:
+        set_config(disable_shm_all_reduce=True, disable_shm_p2p=True, debug_desync=True)
+    set_config(timeout_s=10.0)
+    init_gloo(rank, world)
+    return GroupCoordinator(
+        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
+        group_name=name,
+    )  # fmt: skip
+
+
 def _queue_broadcast_met_by_another_call(
     rank: int, world: int, case: str, gloo_debug: bool
 ) -> list[str]:
     """Rank 0 broadcasts through the group's queue where (some of) the others make
     another call; then every rank reduces a value that changes each call, twice,
     and broadcasts once more. Returns what each call returned or raised."""
-    from coordinator.group_coordinator import GroupCoordinator
-    from shm_broadcast.config import set_config
     from shm_broadcast.errors import GroupcoordError
 
-    if gloo_debug:
-        set_config(disable_shm_all_reduce=True, debug_desync=True, timeout_s=10.0)
-    else:
-        set_config(timeout_s=10.0)
-    init_gloo(rank, world)
-    group = GroupCoordinator(
-        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
-        group_name="stale",
-    )  # fmt: skip
+    group = _queue_group(rank, world, "stale", gloo_debug)
     last = world - 1
     if case == "unread":
         # The last rank makes a plain broadcast instead of reading step 1; the
@@ -516,18 +523,9 @@ def _one_way_met_by_a_collective(rank: int, world: int, call: str, gloo_debug: b
     """Rank 0 makes one-way ``call`` (to rank 1, or a queue broadcast) where the
     others reduce; then every rank reduces twice more, a value per step. Returns
     what each call returned (its first element) or raised."""
-    from coordinator.group_coordinator import GroupCoordinator
-    from shm_broadcast.config import set_config
     from shm_broadcast.errors import GroupcoordError
 
-    if gloo_debug:
-        set_config(disable_shm_all_reduce=True, disable_shm_p2p=True, debug_desync=True)
-    set_config(timeout_s=10.0)
-    init_gloo(rank, world)
-    group = GroupCoordinator(
-        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
-        group_name="oneway",
-    )  # fmt: skip
+    group = _queue_group(rank, world, "oneway", gloo_debug)
     x = torch.ones(64)
     one_way = {
         "send": lambda: group.send(x, dst=1),
