@@ -39,6 +39,7 @@ from shm_broadcast.errors import ShmSpaceError
 from shm_broadcast.forked import owned_here
 from shm_broadcast.liveness import dead_peers, host_key
 from shm_broadcast.p2p_channels import P2PChannels
+from shm_broadcast.waiting import StallCheck
 
 from . import custom_ops
 from .errors import (
@@ -235,7 +236,7 @@ class GroupBase:
         # carry it, and so does the Gloo path's debug_desync check).
         self._traffic = Traffic()
         # The queue calls' stall checks (ShmBase.check_queue_wait), by operation.
-        self._queue_checks: dict[str, Callable[[list[int]], None]] = {}
+        self._queue_checks: dict[str, StallCheck] = {}
         # Peers on this host, rank -> pid: a failed call names a dead one at once.
         self._local_pids: dict[int, int] = {}
         self._p2p_channels = P2PChannels(self.unique_name, self.rank, {}, self.timeout_s)

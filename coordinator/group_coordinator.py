@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -290,10 +289,15 @@ class GroupCoordinator(GroupMessaging):
         self._desync_seq += 1
         mine = f"{operation}({call()})"
         traffic = self._traffic
-        threaded = bool(traffic.bits) and traffic.thread != threading.get_ident()
         several = custom_ops.live_groups() > 1  # (see shm_phases.groups_alive)
         stamp = torch.tensor(
-            [zlib.crc32(mine.encode()), traffic.queue_calls, traffic.messages, threaded, several],
+            [
+                zlib.crc32(mine.encode()),
+                traffic.queue_calls,
+                traffic.messages,
+                traffic.unordered(),
+                several,
+            ],
             dtype=torch.int64,
         )
         stamps = torch.empty((self.world_size, 5), dtype=torch.int64)

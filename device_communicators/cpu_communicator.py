@@ -78,8 +78,8 @@ class CpuCommunicator(DeviceCommunicatorBase):
             # A receive or send waiting on global ranks ``peers``: ShmBase.check_queue_wait.
             # It holds the back end and the ranks, not self (no cycle through the channels).
             shm, ranks = self.shm_all_reduce, self.ranks
-            self.p2p_channels.stall_check = lambda operation, peers, writing: shm.check_queue_wait(
-                operation, writing, [ranks.index(p) for p in peers]
+            self.p2p_channels.stall_check = lambda operation, peers, writing, ready: (
+                shm.check_queue_wait(operation, writing, [ranks.index(p) for p in peers], ready)
             )
 
     def _fast_all_reduce_backends(self) -> list[AllReduceBackend]:

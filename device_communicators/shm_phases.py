@@ -238,15 +238,20 @@ class Traffic:
     would make the group's next calls pair one rank's call with another's next one:
     at every collective the ranks' counts must show every broadcast read and every
     message taken (``PhaseLines._check_agreement``; Gloo's ``debug_desync`` check
-    reads the counts here too)."""
+    reads the counts here too). A ``Comm`` counts its sends and receives here too,
+    the asynchronous ones as posted (:meth:`count_posted`)."""
 
-    __slots__ = ("queue_calls", "messages", "thread", "bits")
+    __slots__ = ("queue_calls", "messages", "thread", "bits", "posted", "_in_flight", "_lock")
 
     def __init__(self) -> None:
         self.queue_calls = 0
         self.messages = 0
         self.thread = 0  # the thread of the last of them
         self.bits = 0  # their low bits, as the stamps carry them
+        # _OTHER_THREAD while asynchronous calls counted here have not finished.
+        self.posted = 0
+        self._in_flight = 0
+        self._lock = threading.Lock()  # _in_flight: finished on other threads
 
     def count_queue_call(self) -> None:
         """A broadcast through the group's message queue, written or read here."""
@@ -258,6 +263,37 @@ class Traffic:
         took one from a peer (a receive that refuses what came has taken it)."""
         self.messages += 1 if sent else -1
         self._update()
+
+    def count_posted(self, messages: int) -> Callable[[object], None]:
+        """Asynchronous point-to-point calls posted now, counted now (``messages``:
+        their sends less their receives). Until they finished (the callable returned,
+        which runs them down once, with anything as argument: a work's ``_then``)
+        they may come before or after this rank's next collectives, as another
+        thread's calls may, so the stamps do not compare the traffic while the calls
+        agree (a rank whose receive is in flight across a collective is no error)."""
+        with self._lock:
+            self._in_flight += 1
+            self.posted = _OTHER_THREAD
+        self.messages += messages
+        self._update()
+        done = False
+
+        def finished(_: object) -> None:
+            nonlocal done
+            with self._lock:
+                if not done:
+                    done = True
+                    self._in_flight -= 1
+                    if not self._in_flight:
+                        self.posted = 0
+
+        return finished
+
+    def unordered(self) -> bool:
+        """Whether this rank's traffic may fall on either side of a collective this
+        thread makes now: calls in flight, or the last one made on another thread
+        (the stamps' ``_OTHER_THREAD``)."""
+        return bool(self.posted) or (bool(self.bits) and self.thread != threading.get_ident())
 
     def _update(self) -> None:
         self.thread = threading.get_ident()
@@ -508,7 +544,7 @@ class PhaseLines:
         counters = self._counters
         counters[at] = code
         traffic = self.traffic
-        bits = traffic.bits
+        bits = traffic.bits | traffic.posted
         if bits and traffic.thread != threading.get_ident():
             bits |= _OTHER_THREAD
         counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | bits | _other_groups | count

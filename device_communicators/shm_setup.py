@@ -471,7 +471,9 @@ class ShmBase(AllReduceBackend):
             gen = self._next_generation()
             lines.arrive(2 * gen - 1)
 
-    def check_queue_wait(self, operation: str, writing: bool, peers: list[int]) -> None:
+    def check_queue_wait(
+        self, operation: str, writing: bool, peers: list[int], ready: Callable[[], bool]
+    ) -> None:
         """Run now and then while this rank waits in the group's message queue or a
         point-to-point channel on in-group ``peers``: the writer, for a reader
         (``writing`` False); for the writer (a broadcast's, or a send's before the
@@ -483,7 +485,11 @@ class ShmBase(AllReduceBackend):
         neither this process nor theirs runs another thread that could make a call
         (``threads.only_caller``), they wait for
         each other for ever (that collective needs this rank, which waits in the
-        queue, and the other way round): this rank then joins that barrier with its
+        queue, and the other way round), unless what this rank waits for came just
+        before they went to wait (``ready()``, the wait's own test, asked once more
+        after theirs: until 2026-11-29 a receive whose message came in that gap
+        joined its sender's barrier, and both raised ``DesyncError`` on a right
+        program, now and then under load): this rank then joins that barrier with its
         queue call as its call, so every rank of that group raises ``DesyncError``
         naming both, in step, and the group stays usable (the queue call raises it
         too, having consumed nothing). With another thread in any of those
@@ -519,6 +525,8 @@ class ShmBase(AllReduceBackend):
             if found is None:
                 return
             there = found
+        if ready():  # after their waits were seen: what came before them shows now
+            return
         with there.call_lock:
             there._empty_barrier(there._start(operation, None, None, bare=(code, 0)))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -27,7 +27,7 @@ from .mq_handle import remove_ipc_file
 from .ring import pid_namespace, process_alive
 from .segments import unlink_segment
 from .tcp_frames import KIND_READY
-from .waiting import wait_until
+from .waiting import StallCheck, wait_until
 
 
 class ReaderEnd(QueueEnd):
@@ -73,7 +73,7 @@ class ReaderEnd(QueueEnd):
         indefinite: bool = False,
         *,
         into: memoryview | None = None,
-        stall_check: Callable[[list[int]], None] | None = None,
+        stall_check: StallCheck | None = None,
     ) -> Any:
         """Next object from the writer, in order.
 
@@ -87,10 +87,10 @@ class ReaderEnd(QueueEnd):
         exactly ``len(into)`` bytes is copied there by a local reader, and the tensor
         returned is built on it (no buffer of its own, no second copy).
 
-        ``stall_check``: called with ``[writer_rank]`` at the writer's liveness
-        checks while a local reader waits; it may raise to end the wait (a
-        group's, when the writer waits for this rank in a collective:
-        ``ShmBase.check_queue_wait``).
+        ``stall_check``: called with ``[writer_rank]`` and the wait's own test (has
+        the chunk come?) at the writer's liveness checks while a local reader
+        waits; it may raise to end the wait (a group's, when the writer waits for
+        this rank in a collective: ``ShmBase.check_queue_wait``).
         """
         self._check_open()
         timeout_s, deadline = deadline_of(timeout)
@@ -129,7 +129,7 @@ class ReaderEnd(QueueEnd):
         deadline: float,
         timeout_s: float,
         into: memoryview | None = None,
-        stall_check: Callable[[list[int]], None] | None = None,
+        stall_check: StallCheck | None = None,
     ) -> Any:
         assert self._cursor is not None
         return self._cursor.read(
@@ -144,7 +144,7 @@ class ReaderEnd(QueueEnd):
         deadline: float,
         timeout_s: float,
         operation: str = "dequeue",
-        stall_check: Callable[[list[int]], None] | None = None,
+        stall_check: StallCheck | None = None,
     ) -> None:
         ring = self._ring
         assert ring is not None
@@ -158,7 +158,7 @@ class ReaderEnd(QueueEnd):
         def slow() -> None:
             self._check_writer_alive(operation)
             if stall_check is not None:
-                stall_check([self.writer_rank])
+                stall_check([self.writer_rank], lambda: ring.ready(idx, me))
 
         wait_until(
             lambda: ring.ready(idx, me),

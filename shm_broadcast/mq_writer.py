@@ -9,7 +9,7 @@ import datetime
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -20,7 +20,7 @@ from .errors import ClosedError, GroupcoordTimeoutError, GroupcoordValueError, P
 from .mq_end import READY, QueueEnd, deadline_of
 from .mq_handle import Handle
 from .ring import READER_DETACHED, process_alive
-from .waiting import wait_until
+from .waiting import StallCheck, wait_until
 
 
 class WriterEnd(QueueEnd):
@@ -87,7 +87,7 @@ class WriterEnd(QueueEnd):
         obj: Any,
         timeout: float | datetime.timedelta | None = None,
         *,
-        stall_check: Callable[[list[int]], None] | None = None,
+        stall_check: StallCheck | None = None,
     ) -> None:
         """Send ``obj`` to every reader; waits while readers are behind: at most
         ``timeout``, or (None, vLLM's semantics) as long as they live, with a notice.
@@ -96,7 +96,8 @@ class WriterEnd(QueueEnd):
         sent as is (readers get the object it encodes).
 
         ``stall_check``: called with the local readers (their ranks) that have not
-        read a chunk this call waits for, at the readers' liveness checks, until
+        read a chunk this call waits for, and the wait's own test (is the chunk
+        free?), at the readers' liveness checks, until
         the first chunk of ``obj`` is written; it may raise to end the wait (a
         group's, when they wait for this rank in a collective:
         ``ShmBase.check_queue_wait``)."""
@@ -194,7 +195,7 @@ class WriterEnd(QueueEnd):
         deadline: float,
         timeout_s: float,
         operation: str = "enqueue",
-        stall_check: Callable[[list[int]], None] | None = None,
+        stall_check: StallCheck | None = None,
     ) -> None:
         ring = self._ring
         assert ring is not None
@@ -215,7 +216,7 @@ class WriterEnd(QueueEnd):
             if dead:
                 raise PeerDiedError(self.what, operation, dead, "reader process is gone")
             if stall_check is not None:
-                stall_check(missing())
+                stall_check(missing(), lambda: ring.chunk_free(idx))
 
         wait_until(
             lambda: ring.chunk_free(idx),

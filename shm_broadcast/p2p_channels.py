@@ -179,11 +179,11 @@ class P2PChannels:
         # made: two threads' writers under one store key lost one thread's messages).
         self._turns: dict[tuple[int, bool], threading.RLock] = {}
         self._turns_lock = threading.Lock()
-        # Called (operation, [peer], writing) while a receive waits on its sender, or a
-        # call's first send waits for room before anything of it is written (the
-        # owner's check that the peer is not waiting for this rank in a collective);
-        # may raise.
-        self.stall_check: Callable[[str, list[int], bool], None] | None = None
+        # Called (operation, [peer], writing, the wait's own test) while a receive
+        # waits on its sender, or a call's first send waits for room before anything
+        # of it is written (the owner's check that the peer is not waiting for this
+        # rank in a collective); may raise.
+        self.stall_check: Callable[[str, list[int], bool, Callable[[], bool]], None] | None = None
 
     def turn(self, peer: int, sending: bool) -> threading.RLock:
         """The lock a caller holds while it sends to (or receives from) ``peer`` the
@@ -319,7 +319,9 @@ class P2PChannels:
             mq.enqueue(
                 obj,
                 timeout=timeout_s if limit is None else limit.left(),
-                stall_check=None if check is None else lambda peers: check(operation, peers, True),
+                stall_check=None
+                if check is None
+                else lambda peers, ready: check(operation, peers, True, ready),
             )
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
             waiting_for = "the receiver has not read the shared-memory channel"
@@ -413,7 +415,12 @@ class P2PChannels:
                     "the sender has not opened its shared-memory channel",
                 )
             if self.stall_check is not None:
-                self.stall_check(operation, [src], False)
+                self.stall_check(
+                    operation,
+                    [src],
+                    False,
+                    lambda: self._store_call(operation, src, store.check, [key]),
+                )
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
         data = self._store_call(operation, src, store.get, key)
@@ -457,7 +464,9 @@ class P2PChannels:
             return mq.dequeue(
                 timeout=timeout_s if limit is None else limit.left(),
                 into=into,
-                stall_check=None if check is None else lambda peers: check(operation, peers, False),
+                stall_check=None
+                if check is None
+                else lambda peers, ready: check(operation, peers, False, ready),
             )
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
             waiting_for = "nothing arrived on the shared-memory channel"

@@ -46,6 +46,7 @@ from .config import get_config
 
 __all__ = [
     "SPIN_S",
+    "StallCheck",
     "futex_available",
     "futex_wait",
     "futex_wake",
@@ -55,6 +56,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger("groupcoord.shm_broadcast")
+
+# What a queue or channel wait calls at its liveness checks to find the peers
+# it waits on waiting for this rank elsewhere (``ShmBase.check_queue_wait``):
+# with those peers' ranks and the wait's own test, which it asks once more
+# before it acts (what was awaited may have come just before they went to wait).
+StallCheck = Callable[[list[int], Callable[[], bool]], None]
 
 # Yield-spin this long before sleeping: a peer a few to a few hundred
 # microseconds behind is met without a sleep, a long idle wait stops using a

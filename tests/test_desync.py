@@ -575,6 +575,74 @@ def test_a_one_way_call_met_by_a_same_shaped_collective_closes_the_group(call, w
         assert after and all(v.startswith("ClosedError") for v in after), (rank, seen)
 
 
+def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bool) -> list:
+    """The same with a ``Comm``: rank 0 sends to rank 1 where the others reduce
+    (after one message each way, which opens the pair's rings), then every rank
+    reduces twice more. Returns what each call returned (its first element) or
+    raised."""
+    from coordinator.comm import new_comm, send_object_list
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import GroupcoordError
+
+    if gloo:  # the collectives over Gloo, checked by debug_desync; sends still one-way
+        set_config(disable_shm_all_reduce=True, debug_desync=True)
+    comm = new_comm("gloo", "cpu", "oneway", timeout=10)
+    x = torch.ones(64)
+    if rank == 0:
+        comm.send(x, 1)
+    elif rank == 1:
+        comm.recv(torch.empty(64), 0)
+
+    def batch() -> None:
+        sends = comm.batch_op_create()
+        sends.send(x, 1)
+        sends.issue()
+
+    one_way = {
+        "send": lambda: comm.send(x, 1),
+        "async send": lambda: comm.send(x, 1, async_op=True).wait(),
+        "batch": batch,
+        "send_object_list": lambda: send_object_list(comm, [{"x": 1}], 1),
+    }[call]
+    seen: list = []
+    for step in (1, 2, 3):
+        try:
+            if step == 1 and rank == 0:
+                one_way()
+                seen.append("one-way")
+            else:
+                total = torch.full((64,), float(step))
+                comm.all_reduce(total)
+                seen.append(total[0].item())
+        except GroupcoordError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    comm.abort()
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("call", "world", "gloo"),
+    [("send", 2, False), ("async send", 2, False), ("batch", 3, False),
+     ("send_object_list", 2, False), ("send", 2, True), ("async send", 3, True)],
+)  # fmt: skip
+def test_a_comm_send_met_by_a_same_shaped_collective_closes_the_comm(call, world, gloo):
+    """A ``Comm``'s sends were not counted (docs/RELIABILITY.md row 87): where the
+    others reduced instead, rank 0's next all_reduce met their first and both
+    returned 3.0 and 5.0 where 1.0, 2.0 and 3.0 were due, with no error. Now the
+    communicator counts its sends and receives as a group does, and the first
+    collective after the unreceived send raises DesyncError on every rank and
+    closes the comm: no rank gets a wrong value. (An asynchronous send still in
+    flight is not compared: it may be received after the collective.)"""
+    results = run_ranks(_comm_one_way_met_by_a_collective, world, call, gloo, timeout=60)
+    for rank, seen in enumerate(results):
+        assert not [v for v in seen if isinstance(v, float)], (rank, seen)
+        raised = [v for v in seen if isinstance(v, str) and v.startswith("DesyncError")]
+        assert len(raised) == 1 and "had not been received" in raised[0], (rank, seen)
+        assert "communicator 'oneway' is closed on every rank" in raised[0], (rank, seen)
+        after = seen[seen.index(raised[0]) + 1 :]
+        assert after and all(v.startswith("ClosedError") for v in after), (rank, seen)
+
+
 def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
     """Rank 0 makes a collective while rank 1 (and in "both read", rank 2) waits to
     read a queue broadcast from it; the other ranks make rank 0's collective."""
@@ -854,6 +922,62 @@ def test_a_sender_waiting_for_room_on_a_receiver_in_a_collective_raises(call, wh
         if where == "same group":
             closing = f"{got['sent']} point-to-point message(s) sent in the group had not been"
             assert closing in got["raised"], (rank, got)
+
+
+def _late_stall_check(rank: int, world: int, case: str) -> dict:
+    """Rank 1 waits for what rank 0 sends (a message, or a queue broadcast), then
+    both make a barrier. Rank 1's stall check is slowed down by a second, as a
+    preempted process's would be between its wait's test and the check: rank 0 has
+    sent and fallen asleep in the barrier by the time it looks."""
+    group = _queue_group(rank, world, "late", False)
+    if case == "open channel" and rank == 0:  # the first message opens the pair's ring
+        group.send_object("opening", dst=1)
+    elif case == "open channel":
+        group.recv_object(src=0)
+    seen = ""
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 is waiting by now
+        if case == "queue":
+            group.broadcast_object("step", src=0)
+        else:
+            group.send_object("step", dst=1)
+    else:
+        channels = group.device_communicator.p2p_channels
+        if case == "queue":
+            check = group._queue_checks["broadcast_object"]
+
+            def late_queue(peers: list[int], ready: Any) -> None:
+                time.sleep(1.0)
+                check(peers, ready)
+
+            group._queue_checks["broadcast_object"] = late_queue
+            seen = group.broadcast_object(None, src=0)
+        else:
+            check_channel = channels.stall_check
+
+            def late(operation: str, peers: list[int], writing: bool, ready: Any) -> None:
+                time.sleep(1.0)
+                check_channel(operation, peers, writing, ready)
+
+            channels.stall_check = late
+            seen = group.recv_object(src=0)
+    group.barrier()
+    total = group.all_reduce(torch.ones(2)).tolist()
+    group.destroy()
+    return {"seen": seen, "sum": total}
+
+
+@pytest.mark.parametrize("case", ["first message", "open channel", "queue"])
+def test_a_wait_whose_peer_sent_before_its_barrier_is_no_desync(case):
+    """Until 2026-11-29 a receive (or a queue read) whose stall check ran after
+    its sender had sent and gone to sleep in the group's next barrier took the
+    sender for one waiting on it there: it joined the barrier and both ranks
+    raised DesyncError on a right program (seen once in the full suite, TP 2 x
+    PP 2 sending slices, under load). The check now asks the wait's own test once
+    more after it saw the peer waiting, and the receive returns what came."""
+    results = run_ranks(_late_stall_check, 2, case, timeout=60)
+    assert results[1]["seen"] == "step", results
+    assert all(r["sum"] == [2.0, 2.0] for r in results), results
 
 
 def _two_groups(rank: int, world: int, names: tuple[str, str], timeout_s: float) -> tuple:

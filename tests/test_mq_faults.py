@@ -423,7 +423,7 @@ def test_a_call_made_inside_a_running_call_of_its_thread_is_refused_at_once():
         writer.enqueue(1, timeout=5)
         writer.enqueue(2, timeout=5)  # the ring is full: the next enqueue waits
 
-        def inside(ranks: list[int]) -> None:
+        def inside(ranks: list[int], ready: Any) -> None:
             writer.enqueue("inside", timeout=5)
 
         start = time.monotonic()

@@ -176,6 +176,8 @@ class Comm(CommOps):
         self._local_pids = communicator.peer_pids
         shm = communicator.shm_all_reduce
         if shm.disabled_reason is None:  # the same verdict on every rank
+            shm.set_traffic(self._traffic)
+            shm.set_desync_hook(self._weak_desync_marker(self))
             self._lane = ShmLane(
                 self._name, shm, self._weak_failure_marker(self), close=communicator.destroy
             )

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from device_communicators import c10d_calls, checks
 from device_communicators.cpu_communicator import CpuCommunicator, ShmTransport
 from device_communicators.shm_all_reduce import ShmAllReduce
-from device_communicators.shm_phases import call_code, describe_call
+from device_communicators.shm_phases import Traffic, call_code, closing_reason, describe_call
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config, resolve_timeout
@@ -123,6 +123,9 @@ class CommCore:
         self._lane: ShmLane | None = None  # None: no shared-memory path for this comm
         self._p2p: P2PLanes | None = None  # send/recv/batches (``Comm._connect_local``)
         self._done: dict[str, Work] = {}  # the finished work lean calls return, by operation
+        # Sends less receives posted: the shared-memory path's call stamps carry it
+        # (``Comm._connect_local``), and so does the debug_desync check (_agree).
+        self._traffic = Traffic()
         # Held by a collective of several steps (an object collective's lengths, then
         # its bytes; a check of the call, then its data over Gloo) from its first step
         # to its last's launch, so another thread's call of the same kind cannot come
@@ -192,6 +195,21 @@ class CommCore:
         return mark
 
     @staticmethod
+    def _weak_desync_marker(comm: CommCore) -> Callable[[str | None], str]:
+        """The shared-memory path's desync hook: when the ranks' calls can no longer
+        be brought back in step (``reason``), every rank closes the whole comm, its
+        Gloo and point-to-point paths too (held weakly, like the markers beside it)."""
+        ref = weakref.ref(comm)
+
+        def mark(reason: str | None) -> str:
+            alive = ref()
+            if reason is not None and alive is not None:
+                alive._broken = "closed by a desync on every rank"
+            return ""  # the error names the closing already
+
+        return mark
+
+    @staticmethod
     def _weak_timeout_marker(comm: CommCore) -> Callable[[Work], None]:
         """What a work calls when its deadline passes: mark the comm broken.
 
@@ -239,13 +257,17 @@ class CommCore:
         difference (it aborts the process on a part's size that is not the one its
         receiver posted, and adds up other dtypes' bytes silently). One blocking
         all-gather of a fixed-width record (the call's code, its element count, the
-        counts). With ``counts`` (the calls whose sizes are data: ``all_gather_v``,
-        the ``_v`` all-to-alls) the element counts may differ by rank."""
+        comm's traffic, the counts). With ``counts`` (the calls whose sizes are data:
+        ``all_gather_v``, the ``_v`` all-to-alls) the element counts may differ by
+        rank. Messages sent in the comm and not yet received close it on every rank,
+        as on the shared-memory path (``PhaseLines._check_agreement``)."""
         operation, dtype, reduce_op, root, count = call
         code = call_code(operation, dtype, reduce_op, root)
-        mine = torch.zeros(2 + 2 * self._size, dtype=torch.int64)
+        traffic = self._traffic
+        mine = torch.zeros(4 + 2 * self._size, dtype=torch.int64)
         mine[0], mine[1] = code, count
-        mine[2 : 2 + len(counts)] = torch.tensor(counts, dtype=torch.int64)
+        mine[2], mine[3] = traffic.messages, traffic.unordered()
+        mine[4 : 4 + len(counts)] = torch.tensor(counts, dtype=torch.int64)
         table = torch.empty(self._size, mine.numel(), dtype=torch.int64)
         c10d_calls.all_gather(self._pg, list(table.unbind(0)), mine, td).wait()
         rows = table.tolist()
@@ -259,7 +281,16 @@ class CommCore:
                     f"{describe_call(code, count)} as call #{seq} checked over Gloo, "
                     f"rank {rank} called {describe_call(row[0], row[1])}"
                 )
-        return [row[2 : 2 + len(counts)] for row in rows]
+        if sum(row[2] for row in rows) and not any(row[3] for row in rows):
+            # (see PhaseLines._check_agreement)
+            sent = {rank: row[2] for rank, row in enumerate(rows)}
+            why = closing_reason(f"communicator {self._name!r}", None, sent)
+            self._broken = "closed by a desync on every rank"
+            raise DesyncError(
+                f"communicator {self._name!r}: every rank called "
+                f"{describe_call(code, count)} as call #{seq} checked over Gloo; {why}"
+            )
+        return [row[4 : 4 + len(counts)] for row in rows]
 
     def _run(
         self,
@@ -342,12 +373,26 @@ class CommCore:
         """A send or receive, on its peer's lane (over the pair's channel or Gloo)."""
         assert self._p2p is not None  # set at creation
         work = self._new_work(kind, [peer], timeout, async_op, hints)
+        self._count_posted(work, [kind], async_op)
         try:
             self._p2p.run(work, kind, tensor, peer, async_op)
         except BaseException as exc:
             self._ended_part_way(kind, exc)
             raise
         return work
+
+    def _count_posted(self, work: Work, kinds: Sequence[Kind], async_op: bool) -> None:
+        """Count the sends and receives of ``work``, posted now, in the traffic the
+        comm's collectives compare (``shm_phases.Traffic``): every message sent in
+        the comm is received before its next collective, else a send that met a
+        collective on the other side would pair the ranks' next same-shaped calls
+        shifted. An asynchronous work's ops are left out of the comparison until
+        it finished (they may come before or after a collective there)."""
+        if async_op:
+            work._then = self._traffic.count_posted(sum(1 if k == "send" else -1 for k in kinds))
+        else:
+            for kind in kinds:
+                self._traffic.count_message(sent=kind == "send")
 
     def _lean(self, op: str, call: Callable[[SmallCalls], object], *tensors: Any) -> Work | None:
         """A small synchronous call on the shared-memory back end's lean path
