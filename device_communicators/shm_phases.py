@@ -239,7 +239,8 @@ class Traffic:
     at every collective the ranks' counts must show every broadcast read and every
     message taken (``PhaseLines._check_agreement``; Gloo's ``debug_desync`` check
     reads the counts here too). A ``Comm`` counts its sends and receives here too,
-    the asynchronous ones as posted (:meth:`count_posted`)."""
+    as they complete, on whatever thread runs them (:meth:`in_flight` covers its
+    asynchronous ones until then)."""
 
     __slots__ = ("queue_calls", "messages", "thread", "bits", "posted", "_in_flight", "_lock")
 
@@ -260,22 +261,23 @@ class Traffic:
 
     def count_message(self, sent: bool) -> None:
         """A point-to-point call sent a message to a peer of the group (``sent``), or
-        took one from a peer (a receive that refuses what came has taken it)."""
-        self.messages += 1 if sent else -1
-        self._update()
+        took one from a peer (a receive that refuses what came has taken it; one
+        that raised before anything came has not). Under the lock: a ``Comm``'s
+        sends and receives to a peer run on their own threads."""
+        with self._lock:
+            self.messages += 1 if sent else -1
+            self._update()
 
-    def count_posted(self, messages: int) -> Callable[[object], None]:
-        """Asynchronous point-to-point calls posted now, counted now (``messages``:
-        their sends less their receives). Until they finished (the callable returned,
-        which runs them down once, with anything as argument: a work's ``_then``)
-        they may come before or after this rank's next collectives, as another
-        thread's calls may, so the stamps do not compare the traffic while the calls
-        agree (a rank whose receive is in flight across a collective is no error)."""
+    def in_flight(self) -> Callable[[object], None]:
+        """An asynchronous point-to-point call posted now. Until it finished (the
+        callable returned, which runs it down once, with anything as argument: a
+        work's ``_then``) it may come before or after this rank's next
+        collectives, as another thread's calls may, so the stamps do not compare
+        the traffic while the calls agree (a rank whose receive is in flight across
+        a collective is no error)."""
         with self._lock:
             self._in_flight += 1
             self.posted = _OTHER_THREAD
-        self.messages += messages
-        self._update()
         done = False
 
         def finished(_: object) -> None:

@@ -643,6 +643,64 @@ def test_a_comm_send_met_by_a_same_shaped_collective_closes_the_comm(call, world
         assert after and all(v.startswith("ClosedError") for v in after), (rank, seen)
 
 
+def _comm_receive_that_met_a_collective(rank: int, world: int) -> list:
+    """Rank 0 issues a batch (a send to rank 1 and a receive from it) where rank 1
+    broadcasts: the batch's receive waits on rank 1, which waits on rank 0 in the
+    broadcast, and both raise DesyncError (the receive joined the broadcast, having
+    taken nothing). Then both reduce, then rank 0 sends a fresh value that rank 1
+    receives. Returns what each call returned or raised."""
+    from coordinator.comm import new_comm
+    from shm_broadcast.errors import GroupcoordError
+
+    comm = new_comm("gloo", "cpu", "stale", timeout=10)
+    seen: list = []
+    steps = ["exchange", "all_reduce", "send"]
+    for step in steps:
+        try:
+            if step == "exchange" and rank == 0:
+                batch = comm.batch_op_create()
+                batch.send(torch.full((4096,), 1.0), 1)
+                batch.recv(torch.empty(4096), 1)
+                batch.issue()
+            elif step == "exchange":
+                comm.broadcast(torch.zeros(4096), 0)
+            elif step == "all_reduce":
+                total = torch.ones(4)
+                comm.all_reduce(total)
+                seen.append(total[0].item())
+                continue
+            elif rank == 0:
+                comm.send(torch.full((4096,), 3.0), 1)
+            else:
+                got = torch.empty(4096)
+                comm.recv(got, 0)
+                seen.append(got[0].item())
+                continue
+            seen.append(step)
+        except GroupcoordError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    comm.abort()
+    return seen
+
+
+def test_a_comm_receive_that_raised_before_anything_came_is_not_counted():
+    """The send of a batch whose receive met a collective stays in the pair's
+    channel, unreceived: a Comm that counted the receive as it was posted found
+    the traffic in balance, and rank 1's next receive returned that stale message
+    (1.0) for rank 0's fresh one (3.0), no error (a random sweep of a Comm's
+    sends, receives, batches and collectives, docs/RELIABILITY.md row 87). The
+    lanes count what was sent and taken, so the broadcast the receive joined
+    already closes the comm on both ranks."""
+    results = run_ranks(_comm_receive_that_met_a_collective, 2, timeout=60)
+    for rank, seen in enumerate(results):
+        assert not [v for v in seen if isinstance(v, float)], (rank, seen)
+        assert seen[0].startswith("DesyncError") and "had not been received" in seen[0], (
+            rank,
+            seen,
+        )
+        assert all(v.startswith("ClosedError") for v in seen[1:]), (rank, seen)
+
+
 def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
     """Rank 0 makes a collective while rank 1 (and in "both read", rank 2) waits to
     read a queue broadcast from it; the other ranks make rank 0's collective."""

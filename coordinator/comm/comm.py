@@ -183,7 +183,11 @@ class Comm(CommOps):
             )
         # Every pair's calls go through its lanes, over the pair's channel or Gloo.
         self._p2p = P2PLanes(
-            self._name, communicator.p2p_channels, self._pg, self._weak_failure_marker(self)
+            self._name,
+            communicator.p2p_channels,
+            self._pg,
+            self._weak_failure_marker(self),
+            self._traffic,
         )
 
     def unsafe_get_backend(self) -> Any:

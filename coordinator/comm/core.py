@@ -373,7 +373,7 @@ class CommCore:
         """A send or receive, on its peer's lane (over the pair's channel or Gloo)."""
         assert self._p2p is not None  # set at creation
         work = self._new_work(kind, [peer], timeout, async_op, hints)
-        self._count_posted(work, [kind], async_op)
+        self._mark_in_flight(work, async_op)
         try:
             self._p2p.run(work, kind, tensor, peer, async_op)
         except BaseException as exc:
@@ -381,18 +381,15 @@ class CommCore:
             raise
         return work
 
-    def _count_posted(self, work: Work, kinds: Sequence[Kind], async_op: bool) -> None:
-        """Count the sends and receives of ``work``, posted now, in the traffic the
-        comm's collectives compare (``shm_phases.Traffic``): every message sent in
-        the comm is received before its next collective, else a send that met a
+    def _mark_in_flight(self, work: Work, async_op: bool) -> None:
+        """The point-to-point lanes count every message sent and taken in the traffic
+        the comm's collectives compare (``shm_phases.Traffic``): every message sent
+        in the comm is received before its next collective, else a send that met a
         collective on the other side would pair the ranks' next same-shaped calls
-        shifted. An asynchronous work's ops are left out of the comparison until
-        it finished (they may come before or after a collective there)."""
+        shifted. An asynchronous ``work`` posted now is left out of the comparison
+        until it finished (it may come before or after a collective there)."""
         if async_op:
-            work._then = self._traffic.count_posted(sum(1 if k == "send" else -1 for k in kinds))
-        else:
-            for kind in kinds:
-                self._traffic.count_message(sent=kind == "send")
+            work._then = self._traffic.in_flight()
 
     def _lean(self, op: str, call: Callable[[SmallCalls], object], *tensors: Any) -> Work | None:
         """A small synchronous call on the shared-memory back end's lean path

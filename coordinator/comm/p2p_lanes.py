@@ -32,9 +32,10 @@ from typing import Any, Literal
 import torch
 
 from device_communicators import c10d_calls
+from device_communicators.shm_phases import Traffic
 from shm_broadcast.p2p_channels import Limit, P2PChannels
 
-from ..errors import GroupcoordTimeoutError
+from ..errors import GroupcoordError, GroupcoordTimeoutError
 from .lanes import Lane, LaneCall
 from .work import Work, WorkStatus, translate_error
 
@@ -50,8 +51,10 @@ class P2PLanes:
         channels: P2PChannels,
         pg: Any,
         on_failure: Callable[[str, BaseException], None],
+        traffic: Traffic,
     ) -> None:
         self._name = name
+        self._traffic = traffic  # every message sent or taken (Comm._mark_in_flight)
         self._channels = channels
         self._pg = pg
         self._on_failure = on_failure
@@ -163,8 +166,18 @@ class P2PLanes:
             self._channels.send_tensor(dst, tensor, work.op, limit)
         else:
             self._gloo(work, lambda: c10d_calls.send(self._pg, tensor, dst), limit)
+        self._traffic.count_message(sent=True)
 
     def _recv(self, tensor: torch.Tensor, src: int, work: Work) -> None:
+        try:
+            self._take(tensor, src, work)
+        except GroupcoordError as exc:
+            if exc.taken:  # refused what came (another size): taken all the same
+                self._traffic.count_message(sent=False)
+            raise
+        self._traffic.count_message(sent=False)
+
+    def _take(self, tensor: torch.Tensor, src: int, work: Work) -> None:
         limit = Limit(work.timeout_s, work.deadline)
         if self._channels.open_from(src, work.op, limit):
             got = self._channels.recv_tensor(
