@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -523,7 +524,6 @@ def _one_way_met_by_a_collective(rank: int, world: int, call: str, gloo_debug: b
     """Rank 0 makes one-way ``call`` (to rank 1, or a queue broadcast) where the
     others reduce; then every rank reduces twice more, a value per step. Returns
     what each call returned (its first element) or raised."""
-    from shm_broadcast.errors import GroupcoordError
 
     group = _queue_group(rank, world, "oneway", gloo_debug)
     x = torch.ones(64)
@@ -534,18 +534,39 @@ def _one_way_met_by_a_collective(rank: int, world: int, call: str, gloo_debug: b
         "broadcast_object": lambda: group.broadcast_object({"x": 1}, src=0),
         "broadcast_tensor_dict": lambda: group.broadcast_tensor_dict({"x": x}, src=0),
     }[call]
-    seen = []
+    seen = _one_way_steps(rank, one_way, group.all_reduce)
+    group.destroy()
+    return seen
+
+
+def _one_way_steps(rank: int, one_way: Callable[[], Any], reduce: Callable[[Any], Any]) -> list:
+    """Step 1: rank 0 makes ``one_way`` where the others ``reduce``; steps 2 and 3:
+    every rank reduces, a value per step. What each call returned (its first
+    element) or raised."""
+    from shm_broadcast.errors import GroupcoordError
+
+    seen: list = []
     for step in (1, 2, 3):
         try:
             if step == 1 and rank == 0:
                 one_way()
                 seen.append("one-way")
             else:
-                seen.append(group.all_reduce(torch.full((64,), float(step)))[0].item())
+                seen.append(reduce(torch.full((64,), float(step)))[0].item())
         except GroupcoordError as exc:
             seen.append(f"{type(exc).__name__}: {exc}")
-    group.destroy()
     return seen
+
+
+def _closed_by_the_one_way_call(results: list, why: str, closed: str) -> None:
+    """No rank returned a sum (the only right one, step 1's, is the one-way call's);
+    each raised one DesyncError saying ``why`` and ``closed``, then ClosedError."""
+    for rank, seen in enumerate(results):
+        assert not [v for v in seen if isinstance(v, float)], (rank, seen)
+        raised = [v for v in seen if isinstance(v, str) and v.startswith("DesyncError")]
+        assert len(raised) == 1 and why in raised[0] and closed in raised[0], (rank, seen)
+        after = seen[seen.index(raised[0]) + 1 :]
+        assert after and all(v.startswith("ClosedError") for v in after), (rank, seen)
 
 
 @pytest.mark.parametrize(
@@ -565,14 +586,7 @@ def test_a_one_way_call_met_by_a_same_shaped_collective_closes_the_group(call, w
     gets a wrong value. (A send over Gloo waits for its receiver: not one-way.)"""
     results = run_ranks(_one_way_met_by_a_collective, world, call, gloo_debug, timeout=60)
     why = "more broadcast(s)" if call.startswith("broadcast") else "had not been received"
-    for rank, seen in enumerate(results):
-        sums = [v for v in seen if isinstance(v, float)]
-        assert not sums, (rank, seen)  # the only right sum (step 1's) is the one-way one's
-        raised = [v for v in seen if isinstance(v, str) and v.startswith("DesyncError")]
-        assert len(raised) == 1 and why in raised[0], (rank, seen)
-        assert "closed on every rank" in raised[0], (rank, seen)
-        after = seen[seen.index(raised[0]) + 1 :]
-        assert after and all(v.startswith("ClosedError") for v in after), (rank, seen)
+    _closed_by_the_one_way_call(results, why, "oneway:0 is closed on every rank")
 
 
 def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bool) -> list:
@@ -582,7 +596,6 @@ def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bo
     raised."""
     from coordinator.comm import new_comm, send_object_list
     from shm_broadcast.config import set_config
-    from shm_broadcast.errors import GroupcoordError
 
     if gloo:  # the collectives over Gloo, checked by debug_desync; sends still one-way
         set_config(disable_shm_all_reduce=True, debug_desync=True)
@@ -604,18 +617,12 @@ def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bo
         "batch": batch,
         "send_object_list": lambda: send_object_list(comm, [{"x": 1}], 1),
     }[call]
-    seen: list = []
-    for step in (1, 2, 3):
-        try:
-            if step == 1 and rank == 0:
-                one_way()
-                seen.append("one-way")
-            else:
-                total = torch.full((64,), float(step))
-                comm.all_reduce(total)
-                seen.append(total[0].item())
-        except GroupcoordError as exc:
-            seen.append(f"{type(exc).__name__}: {exc}")
+
+    def reduce(total: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(total)
+        return total
+
+    seen = _one_way_steps(rank, one_way, reduce)
     comm.abort()
     return seen
 
@@ -634,13 +641,9 @@ def test_a_comm_send_met_by_a_same_shaped_collective_closes_the_comm(call, world
     closes the comm: no rank gets a wrong value. (An asynchronous send still in
     flight is not compared: it may be received after the collective.)"""
     results = run_ranks(_comm_one_way_met_by_a_collective, world, call, gloo, timeout=60)
-    for rank, seen in enumerate(results):
-        assert not [v for v in seen if isinstance(v, float)], (rank, seen)
-        raised = [v for v in seen if isinstance(v, str) and v.startswith("DesyncError")]
-        assert len(raised) == 1 and "had not been received" in raised[0], (rank, seen)
-        assert "communicator 'oneway' is closed on every rank" in raised[0], (rank, seen)
-        after = seen[seen.index(raised[0]) + 1 :]
-        assert after and all(v.startswith("ClosedError") for v in after), (rank, seen)
+    _closed_by_the_one_way_call(
+        results, "had not been received", "communicator 'oneway' is closed on every rank"
+    )
 
 
 def _comm_receive_that_met_a_collective(rank: int, world: int) -> list:
