@@ -420,15 +420,18 @@ def test_debug_desync_checks_a_comm_over_gloo(case, world):
         assert got["after"] == [float(sum(range(world)))] * 100
 
 
-def _queue_group(rank: int, world: int, name: str, gloo_debug: bool) -> Any:
-    """A group of every rank with a message queue, calls timing out after 10 s;
-    ``gloo_debug``: its collectives and sends over Gloo, with ``debug_desync``."""
+def _queue_group(
+    rank: int, world: int, name: str, gloo_debug: bool, timeout_s: float = 10.0
+) -> Any:
+    """A group of every rank with a message queue, calls timing out after
+    ``timeout_s``; ``gloo_debug``: its collectives and sends over Gloo, with
+    ``debug_desync``."""
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
 
     if gloo_debug:
         set_config(disable_shm_all_reduce=True, disable_shm_p2p=True, debug_desync=True)
-    set_config(timeout_s=10.0)
+    set_config(timeout_s=timeout_s)
     init_gloo(rank, world)
     return GroupCoordinator(
         [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
@@ -709,16 +712,9 @@ def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
     read a queue broadcast from it; the other ranks make rank 0's collective."""
     import threading
 
-    from coordinator.group_coordinator import GroupCoordinator
-    from shm_broadcast.config import set_config
     from shm_broadcast.errors import DesyncError
 
-    set_config(timeout_s=30.0)
-    init_gloo(rank, world)
-    group = GroupCoordinator(
-        [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
-        group_name="qstall",
-    )  # fmt: skip
+    group = _queue_group(rank, world, "qstall", False, timeout_s=30.0)
     big = torch.ones(4 << 20)  # 16 MiB: a call of several generations
     reads = {"barrier": [1], "all_reduce": [1], "both read": [1, 2]}[case]
     raised, started = "", time.monotonic()
