@@ -299,6 +299,39 @@ def test_comm_ranks_whose_settings_differ_raise_naming_both(setting: str) -> Non
         assert f"{name}=False" in message and f"{name}=True" in message, message
 
 
+def _cuda_settings_differ(rank: int, world: int, setting: str) -> dict[str, object]:
+    import torch
+
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import override
+
+    init_gloo(rank, world, timeout_s=TIMEOUT_S)
+    with override(**{setting: rank == 1}):
+        # The meeting comes before any NCCL group, which this CPU build could
+        # not make: the ranks' disagreement is all that can stop them here.
+        refused = _timed(
+            lambda: GroupCoordinator([[0, 1, 2]], rank, "nccl", True, group_name="tp").destroy()
+        )
+    group = GroupCoordinator([[0, 1, 2]], rank, "gloo", True, group_name="tp")
+    total = group.all_reduce(torch.full((4,), float(rank + 1)))
+    group.destroy()
+    return {"refused": refused, "total": total.tolist()}
+
+
+@pytest.mark.parametrize("setting", ["disable_custom_all_reduce", "disable_pynccl"])
+def test_ranks_whose_cuda_settings_differ_raise_naming_both(setting: str) -> None:
+    # A CUDA group's meeting carries the custom all-reduce's and PyNCCL's settings
+    # (RELIABILITY row 66); tests/gpu has the same case on a GPU.
+    name = f"GROUPCOORD_{setting.upper()}"
+    for rank, out in enumerate(
+        start_ranks(_cuda_settings_differ, 3, setting, timeout=60).collect()
+    ):
+        kind, took, message = out["refused"]
+        assert kind == "DesyncError" and took < 10.0, (rank, took, message)
+        assert f"{name}=False" in message and f"{name}=True" in message, message
+        assert out["total"] == [6.0] * 4, out
+
+
 def _two_threads_build(rank: int, world: int) -> dict[str, tuple[str, float, str]]:
     import threading
 

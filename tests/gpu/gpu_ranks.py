@@ -543,6 +543,34 @@ def coordinator_shared_gpu(rank: int, world: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def coordinator_cuda_settings_differ(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 turns the custom all-reduce off, its peers don't: making the CUDA
+    group raises DesyncError naming both values on every rank. With the setting
+    agreed again the same ranks make the group and all-reduce through it."""
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import override
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    init_gloo(rank, world, timeout_s=120.0)
+    out: dict[str, Any] = {"refused": "", "failures": []}
+    try:
+        with override(disable_custom_all_reduce=rank == 1):
+            GroupCoordinator([list(range(world))], 0, "nccl", True, group_name="tp").destroy()
+        out["refused"] = "made"
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    group = GroupCoordinator([list(range(world))], 0, "nccl", True, group_name="tp")
+    try:
+        parts = [make_input(r, 4096, torch.bfloat16) for r in range(world)]
+        got = group.all_reduce(parts[rank].to(device))
+        _check(out["failures"], "all_reduce after", got, fp32_rank_order_sum(parts))
+    finally:
+        group.destroy()
+        dist.destroy_process_group()
+    return out
+
+
 # ---- expert parallelism on CUDA ------------------------------------------------------------
 
 
