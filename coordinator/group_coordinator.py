@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from device_communicators import checks
-from device_communicators.shm_phases import closing_reason
+from device_communicators.shm_phases import closing_reason, sent_after_its_stamp
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config
 from shm_broadcast.group_io import all_gather_bytes
@@ -307,7 +307,10 @@ class GroupCoordinator(GroupMessaging):
         counts = stamps[:, 1].tolist()
         in_flight = int(stamps[:, 2].sum())
         balanced = len(set(counts)) == 1 and not in_flight
-        if same_call and (balanced or bool(stamps[:, 3].any())):
+        unordered = bool(stamps[:, 3].any()) or sent_after_its_stamp(
+            max(counts) - counts[0], in_flight
+        )
+        if same_call and (balanced or unordered):
             return  # (see PhaseLines._check_agreement)
         # Every rank saw the same table, so every rank takes this path.
         gathered = self._collective(operation, all_gather_bytes, self.cpu_group, mine.encode())

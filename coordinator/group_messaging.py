@@ -165,7 +165,8 @@ class GroupMessaging(GroupBase):
         self._check_peer(dst, "dst")
         msg = encode_message(object_message(obj))  # refuses what it cannot carry, first
         peer = self.ranks[dst]
-        with self._p2p_channels.turn(peer, True):  # (over Gloo: a header, then the bytes)
+        # (over Gloo: a header, then the bytes)
+        with self._whole("send_object", lock=False), self._p2p_channels.turn(peer, True):
             if self._p2p_channels.open_to(peer, "send_object"):
                 self._p2p_channels.send_message(peer, msg, "send_object")
             else:
@@ -176,7 +177,7 @@ class GroupMessaging(GroupBase):
         """The next object that in-group rank ``src`` sent with ``send_object``."""
         self._check_peer(src, "src")
         peer = self.ranks[src]
-        with self._p2p_channels.turn(peer, False):
+        with self._whole("recv_object", lock=False), self._p2p_channels.turn(peer, False):
             if self._p2p_channels.open_from(peer, "recv_object"):
                 got = self._taking(self._p2p_channels.recv_message, peer, "recv_object")
             else:

@@ -156,6 +156,15 @@ def queue_code(operation: str, peer: int, writing: bool) -> int:
     return call_code("queue", None, None, peer) | (field << 16)
 
 
+_QUEUE_OPERATION = OPERATIONS.index("queue")
+
+
+def _stands_in(code: int) -> bool:
+    """Whether ``code`` is a ``queue_code``: a rank stuck in a one-way call that
+    joined its peers' collective in its place."""
+    return (code >> 40) & 0xFF == _QUEUE_OPERATION
+
+
 def elsewhere_code(waiting: int) -> int:
     """The fingerprint a rank stamps in this group when it joins its call from a call
     of another group that waits for a peer stuck here (``ShmBase``'s crossed-wait
@@ -317,19 +326,46 @@ def groups_alive(count: int) -> None:
     _other_groups = _OTHER_GROUPS if count > 1 else 0
 
 
+def sent_after_its_stamp(reads_ahead: int, in_flight: int) -> bool:
+    """Whether the traffic a call's stamps carry shows a one-way call made after
+    its sender's stamp: a reader that had read more of the group's queue
+    broadcasts than the queue's writer (in-group rank 0) had written
+    (``reads_ahead`` > 0), or more point-to-point messages taken than sent
+    (``in_flight``, their sum of sent less taken, < 0). Only a call made on
+    another thread than the stamping one does that, where that rank had made no
+    one-way call before to mark it (``_OTHER_THREAD``): it may fall on either
+    side of this collective, so the traffic tells nothing, as with that mark."""
+    return reads_ahead > 0 or in_flight < 0
+
+
+def _signed(value: int, mask: int) -> int:
+    """A difference of counts kept modulo ``mask + 1``, as a signed number."""
+    value &= mask
+    return value - (mask + 1) if value > mask // 2 else value
+
+
 def closing_reason(
     what: str,
     queue: tuple[int, int, int] | None,
     sent: dict[int, int] | None,
     elsewhere: list[int] | None = None,
+    stood_in: list[int] | None = None,
 ) -> str | None:
     """Why group ``what`` closes on every rank after a call's stamps (``PhaseLines.
     _check_agreement``, and Gloo's ``debug_desync`` check), or None: ``queue``, (a
     rank, another, how many more broadcasts the first made through the group's
     message queue); ``sent``, each rank's point-to-point messages sent in the group
     less those it took, when they do not add up to 0; ``elsewhere``, where the
-    ranks' calls differ, the ranks whose processes have other groups."""
+    ranks' calls differ, the ranks whose processes have other groups;
+    ``stood_in``, the ranks that joined the call from a one-way call they were
+    stuck in (``queue_code``)."""
     reasons = []
+    if stood_in:
+        reasons.append(
+            f"rank(s) {stood_in} waited in a one-way call that its peer met with a "
+            "collective, so one side made a call the other did not make (a receive "
+            "too many, a send too few, or one half of a batch matched)"
+        )
     if queue is not None:
         more, fewer, ahead = queue
         reasons.append(
@@ -578,7 +614,13 @@ class PhaseLines:
         rank (``on_close``), naming why: every message sent in a group is received,
         every broadcast read, before the group's next collective. Not while the
         calls agree where a rank's last one-way call came from another thread than
-        this call's: that call may come before or after this one there."""
+        this call's, or the counts show one made after its sender's stamp
+        (``sent_after_its_stamp``): that call may come before or after this one.
+
+        A rank stuck in a one-way call that joined this call in its place
+        (``queue_code``, ``ShmBase.check_queue_wait``) closes the group too: one
+        side made a call the other did not (a receive too many, a send too few,
+        half a batch matched), and no rank can tell which."""
         counters = self._counters
         peers = self._peer_stamps[self.calls & 1]
         # The common difference first: the same call, message counts that differ
@@ -613,6 +655,13 @@ class PhaseLines:
             if differs < 0:
                 differs = at
         in_flight = sum(balances.values()) & _MESSAGES_MASK
+        written = counters[_FP_SLOTS[self.calls & 1] + 1] >> _QUEUE_SHIFT  # by rank 0
+        reads_ahead = max(
+            _signed((counters[at + 1] >> _QUEUE_SHIFT) - written, _QUEUE_MASK)
+            for at in (*peers, self._my_stamp[self.calls & 1])
+        )
+        if sent_after_its_stamp(reads_ahead, _signed(in_flight, _MESSAGES_MASK)):
+            threads = _OTHER_THREAD
         if differs < 0 and (threads or (queue_split < 0 and not in_flight)):
             # Every one-way call's message taken; or a rank made one from another
             # thread than this call's, which may have come before or after this
@@ -630,18 +679,19 @@ class PhaseLines:
             message = f"{self.what}: every rank called {mine} (no result returned)"
         queue = None
         if queue_split >= 0:
-            ahead = (
-                (counters[queue_split + 1] >> _QUEUE_SHIFT) - (word >> _QUEUE_SHIFT)
-            ) & _QUEUE_MASK
+            ahead = _signed(
+                (counters[queue_split + 1] >> _QUEUE_SHIFT) - (word >> _QUEUE_SHIFT), _QUEUE_MASK
+            )
             other = self.ranks[queue_split // _QWORDS]
-            behind = _QUEUE_MASK + 1 - ahead
-            queue = (other, me, ahead) if ahead <= _QUEUE_MASK // 2 else (me, other, behind)
-        sent = {
-            self.ranks[r]: b - (_MESSAGES_MASK + 1) if b > _MESSAGES_MASK // 2 else b
-            for r, b in sorted(balances.items())
-        }
+            queue = (other, me, ahead) if ahead > 0 else (me, other, -ahead)
+        sent = {self.ranks[r]: _signed(b, _MESSAGES_MASK) for r, b in sorted(balances.items())}
         others = [self.ranks[r] for r in sorted(elsewhere)] if differs >= 0 else None
-        closing = closing_reason(self.what, queue, sent if in_flight else None, others)
+        stood_in = [
+            self.ranks[r]
+            for r in range(self.world_size)
+            if _stands_in(self.stamp_of(r, self.calls)[0])
+        ]
+        closing = closing_reason(self.what, queue, sent if in_flight else None, others, stood_in)
         if closing is not None:
             message = f"{message}; {closing}"
         note = ""

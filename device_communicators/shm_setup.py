@@ -491,8 +491,9 @@ class ShmBase(AllReduceBackend):
         joined its sender's barrier, and both raised ``DesyncError`` on a right
         program, now and then under load): this rank then joins that barrier with its
         queue call as its call, so every rank of that group raises ``DesyncError``
-        naming both, in step, and the group stays usable (the queue call raises it
-        too, having consumed nothing). With another thread in any of those
+        naming both, in step, and the group closes on every rank (one side made a
+        call the other did not: ``PhaseLines._check_agreement``); the queue call
+        raises it too, having consumed nothing. With another thread in any of those
         processes the wait goes on (that thread may yet make the call, write or
         read)."""
         lines = self._lines

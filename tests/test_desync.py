@@ -425,14 +425,17 @@ def _queue_group(
 ) -> Any:
     """A group of every rank with a message queue, calls timing out after
     ``timeout_s``; ``gloo_debug``: its collectives and sends over Gloo, with
-    ``debug_desync``."""
+    ``debug_desync``. Joins torch.distributed's default group first, once."""
+    import torch.distributed as dist
+
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
 
     if gloo_debug:
         set_config(disable_shm_all_reduce=True, disable_shm_p2p=True, debug_desync=True)
     set_config(timeout_s=timeout_s)
-    init_gloo(rank, world)
+    if not dist.is_initialized():
+        init_gloo(rank, world)
     return GroupCoordinator(
         [list(range(world))], rank, "gloo", True, use_message_queue_broadcaster=True,
         group_name=name,
@@ -649,6 +652,48 @@ def test_a_comm_send_met_by_a_same_shaped_collective_closes_the_comm(call, world
     )
 
 
+def _comm_send_then_another_collective(rank: int, world: int, gloo: bool) -> list:
+    """Rank 0 sends to rank 1 and reduces 16 floats where rank 1 reduces 64; then
+    every rank reduces 64 floats. What each call returned (its first element) or
+    raised."""
+    from coordinator.comm import new_comm
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import GroupcoordError
+
+    if gloo:
+        set_config(disable_shm_all_reduce=True, debug_desync=True)
+    comm = new_comm("gloo", "cpu", "differ", timeout=10)
+    if rank == 0:
+        comm.send(torch.ones(8), 1)
+    seen: list = []
+    for n in (16 if rank == 0 else 64, 64):
+        try:
+            total = torch.ones(n)
+            comm.all_reduce(total)
+            seen.append(total[0].item())
+        except GroupcoordError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    comm.abort()
+    return seen
+
+
+@pytest.mark.parametrize("gloo", [False, True])
+def test_a_comm_send_met_by_another_collective_closes_the_comm(gloo):
+    """An unreceived send closes the comm at the first collective after it whether
+    or not the ranks' calls agree there. Over Gloo (debug_desync) a collective
+    whose calls differed raised DesyncError and kept the comm, its traffic
+    uncompared, until 2026-11-29: a Comm sweep (seed 8 over Gloo) then returned
+    sums of two steps from later same-shaped all-reduces."""
+    results = run_ranks(_comm_send_then_another_collective, 2, gloo, timeout=60)
+    for rank, seen in enumerate(results):
+        assert seen[0].startswith("DesyncError"), (rank, seen)
+        assert "had not been received" in seen[0] and "closed on every rank" in seen[0], (
+            rank,
+            seen,
+        )
+        assert seen[1].startswith("ClosedError"), (rank, seen)
+
+
 def _comm_receive_that_met_a_collective(rank: int, world: int) -> list:
     """Rank 0 issues a batch (a send to rank 1 and a receive from it) where rank 1
     broadcasts: the batch's receive waits on rank 1, which waits on rank 0 in the
@@ -707,12 +752,131 @@ def test_a_comm_receive_that_raised_before_anything_came_is_not_counted():
         assert all(v.startswith("ClosedError") for v in seen[1:]), (rank, seen)
 
 
+def _comm_batch_half_matched(rank: int, world: int) -> list:
+    """Rank 0 issues a batch (a send to rank 1 and a receive from it) where rank 1
+    only receives: rank 1 takes the batch's send and goes on to reduce, twice, while
+    the batch's receive waits; rank 1 reduces once more, where rank 0's reduce
+    after the batch would meet it. Returns what each call returned (its first
+    element) or raised."""
+    from coordinator.comm import new_comm
+    from shm_broadcast.errors import GroupcoordError
+
+    comm = new_comm("gloo", "cpu", "half", timeout=10)
+    seen: list = []
+    for step in (1, 2, 3):
+        try:
+            if step == 1 and rank == 0:
+                batch = comm.batch_op_create()
+                batch.send(torch.full((64,), 1.0), 1)
+                batch.recv(torch.empty(64), 1)
+                batch.issue().wait()
+                seen.append("exchanged")
+                continue
+            got = torch.empty(64) if step == 1 else torch.full((64,), float(step + rank))
+            if step == 1:
+                comm.recv(got, 0)
+            else:
+                comm.all_reduce(got)
+            seen.append(got[0].item())
+        except GroupcoordError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    if rank == 1:
+        try:
+            total = torch.full((64,), 4.0)
+            comm.all_reduce(total)
+            seen.append(total[0].item())
+        except GroupcoordError as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+    comm.abort()
+    return seen
+
+
+def test_a_batch_half_matched_then_stuck_closes_the_comm():
+    """Rank 0's batch sends and receives where rank 1 only receives: rank 1 took the
+    send and reduced; the batch's receive, waiting on rank 1, joined that reduce and
+    both raised DesyncError, the traffic in balance, and the comm stayed usable.
+    Rank 0's next reduce then met rank 1's next one, a call further on, and both
+    returned the sum of two steps' values with no error (a random sweep of a
+    Comm's calls, seed 23). A rank that joins its peers' collective from a one-way
+    call it is stuck in now closes the comm (or group) on every rank: which side
+    made a call the other did not is not known."""
+    results = run_ranks(_comm_batch_half_matched, 2, timeout=60)
+    for rank, seen in enumerate(results):
+        raised = [v for v in seen if isinstance(v, str) and v.startswith("DesyncError")]
+        assert len(raised) == 1 and "waited in a one-way call" in raised[0], (rank, seen)
+        assert "closed on every rank" in raised[0], (rank, seen)
+        after = seen[seen.index(raised[0]) + 1 :]
+        assert after and all(v.startswith("ClosedError") for v in after), (rank, seen)
+    assert results[1][0] == 1.0, results  # the receive that took the batch's send
+
+
+def _sent_from_another_thread(rank: int, world: int, how: str) -> dict:
+    """Rank 0's second thread reduces; 0.5 s later its main thread sends rank 1 an
+    object (its first one-way call of the group), which rank 1 receives, then
+    reduces: a right program whose send falls after rank 0's reduce was stamped."""
+    import threading
+
+    from coordinator.comm import new_comm, recv_object_list, send_object_list
+    from shm_broadcast.config import set_config
+
+    if how.endswith("over Gloo"):
+        set_config(disable_shm_all_reduce=True, debug_desync=True)
+    if how.startswith("group"):
+        group = _queue_group(rank, world, "late_send", False)
+        send = lambda: group.send_object("late", dst=1)  # noqa: E731
+        receive = lambda: group.recv_object(src=0)  # noqa: E731
+        reduce, close = group.all_reduce, group.destroy
+    else:
+        comm = new_comm("gloo", "cpu", "late_send", timeout=10)
+
+        def send() -> None:
+            send_object_list(comm, ["late"], 1)
+
+        def receive() -> Any:
+            got: list = [None]
+            recv_object_list(comm, got, 0)
+            return got[0]
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            comm.all_reduce(t)
+            return t
+
+        close = comm.finalize
+    sums: list = []
+    if rank == 0:
+        side = threading.Thread(target=lambda: sums.append(reduce(torch.ones(4)).tolist()))
+        side.start()
+        time.sleep(0.5)
+        send()
+        side.join()
+        got = "late"
+    else:
+        got = receive()
+        sums.append(reduce(torch.ones(4)).tolist())
+    sums.append(reduce(torch.ones(4)).tolist())
+    close()
+    return {"got": got, "sums": sums}
+
+
+@pytest.mark.parametrize("how", ["group", "group over Gloo", "comm", "comm over Gloo"])
+def test_a_send_made_after_a_collective_on_another_thread_is_no_desync(how):
+    """Rank 0 had made no one-way call before, so its reduce's stamp carried no mark
+    of another thread's traffic, and rank 1's, which had taken the message, showed
+    more taken than sent: the reduce raised DesyncError and closed the group (seen
+    when a test of a queue broadcast made from a second thread ran in a fresh
+    group). More taken than sent (or read than written) can only come from a call
+    made after its sender's stamp, on another thread: the traffic is not compared
+    then."""
+    for rank, got in enumerate(run_ranks(_sent_from_another_thread, 2, how, timeout=60)):
+        assert got == {"got": "late", "sums": [[2.0] * 4] * 2}, (rank, got)
+
+
 def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
     """Rank 0 makes a collective while rank 1 (and in "both read", rank 2) waits to
     read a queue broadcast from it; the other ranks make rank 0's collective."""
     import threading
 
-    from shm_broadcast.errors import DesyncError
+    from shm_broadcast.errors import ClosedError, DesyncError
 
     group = _queue_group(rank, world, "qstall", False, timeout_s=30.0)
     big = torch.ones(4 << 20)  # 16 MiB: a call of several generations
@@ -730,9 +894,15 @@ def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
     except DesyncError as exc:
         raised = str(exc)
     took = time.monotonic() - started
-    # Still in step and usable: a queue broadcast, then a collective.
-    got = group.broadcast_tensor_dict({"step": 2} if rank == 0 else None, src=0)
-    total = group.all_reduce(torch.ones(4)).tolist()
+    # A rank waited for a broadcast that the writer did not make: which side made
+    # a call the other did not is unknown, so the group is closed on every rank.
+    try:
+        group.all_reduce(torch.ones(4))
+        after = "returned"
+    except ClosedError as exc:
+        after = str(exc)
+    group.destroy()
+    group = _queue_group(rank, world, "qstall2", False, timeout_s=30.0)
     # A writer with a second thread is waited for: that thread may write yet (here
     # rank 0's main thread writes 1 s after its other thread entered the all_reduce,
     # which rank 1 makes once it has read).
@@ -747,7 +917,7 @@ def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
         late = group.broadcast_object(None, src=0)
         group.all_reduce(torch.ones(4))
     group.destroy()
-    return {"raised": raised, "took": took, "step": got["step"], "sum": total, "late": late}
+    return {"raised": raised, "took": took, "after": after, "late": late}
 
 
 @pytest.mark.parametrize("case", ["barrier", "all_reduce", "both read"])
@@ -755,8 +925,11 @@ def test_a_reader_waiting_on_a_writer_that_waits_for_it_in_a_collective_raises(c
     """A rank waiting in a queue read while the writer waits for it in a collective
     of the group: both waited until the writer's timeout (300 s by default) and the
     reader then heard only that the writer had died (when it exited). Now every rank
-    raises DesyncError naming both calls within about a second, and the group stays
-    usable."""
+    raises DesyncError naming both calls within about a second, and the group closes
+    on every rank: one side made a call the other did not, and same-shaped calls
+    after it would pair shifted (until 2026-11-29 the group stayed usable, and a
+    random sweep then returned wrong sums; see
+    test_a_batch_half_matched_then_stuck_closes_the_comm)."""
     world = 2 if case == "barrier" else 3
     results = run_ranks(_writer_in_a_collective, world, case, timeout=90)
     writer_call = {"barrier": "barrier()", "all_reduce": "all_reduce(float32[4194304], SUM)"}
@@ -765,7 +938,9 @@ def test_a_reader_waiting_on_a_writer_that_waits_for_it_in_a_collective_raises(c
         assert writer_call.get(case, "barrier()") in got["raised"], (rank, got)
         assert f"{read}(src=0) reading the message queue" in got["raised"], (rank, got)
         assert got["took"] < 10.0, (rank, got)
-        assert got["step"] == 2 and got["sum"] == [float(world)] * 4, (rank, got)
+        assert "waited in a one-way call" in got["raised"], (rank, got)
+        assert "closed on every rank" in got["raised"], (rank, got)
+        assert "is unusable" in got["after"], (rank, got)
         assert got["late"] == "late", (rank, got)
 
 
@@ -835,7 +1010,7 @@ def _receiver_while_sender_in_a_collective(rank: int, world: int, call: str, ope
     the channel's read, else in waiting for the sender to open it)."""
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
-    from shm_broadcast.errors import DesyncError
+    from shm_broadcast.errors import ClosedError, DesyncError
 
     set_config(timeout_s=30.0)
     init_gloo(rank, world)
@@ -865,15 +1040,13 @@ def _receiver_while_sender_in_a_collective(rank: int, world: int, call: str, ope
     except DesyncError as exc:
         raised = str(exc)
     took = time.monotonic() - started
-    # In step: the next message is the next one sent, the group reduces.
-    if rank == 1:
-        send(value)
-        got = value
-    else:
-        got = receive()
-    total = group.all_reduce(torch.ones(2)).tolist()
+    try:  # closed on both ranks: the next send or receive raises at once
+        send(value) if rank == 1 else receive()
+        after = "returned"
+    except ClosedError as exc:
+        after = str(exc)
     group.destroy()
-    return {"raised": raised, "took": took, "got": str(got), "sum": total}
+    return {"raised": raised, "took": took, "after": after}
 
 
 @pytest.mark.parametrize(
@@ -888,14 +1061,15 @@ def _receiver_while_sender_in_a_collective(rank: int, world: int, call: str, ope
 def test_a_receiver_waiting_on_a_sender_that_waits_for_it_in_a_collective_raises(call, opened):
     """A rank waiting to receive from a peer that waits for it in a barrier of the
     group: both waited until the timeout. Now both raise DesyncError naming both
-    calls at once, and the pair and the group stay usable."""
+    calls at once, and the group closes on both (a send too few or a receive too
+    many: the ranks' calls after it would pair shifted)."""
     results = run_ranks(_receiver_while_sender_in_a_collective, 2, call, opened, timeout=90)
     for rank, got in enumerate(results):
         assert f"{call}(src=1) waiting on its shared-memory channel" in got["raised"], (rank, got)
         assert "barrier()" in got["raised"], (rank, got)
         assert got["took"] < 10.0, (rank, got)
-        assert got["got"] in ("tensor([0., 1., 2.])", "[1, 2, 3]"), (rank, got)
-        assert got["sum"] == [2.0, 2.0], (rank, got)
+        assert "waited in a one-way call" in got["raised"], (rank, got)
+        assert "is unusable" in got["after"], (rank, got)
 
 
 def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str, where: str) -> dict:

@@ -22,7 +22,13 @@ import torch.distributed as dist
 from device_communicators import c10d_calls, checks
 from device_communicators.cpu_communicator import CpuCommunicator, ShmTransport
 from device_communicators.shm_all_reduce import ShmAllReduce
-from device_communicators.shm_phases import Traffic, call_code, closing_reason, describe_call
+from device_communicators.shm_phases import (
+    Traffic,
+    call_code,
+    closing_reason,
+    describe_call,
+    sent_after_its_stamp,
+)
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import get_config, resolve_timeout
@@ -273,24 +279,34 @@ class CommCore:
         rows = table.tolist()
         seq = self._agreed
         self._agreed += 1
-        for rank, row in enumerate(rows):
-            # Every rank saw the same table: every rank raises.
-            if row[0] != code or (not counts and row[1] != count):
-                raise DesyncError(
-                    f"communicator {self._name!r}: rank {self._rank} called "
-                    f"{describe_call(code, count)} as call #{seq} checked over Gloo, "
-                    f"rank {rank} called {describe_call(row[0], row[1])}"
-                )
-        if sum(row[2] for row in rows) and not any(row[3] for row in rows):
-            # (see PhaseLines._check_agreement)
+        # Every rank saw the same table: every rank raises, or none.
+        other = next(
+            (
+                rank
+                for rank, row in enumerate(rows)
+                if row[0] != code or (not counts and row[1] != count)
+            ),
+            None,
+        )
+        in_flight = sum(row[2] for row in rows)
+        closing = None
+        if in_flight and not any(row[3] for row in rows) and not sent_after_its_stamp(0, in_flight):
+            # Whether the calls agree or not (see PhaseLines._check_agreement).
             sent = {rank: row[2] for rank, row in enumerate(rows)}
-            why = closing_reason(f"communicator {self._name!r}", None, sent)
+            closing = closing_reason(f"communicator {self._name!r}", None, sent)
+        if other is None and closing is None:
+            return [row[4 : 4 + len(counts)] for row in rows]
+        called = f"{describe_call(code, count)} as call #{seq} checked over Gloo"
+        message = (
+            f"communicator {self._name!r}: every rank called {called}"
+            if other is None
+            else f"communicator {self._name!r}: rank {self._rank} called {called}, "
+            f"rank {other} called {describe_call(rows[other][0], rows[other][1])}"
+        )
+        if closing is not None:
             self._broken = "closed by a desync on every rank"
-            raise DesyncError(
-                f"communicator {self._name!r}: every rank called "
-                f"{describe_call(code, count)} as call #{seq} checked over Gloo; {why}"
-            )
-        return [row[4 : 4 + len(counts)] for row in rows]
+            message = f"{message}; {closing}"
+        raise DesyncError(message)
 
     def _run(
         self,
