@@ -420,6 +420,17 @@ def test_debug_desync_checks_a_comm_over_gloo(case, world):
         assert got["after"] == [float(sum(range(world)))] * 100
 
 
+def _refused(call: Callable[[], Any]) -> str:
+    """The ``ClosedError`` that ``call()`` raised, as text, or "returned"."""
+    from shm_broadcast.errors import ClosedError
+
+    try:
+        call()
+    except ClosedError as exc:
+        return str(exc)
+    return "returned"
+
+
 def _queue_group(
     rank: int, world: int, name: str, gloo_debug: bool, timeout_s: float = 10.0
 ) -> Any:
@@ -652,27 +663,30 @@ def test_a_comm_send_met_by_a_same_shaped_collective_closes_the_comm(call, world
     )
 
 
+def _reduced(comm: Any, total: torch.Tensor) -> float | str:
+    """``comm.all_reduce(total)``'s first element, or the error it raised as text."""
+    from shm_broadcast.errors import GroupcoordError
+
+    try:
+        comm.all_reduce(total)
+    except GroupcoordError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return total[0].item()
+
+
 def _comm_send_then_another_collective(rank: int, world: int, gloo: bool) -> list:
     """Rank 0 sends to rank 1 and reduces 16 floats where rank 1 reduces 64; then
     every rank reduces 64 floats. What each call returned (its first element) or
     raised."""
     from coordinator.comm import new_comm
     from shm_broadcast.config import set_config
-    from shm_broadcast.errors import GroupcoordError
 
     if gloo:
         set_config(disable_shm_all_reduce=True, debug_desync=True)
     comm = new_comm("gloo", "cpu", "differ", timeout=10)
     if rank == 0:
         comm.send(torch.ones(8), 1)
-    seen: list = []
-    for n in (16 if rank == 0 else 64, 64):
-        try:
-            total = torch.ones(n)
-            comm.all_reduce(total)
-            seen.append(total[0].item())
-        except GroupcoordError as exc:
-            seen.append(f"{type(exc).__name__}: {exc}")
+    seen = [_reduced(comm, torch.ones(n)) for n in (16 if rank == 0 else 64, 64)]
     comm.abort()
     return seen
 
@@ -763,30 +777,21 @@ def _comm_batch_half_matched(rank: int, world: int) -> list:
 
     comm = new_comm("gloo", "cpu", "half", timeout=10)
     seen: list = []
-    for step in (1, 2, 3):
-        try:
-            if step == 1 and rank == 0:
-                batch = comm.batch_op_create()
-                batch.send(torch.full((64,), 1.0), 1)
-                batch.recv(torch.empty(64), 1)
-                batch.issue().wait()
-                seen.append("exchanged")
-                continue
-            got = torch.empty(64) if step == 1 else torch.full((64,), float(step + rank))
-            if step == 1:
-                comm.recv(got, 0)
-            else:
-                comm.all_reduce(got)
+    try:
+        if rank == 0:
+            batch = comm.batch_op_create()
+            batch.send(torch.full((64,), 1.0), 1)
+            batch.recv(torch.empty(64), 1)
+            batch.issue().wait()
+            seen.append("exchanged")
+        else:
+            got = torch.empty(64)
+            comm.recv(got, 0)
             seen.append(got[0].item())
-        except GroupcoordError as exc:
-            seen.append(f"{type(exc).__name__}: {exc}")
-    if rank == 1:
-        try:
-            total = torch.full((64,), 4.0)
-            comm.all_reduce(total)
-            seen.append(total[0].item())
-        except GroupcoordError as exc:
-            seen.append(f"{type(exc).__name__}: {exc}")
+    except GroupcoordError as exc:
+        seen.append(f"{type(exc).__name__}: {exc}")
+    steps = (2, 3) if rank == 0 else (2, 3, 4)
+    seen += [_reduced(comm, torch.full((64,), float(step + rank))) for step in steps]
     comm.abort()
     return seen
 
@@ -876,7 +881,7 @@ def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
     read a queue broadcast from it; the other ranks make rank 0's collective."""
     import threading
 
-    from shm_broadcast.errors import ClosedError, DesyncError
+    from shm_broadcast.errors import DesyncError
 
     group = _queue_group(rank, world, "qstall", False, timeout_s=30.0)
     big = torch.ones(4 << 20)  # 16 MiB: a call of several generations
@@ -896,11 +901,7 @@ def _writer_in_a_collective(rank: int, world: int, case: str) -> dict:
     took = time.monotonic() - started
     # A rank waited for a broadcast that the writer did not make: which side made
     # a call the other did not is unknown, so the group is closed on every rank.
-    try:
-        group.all_reduce(torch.ones(4))
-        after = "returned"
-    except ClosedError as exc:
-        after = str(exc)
+    after = _refused(lambda: group.all_reduce(torch.ones(4)))
     group.destroy()
     group = _queue_group(rank, world, "qstall2", False, timeout_s=30.0)
     # A writer with a second thread is waited for: that thread may write yet (here
@@ -949,7 +950,7 @@ def _readers_in_a_collective(rank: int, world: int) -> dict:
     collective instead of reading; at world 3 rank 2 reads all it can."""
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
-    from shm_broadcast.errors import ClosedError, DesyncError
+    from shm_broadcast.errors import DesyncError
 
     set_config(timeout_s=30.0, mq_max_chunks=2)
     init_gloo(rank, world)
@@ -970,11 +971,8 @@ def _readers_in_a_collective(rank: int, world: int) -> dict:
     except DesyncError as exc:
         raised = str(exc)
     took = time.monotonic() - started
-    try:  # the ranks' calls are whole calls apart: the group is closed
-        group.broadcast_tensor_dict({"step": 9} if rank == 0 else None, src=0)
-        after = "returned"
-    except ClosedError as exc:
-        after = str(exc)
+    # The ranks' calls are whole calls apart: the group is closed.
+    after = _refused(lambda: group.broadcast_tensor_dict({"step": 9} if rank == 0 else None, src=0))
     group.destroy()
     return {"raised": raised, "took": took, "read": read, "after": after}
 
@@ -1010,7 +1008,7 @@ def _receiver_while_sender_in_a_collective(rank: int, world: int, call: str, ope
     the channel's read, else in waiting for the sender to open it)."""
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
-    from shm_broadcast.errors import ClosedError, DesyncError
+    from shm_broadcast.errors import DesyncError
 
     set_config(timeout_s=30.0)
     init_gloo(rank, world)
@@ -1040,11 +1038,8 @@ def _receiver_while_sender_in_a_collective(rank: int, world: int, call: str, ope
     except DesyncError as exc:
         raised = str(exc)
     took = time.monotonic() - started
-    try:  # closed on both ranks: the next send or receive raises at once
-        send(value) if rank == 1 else receive()
-        after = "returned"
-    except ClosedError as exc:
-        after = str(exc)
+    # Closed on both ranks: the next send or receive raises at once.
+    after = _refused(lambda: send(value) if rank == 1 else receive())
     group.destroy()
     return {"raised": raised, "took": took, "after": after}
 
@@ -1077,7 +1072,7 @@ def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str, whe
     barrier instead of receiving (of the same group, or of another: ``where``); then
     rank 1 receives what was sent, and one more (``where`` another group: the
     same group's barrier met sends not received, and closed it)."""
-    from shm_broadcast.errors import ClosedError, DesyncError
+    from shm_broadcast.errors import DesyncError
 
     group, other = _two_groups(rank, world, ("sstall", "sworld"), 30.0)
     barrier = group.barrier if where == "same group" else other.barrier
@@ -1106,11 +1101,7 @@ def _sender_while_receiver_in_a_collective(rank: int, world: int, call: str, whe
     # (sends not received), or the other's (a call of one group in place of one
     # of the other's, since these ranks have two).
     closed, kept = (group, other) if where == "same group" else (other, group)
-    try:
-        closed.all_reduce(torch.ones(2))
-        after = "returned"
-    except ClosedError as exc:
-        after = str(exc)
+    after = _refused(lambda: closed.all_reduce(torch.ones(2)))
     got: list[int] = list(range(sent))
     if where == "other group" and rank == 0:
         send(-1)  # the last one, after every message a send returned for
@@ -1423,7 +1414,7 @@ def _driver_in_the_world_barrier(rank: int, world: int) -> dict:
     barrier while the workers wait for its next step in the TP group's queue."""
     from coordinator.group_coordinator import GroupCoordinator
     from shm_broadcast.config import set_config
-    from shm_broadcast.errors import ClosedError, DesyncError
+    from shm_broadcast.errors import DesyncError
 
     set_config(timeout_s=30.0)
     init_gloo(rank, world)
@@ -1443,11 +1434,7 @@ def _driver_in_the_world_barrier(rank: int, world: int) -> dict:
     took = time.monotonic() - started
     step = tp.broadcast_tensor_dict({"step": 7} if rank == 0 else None, src=0)["step"]
     total = tp.all_reduce(torch.ones(2)).tolist()
-    try:
-        world_group.all_reduce(torch.ones(2))
-        closed = ""
-    except ClosedError as exc:
-        closed = str(exc)
+    closed = _refused(lambda: world_group.all_reduce(torch.ones(2)))
     tp.destroy()
     world_group.destroy()
     return {"raised": raised, "took": took, "step": step, "sum": total, "closed": closed}
