@@ -46,8 +46,10 @@ from .errors import (
     ClosedError,
     DesyncError,
     GroupcoordError,
+    GroupcoordTimeoutError,
     GroupcoordValueError,
     NotSupportedError,
+    PeerDiedError,
 )
 from .failures import PartWay, absent_ranks, classify, ends_part_way
 from .meeting import meet
@@ -103,6 +105,21 @@ def building(what: str) -> Iterator[NotSupportedError | None]:
         _BUILDING.release()
 
 
+def _weak_closer(group: GroupBase) -> Callable[[str], None]:
+    """What the group's shared-memory path runs when this rank leaves it (a
+    timeout, a dead peer, a call ended part-way): the group closes too, its
+    lean calls (``shm_small``) having gone around ``_collective``. It holds the
+    group weakly (the communicator holds the hook)."""
+    owner = weakref.ref(group)
+
+    def close(reason: str) -> None:
+        alive = owner()
+        if alive is not None:
+            alive._close_here(f"its shared-memory path closed ({reason})")
+
+    return close
+
+
 def desync_cleanup(mq: Any, group: GroupBase) -> Callable[[str | None], str]:
     """What ``group`` runs on every rank when its ranks' calls are found out of step
     (before the ``DesyncError``), given why the ranks can no longer be brought back
@@ -117,8 +134,8 @@ def desync_cleanup(mq: Any, group: GroupBase) -> Callable[[str | None], str]:
 
     def drop(closing: str | None) -> str:
         closed = owner() if closing is not None else None
-        if closed is not None and closed._failure is None:
-            closed._failure = closing
+        if closed is not None and closing is not None:
+            closed._close_here(closing)
         dropped = mq.drop_unread() if mq is not None else 0
         if not dropped:
             return ""
@@ -217,7 +234,7 @@ class GroupBase:
         # Host identity (liveness.host_key) of each in-group rank (set by _exchange_pids).
         self.host_keys: list[int] = []
         self._destroyed = False
-        # Why this rank's calls are out of step with its peers' (see _ended_part_way).
+        # Why this rank's calls are out of step with its peers' (see _ended_with).
         self._failure: str | None = None
         self._failed_by: BaseException | None = None
         self._plain_comm: DeviceCommunicatorBase | None = None
@@ -365,6 +382,7 @@ class GroupBase:
         # The shared-memory path's stamps carry the group's one-way traffic, and a
         # mismatch it finds cleans up the group on every rank (desync_cleanup).
         shm.set_desync_hook(desync_cleanup(self.mq_broadcaster, self))
+        shm.set_on_leave(_weak_closer(self))
         shm.set_traffic(self._traffic)
         if self.mq_broadcaster is not None:
             writing = self.rank_in_group == 0
@@ -505,32 +523,51 @@ class GroupBase:
     def _check_peer(self, index: int, name: str) -> None:
         checks.rank(index, name, self.world_size, self.rank_in_group, f"group {self.unique_name}")
 
-    def _ended_part_way(self, operation: str, exc: BaseException) -> None:
-        """``exc`` ended ``operation`` on this rank: when it is not an ``Exception`` (a
-        signal handler's ``KeyboardInterrupt`` or ``SystemExit``, raised between two
-        steps of a protocol, say a length and its bytes), this rank's steps are out
-        of step with its peers' for good (its next call would take a step the peers
-        sent for this one, and Gloo aborts the process on a size it did not expect):
-        its later calls over the group raise ``ClosedError`` naming it."""
-        if not ends_part_way(exc, self._failed_by):
-            return
-        self._failed_by = exc
-        self._failure = (
-            f"its {operation} ended part-way on this rank with {type(exc).__name__}, "
-            "out of step with its peers"
-        )
+    def _ended_with(self, operation: str, exc: BaseException) -> None:
+        """``exc`` ended ``operation`` on this rank. Two kinds leave this rank's calls
+        out of step with its peers' for good, and its later calls over the group
+        raise ``ClosedError`` naming why:
+
+        - a timeout or a dead peer (``GroupcoordTimeoutError``, ``PeerDiedError``):
+          the peers may have gone on to calls this rank never met, with a message
+          sent for one of them still in its channel (until 2026-11-29 this rank's
+          next receive took it for its own: a wrong value, silently), and Gloo
+          closes a pair whose call timed out;
+        - anything that is not an ``Exception`` (a signal handler's
+          ``KeyboardInterrupt`` or ``SystemExit``, raised between two steps of a
+          protocol, say a length and its bytes): its next call would take a step
+          the peers sent for this one (Gloo aborts the process on a size it did
+          not expect)."""
+        if isinstance(exc, (GroupcoordTimeoutError, PeerDiedError)):
+            late = "timed out" if isinstance(exc, GroupcoordTimeoutError) else "lost a peer"
+            self._close_here(
+                f"its {operation} {late}, so its ranks may disagree on what comes next"
+            )
+        elif ends_part_way(exc, self._failed_by):
+            self._failed_by = exc
+            self._failure = (
+                f"its {operation} ended part-way on this rank with {type(exc).__name__}, "
+                "out of step with its peers"
+            )
+
+    def _close_here(self, reason: str) -> None:
+        """Later calls over the group on this rank raise ``ClosedError`` naming
+        ``reason`` (the first one given); build a new group to go on."""
+        if self._failure is None:
+            self._failure = reason
 
     def _whole(self, operation: str, lock: bool = True) -> PartWay:
         """Around a call of several steps, or one that goes outside ``_collective`` and
         ``_p2p`` (the message queue's broadcasts): refused once the group is out of
-        step, and ended part-way if it ends before it is done (``_ended_part_way``).
+        step, and closed when it ends in a way that leaves the ranks out of step
+        (``_ended_with``).
         With ``lock`` it holds the call lock throughout; a call whose steps all go
         through one channel that keeps its own turns does not: a point-to-point
         pair's (a rank's send and receive may overlap), or one message of the queue
         (whose read may wait as long as the writer lives)."""
         if self._failure is not None:
             self._check_usable()
-        return PartWay(self._ended_part_way, operation, self._call_lock if lock else None)
+        return PartWay(self._ended_with, operation, self._call_lock if lock else None)
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -545,20 +582,12 @@ class GroupBase:
         try:
             with self._call_lock:
                 out = fn(*args)
-        except (GroupcoordError, ValueError, TypeError) as exc:
-            # Ours already name what failed; bad arguments are raised before any send.
-            # A Gloo failure the communicator translated is diagnosed here again:
-            # the arrival records name exactly who did not come (and keep the
-            # collective count in step with the other ranks).
-            gloo = getattr(exc, "transport_error", None)
-            if isinstance(gloo, RuntimeError):
-                raise self._diagnose(operation, gloo) from gloo
-            raise
-        except RuntimeError as exc:
-            raise self._diagnose(operation, exc) from exc
         except BaseException as exc:
-            self._ended_part_way(operation, exc)
-            raise
+            error = self._failure_of(operation, exc)
+            self._ended_with(operation, error)
+            if error is exc:
+                raise
+            raise error from exc
         self._collective_seq += 1
         return out
 
@@ -568,24 +597,35 @@ class GroupBase:
             self._check_usable()
         try:
             return fn(*args)
-        except (GroupcoordError, ValueError, TypeError):
-            raise
-        except RuntimeError as exc:
-            peer_rank = self.ranks[peer]
-            dead = (
-                dead_peers({peer_rank: self._local_pids[peer_rank]})
-                if peer_rank in self._local_pids
-                else []
-            )
-            raise classify(
-                self.unique_name, operation, self.timeout_s, [peer_rank], exc, known_dead=bool(dead)
-            ) from exc
         except BaseException as exc:
-            self._ended_part_way(operation, exc)
-            raise
+            error = exc
+            if isinstance(exc, RuntimeError) and not isinstance(exc, GroupcoordError):
+                peer_rank = self.ranks[peer]
+                pid = self._local_pids.get(peer_rank)
+                dead = pid is not None and bool(dead_peers({peer_rank: pid}))
+                error = classify(
+                    self.unique_name, operation, self.timeout_s, [peer_rank], exc, known_dead=dead
+                )
+            self._ended_with(operation, error)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _wait_all(self, operation: str, works: list[Any]) -> None:
         self._collective(operation, lambda: [w.wait() for w in works])
+
+    def _failure_of(self, operation: str, exc: BaseException) -> BaseException:
+        """What a collective that ``exc`` ended raises: ours and bad arguments as they
+        are (raised before any send), except that a Gloo failure the communicator
+        translated, like any other transport failure, is diagnosed here: the
+        arrival records name exactly who did not come (and keep the collective
+        count in step with the other ranks)."""
+        if isinstance(exc, (GroupcoordError, ValueError, TypeError)):
+            gloo = getattr(exc, "transport_error", None)
+            return self._diagnose(operation, gloo) if isinstance(gloo, RuntimeError) else exc
+        if isinstance(exc, RuntimeError):
+            return self._diagnose(operation, exc)
+        return exc
 
     def _diagnose(self, operation: str, exc: RuntimeError) -> GroupcoordError:
         seq = self._collective_seq

@@ -62,7 +62,7 @@ class GroupMessaging(GroupBase):
         mine = self.rank_in_group == src
         if self.mq_broadcaster is not None and src == 0:
             # An interrupted read consumes nothing: the next call would return this
-            # call's object, so it ends the group here (_ended_part_way). One message:
+            # call's object, so it ends the group here (_ended_with). One message:
             # the queue's end keeps the threads' turns.
             with self._whole("broadcast_object", lock=False):
                 got = self._mq_broadcast(obj, "broadcast_object")

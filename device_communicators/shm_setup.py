@@ -264,6 +264,7 @@ class ShmBase(AllReduceBackend):
         self._slots: SlotSegment | None = None
         self._lines: PhaseLines | None = None  # the slots' control lines, while mapped
         self._desync_hook: Callable[[str | None], str] | None = None  # PhaseLines.on_desync
+        self._on_leave: Callable[[str], None] | None = None  # set_on_leave
         self._traffic: Traffic | None = None  # set_traffic
         # Direct reads of the peers' memory (large calls, ``peer_reads``), where allowed.
         self.peer_reads: PeerReads | None = None
@@ -352,6 +353,13 @@ class ShmBase(AllReduceBackend):
         if self._lines is not None:
             self._lines.on_desync = hook
 
+    def set_on_leave(self, hook: Callable[[str], None] | None) -> None:
+        """What runs, with why, when this rank's calls on the path end for good (a
+        timeout, a dead peer, a call ended part-way: :meth:`_leave`): the owner
+        group closes too (``GroupCoordinator``: its point-to-point channels would
+        otherwise go on out of step with its peers')."""
+        self._on_leave = hook
+
     def set_traffic(self, traffic: Traffic) -> None:
         """The owner group's one-way traffic (``shm_phases.Traffic``), which this
         path's call stamps carry: the group counts its queue broadcasts and
@@ -434,6 +442,8 @@ class ShmBase(AllReduceBackend):
             self._failure = reason
         if self._lines is not None:
             self._lines.leave()
+        if self._on_leave is not None:
+            self._on_leave(reason)
 
     def _close_in_step(self, reason: str) -> None:
         """Every rank closes this path at the same call, for the same ``reason`` (the

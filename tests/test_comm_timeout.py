@@ -11,6 +11,7 @@ import torch
 from coordinator.comm import WorkStatus, new_comm, recv_object_list
 from coordinator.errors import ClosedError, GroupcoordTimeoutError, PeerDiedError
 from coordinator.launch import run_ranks, start_ranks
+from shm_broadcast.config import set_config
 
 
 def _last_rank_missing(rank: int, world_size: int) -> float:
@@ -113,3 +114,31 @@ def test_a_dead_peer_is_named(world_size: int) -> None:
         killed=[world_size - 1]
     )[:-1]
     assert "died" in outcomes, outcomes
+
+
+def _dies_after_a_send(rank: int, world_size: int, shm: bool) -> str:
+    set_config(disable_shm_all_reduce=not shm)
+    comm = new_comm("gloo", "cpu", "dies-after-send", timeout=5)
+    if rank == 1:
+        comm.send(torch.ones(8), 0)
+        comm.send(torch.full((8,), 2.0), 0)  # for a receive after an all_reduce ...
+        os._exit(0)  # ... which rank 1 never joins
+    first = torch.zeros(8)
+    comm.recv(first, 1)
+    with pytest.raises((PeerDiedError, GroupcoordTimeoutError)):
+        comm.all_reduce(torch.ones(4))
+    # The ranks' calls now disagree: rank 1's second message was meant for a call
+    # after an all_reduce it never made. Until 2026-11-29 a comm whose Gloo
+    # all_reduce lost its peer went on, and this receive returned 2.0.
+    second = torch.zeros(8)
+    with pytest.raises(ClosedError, match="all_reduce (lost a peer|timed out) earlier"):
+        comm.recv(second, 1)
+    assert not second.any()
+    comm.abort()
+    return "refused"
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
+def test_a_comm_that_lost_a_peer_in_a_collective_refuses_the_calls_after_it(shm: bool) -> None:
+    ranks = start_ranks(_dies_after_a_send, 2, shm, timeout=60)
+    assert ranks.collect(killed=[1]) == ["refused", None]

@@ -18,6 +18,7 @@ from two_threads import in_two_threads
 
 from coordinator import custom_ops
 from coordinator.errors import (
+    ClosedError,
     DesyncError,
     GroupcoordError,
     GroupcoordTimeoutError,
@@ -279,6 +280,10 @@ def _absent_rank(rank: int, world_size: int, operation: str) -> str:
             g.all_gather(data(rank, (2, 2)), dim=0)
     assert time.monotonic() - start < 5.5
     assert info.value.missing == [world_size - 1]
+    # The ranks may now disagree on what comes next: the group refuses every call,
+    # a send too (which would have gone into its ring and returned).
+    with pytest.raises(ClosedError, match=f"earlier failure: .*{operation} timed out"):
+        g.send(torch.ones(2), dst=1 - rank)
     return str(info.value)
 
 
@@ -289,6 +294,41 @@ def test_a_timed_out_collective_names_the_absent_rank(operation: str) -> None:
         assert message.startswith("anonymous:0: "), message
         assert f"{operation} timed out after 2 s" in message, message
         assert "waiting for ranks [2]" in message, message
+
+
+def _a_send_left_behind_by_a_timeout(rank: int, world_size: int) -> list[str]:
+    # Collectives over Gloo, where a one-way call has no stall check against them;
+    # sends through the pair's shared-memory channel (a Gloo send would wait).
+    set_config(disable_shm_all_reduce=True)
+    g = world_group(rank, world_size, timeout=2.0)
+    errors = []
+    if rank == 0:
+        g.send(torch.full((4,), 1.0), dst=1)  # rank 1 broadcasts instead: both time out
+        with pytest.raises(GroupcoordTimeoutError):
+            g.recv(torch.Size([4]), torch.float32, src=1)
+    else:
+        with pytest.raises((GroupcoordTimeoutError, PeerDiedError)):
+            g.broadcast(torch.zeros(4), src=0)
+    # Rank 0 sends again, rank 1 receives: both in step again as the program goes,
+    # but the first message is still in the pair's channel. Until 2026-11-29 the
+    # group went on, and rank 1's receive returned 1.0 where 2.0 was sent.
+    try:
+        if rank == 0:
+            g.send(torch.full((4,), 2.0), dst=1)
+        else:
+            errors.append(f"received {g.recv(torch.Size([4]), torch.float32, src=0).tolist()}")
+    except ClosedError as exc:
+        errors.append(str(exc))
+    time.sleep(0.5)  # the peer's error is its own, not a dead rank 0's
+    return errors
+
+
+def test_a_group_whose_call_timed_out_refuses_the_calls_after_it() -> None:
+    for rank, errors in enumerate(run_ranks(_a_send_left_behind_by_a_timeout, 2, timeout=60)):
+        assert len(errors) == 1 and "is unusable after an earlier failure: its " in errors[0], (
+            rank,
+            errors,
+        )
 
 
 def test_no_shared_memory_is_left_after_destroy() -> None:

@@ -178,15 +178,12 @@ class Comm(CommOps):
         if shm.disabled_reason is None:  # the same verdict on every rank
             shm.set_traffic(self._traffic)
             shm.set_desync_hook(self._weak_desync_marker(self))
-            self._lane = ShmLane(
-                self._name, shm, self._weak_failure_marker(self), close=communicator.destroy
-            )
+            self._lane = ShmLane(self._name, shm, self._on_failure, close=communicator.destroy)
         # Every pair's calls go through its lanes, over the pair's channel or Gloo.
         self._p2p = P2PLanes(
             self._name,
             communicator.p2p_channels,
             self._pg,
-            self._weak_failure_marker(self),
             self._traffic,
         )
 

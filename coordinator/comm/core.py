@@ -37,7 +37,6 @@ from shm_broadcast.forked import owned_here
 from ..errors import (
     ClosedError,
     DesyncError,
-    GroupcoordTimeoutError,
     GroupcoordTypeError,
     GroupcoordValueError,
 )
@@ -139,7 +138,7 @@ class CommCore:
         # order, keeps each whole); threads racing calls of different kinds pair them
         # as they come, as in torch.
         self._call_lock = threading.RLock()
-        self._on_timeout = self._weak_timeout_marker(self)
+        self._on_failure = self._weak_failure_marker(self)
         owned_here(self, f"communicator {name!r}", _DESCRIPTIVE)
 
     # -- identity ----------------------------------------------------------
@@ -187,15 +186,21 @@ class CommCore:
             )
 
     @staticmethod
-    def _weak_failure_marker(comm: CommCore) -> Callable[[str, BaseException], None]:
-        """What the shared-memory lane calls when a peer was late or died (held weakly,
-        like the timeout marker below)."""
+    def _weak_failure_marker(comm: CommCore) -> Callable[[str, bool], None]:
+        """What a work or lane calls, ``(op, late)``, when a peer was late (the op's
+        deadline passed) or died: mark the comm broken.
+
+        It holds the comm weakly. A work's callbacks may be the last thing
+        released on one of Gloo's own threads; if they held the comm, the
+        process group's destructor would run there and try to join the very
+        thread it runs on (std::terminate, "Resource deadlock avoided").
+        Finishing steps likewise capture plain values, never the comm.
+        """
         ref = weakref.ref(comm)
 
-        def mark(op: str, exc: BaseException) -> None:
+        def mark(op: str, late: bool) -> None:
             alive = ref()
             if alive is not None:
-                late = isinstance(exc, GroupcoordTimeoutError)
                 alive._broken = f"{op} {'timed out' if late else 'lost a peer'} earlier"
 
         return mark
@@ -212,25 +217,6 @@ class CommCore:
             if reason is not None and alive is not None:
                 alive._broken = "closed by a desync on every rank"
             return ""  # the error names the closing already
-
-        return mark
-
-    @staticmethod
-    def _weak_timeout_marker(comm: CommCore) -> Callable[[Work], None]:
-        """What a work calls when its deadline passes: mark the comm broken.
-
-        It holds the comm weakly. A work's callbacks may be the last thing
-        released on one of Gloo's own threads; if they held the comm, the
-        process group's destructor would run there and try to join the very
-        thread it runs on (std::terminate, "Resource deadlock avoided").
-        Finishing steps likewise capture plain values, never the comm.
-        """
-        ref = weakref.ref(comm)
-
-        def mark(work: Work) -> None:
-            alive = ref()
-            if alive is not None:
-                alive._broken = f"{work.op} timed out earlier"
 
         return mark
 
@@ -373,7 +359,7 @@ class CommCore:
         checks.hints(hints)
         timeout_s = timeout_seconds(timeout, self._timeout_s)
         self._check_usable(op)
-        work = Work(self._name, op, peers, timeout_s, on_timeout=self._on_timeout)
+        work = Work(self._name, op, peers, timeout_s, on_failure=self._on_failure)
         work.local_pids = self._local_pids
         return work
 

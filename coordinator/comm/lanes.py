@@ -50,12 +50,11 @@ def _is_idle(lane: weakref.ref[Lane]) -> bool:
 class Lane:
     """Runs calls (``call(work)``, which settles ``work``) in issue order.
 
-    ``on_failure`` is told the operation's name and the error when a peer was late or died.
+    A call's work tells its comm when a peer was late or died (``Work._failed``).
     """
 
-    def __init__(self, name: str, on_failure: Callable[[str, BaseException], None]) -> None:
+    def __init__(self, name: str) -> None:
         self._name = name
-        self._on_failure = on_failure
         self._lock = threading.Lock()
         # Held while a call runs: two threads of the caller that issue at once run
         # their calls one after the other, never together (one channel, one set of slots).
@@ -114,9 +113,7 @@ class Lane:
             with self._running:
                 call(work)
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
-            if isinstance(exc, GroupcoordTimeoutError):
-                work._expire()  # TIMED_OUT, and the comm is told through the work
-            self._on_failure(work.op, exc)
+            work._failed(exc)  # TIMED_OUT for a timeout; the comm is told
             if inline:
                 raise
             work._finish(exc)
@@ -182,10 +179,13 @@ class ShmLane(Lane):
         self,
         name: str,
         shm: ShmAllReduce,
-        on_failure: Callable[[str, BaseException], None],
+        on_failure: Callable[[str, bool], None],
         close: Callable[[], None],
     ) -> None:
-        super().__init__(f"{name}-shm", on_failure)
+        super().__init__(f"{name}-shm")
+        # Told (op, late) when a peer was late or died in a call run without a
+        # work (run_now); a work tells its own.
+        self._on_failure = on_failure
         self.shm = shm
         self._release = close  # releases shm (and whatever else its owner holds)
         self._inside = 0  # calls running in the back end right now
@@ -228,7 +228,7 @@ class ShmLane(Lane):
                 self.shm.set_timeout(timeout_s)
                 return call()
         except (GroupcoordTimeoutError, PeerDiedError) as exc:
-            self._on_failure(op, exc)
+            self._on_failure(op, isinstance(exc, GroupcoordTimeoutError))
             raise
         finally:
             self._leave(None)

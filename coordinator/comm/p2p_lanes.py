@@ -50,14 +50,12 @@ class P2PLanes:
         name: str,
         channels: P2PChannels,
         pg: Any,
-        on_failure: Callable[[str, BaseException], None],
         traffic: Traffic,
     ) -> None:
         self._name = name
         self._traffic = traffic  # every message sent or taken (Comm._mark_in_flight)
         self._channels = channels
         self._pg = pg
-        self._on_failure = on_failure
         self._lanes: dict[tuple[Kind, int], Lane] = {}
         self._lock = threading.Lock()
 
@@ -131,7 +129,7 @@ class P2PLanes:
     @staticmethod
     def _part(batch: Work, kind: Kind, peer: int) -> Work:
         """The work of one op of ``batch``: its deadline is the batch's."""
-        part = Work(batch.comm_name, kind, [peer], batch.timeout_s, batch._on_timeout)
+        part = Work(batch.comm_name, kind, [peer], batch.timeout_s, batch._on_failure)
         part.deadline = batch.deadline
         part.local_pids = batch.local_pids
         return part
@@ -150,9 +148,7 @@ class P2PLanes:
         lane = self._lanes.get((kind, peer))
         if lane is None:
             with self._lock:
-                lane = self._lanes.setdefault(
-                    (kind, peer), Lane(f"{self._name}-{kind}{peer}", self._on_failure)
-                )
+                lane = self._lanes.setdefault((kind, peer), Lane(f"{self._name}-{kind}{peer}"))
         return lane
 
     def _call(self, kind: Kind, tensor: torch.Tensor, peer: int) -> LaneCall:

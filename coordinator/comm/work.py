@@ -23,6 +23,7 @@ from ..errors import (
     ClosedError,
     GroupcoordError,
     GroupcoordTimeoutError,
+    PeerDiedError,
     ProtocolError,
 )
 
@@ -52,14 +53,16 @@ class Work:
         op: str,
         peers: Sequence[int],
         timeout_s: float,
-        on_timeout: Callable[[Work], None] | None = None,
+        on_failure: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.comm_name = comm_name
         self.op = op
         self.peers = sorted(set(peers))
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self._on_timeout = on_timeout
+        # Told (op, late) once when the op timed out (late) or lost a peer: after
+        # either the ranks may disagree on what comes next (the comm closes).
+        self._on_failure = on_failure
         # Done flag; the event a waiter blocks on is made only when someone has to wait
         # (most works finish inline, and an Event costs ~2 us to make).
         self._finished = False
@@ -146,8 +149,15 @@ class Work:
         """The op's own deadline passed unfinished: TIMED_OUT, and tell the comm once."""
         if self._status is WorkStatus.INPROGRESS:
             self._status = WorkStatus.TIMED_OUT
-            if self._on_timeout is not None:
-                self._on_timeout(self)
+            if self._on_failure is not None:
+                self._on_failure(self.op, True)
+
+    def _failed(self, error: BaseException) -> None:
+        """``error`` ended the op: a timeout expires it, a dead peer tells the comm."""
+        if isinstance(error, GroupcoordTimeoutError):
+            self._expire()
+        elif isinstance(error, PeerDiedError) and self._on_failure is not None:
+            self._on_failure(self.op, False)
 
     def is_completed(self) -> bool:
         """True once the results are final (or the work failed)."""
@@ -227,8 +237,7 @@ def translate_error(work: Work, exc: BaseException) -> BaseException:
     )
     if error is None:
         error = ProtocolError(f"{work._what()}: {work.op} failed: {str(exc).strip()}")
-    elif isinstance(error, GroupcoordTimeoutError):
-        work._expire()
+    work._failed(error)
     error.__cause__ = exc
     return error
 
