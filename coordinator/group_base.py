@@ -133,10 +133,10 @@ def desync_cleanup(mq: Any, group: GroupBase) -> Callable[[str | None], str]:
     owner = weakref.ref(group)
 
     def drop(closing: str | None) -> str:
+        dropped = mq.drop_unread() if mq is not None else 0  # before the queue shuts
         closed = owner() if closing is not None else None
         if closed is not None and closing is not None:
             closed._close_here(closing)
-        dropped = mq.drop_unread() if mq is not None else 0
         if not dropped:
             return ""
         return (
@@ -544,17 +544,23 @@ class GroupBase:
                 f"its {operation} {late}, so its ranks may disagree on what comes next"
             )
         elif ends_part_way(exc, self._failed_by):
-            self._failed_by = exc
-            self._failure = (
+            self._failed_by = exc  # named over an earlier reason: the enclosing call is
+            self._close_here(
                 f"its {operation} ended part-way on this rank with {type(exc).__name__}, "
-                "out of step with its peers"
+                "out of step with its peers",
+                replace=True,
             )
 
-    def _close_here(self, reason: str) -> None:
+    def _close_here(self, reason: str, replace: bool = False) -> None:
         """Later calls over the group on this rank raise ``ClosedError`` naming
-        ``reason`` (the first one given); build a new group to go on."""
-        if self._failure is None:
+        ``reason`` (the first one given, unless ``replace``); build a new group to
+        go on. This rank's end of the group's message queue shuts down, so a peer
+        waiting on it (a reader for the next broadcast, the writer for room) ends
+        at once with ``ClosedError`` instead of waiting while this process lives."""
+        if self._failure is None or replace:
             self._failure = reason
+        if self.mq_broadcaster is not None:
+            self.mq_broadcaster.shutdown()
 
     def _whole(self, operation: str, lock: bool = True) -> PartWay:
         """Around a call of several steps, or one that goes outside ``_collective`` and

@@ -16,7 +16,7 @@ from shm_broadcast.codec import EncodedMessage, encode_message, loads, message_b
 from shm_broadcast.group_io import broadcast_bytes
 
 from . import tensor_dicts
-from .errors import DesyncError, GroupcoordError, GroupcoordTypeError
+from .errors import ClosedError, DesyncError, GroupcoordError, GroupcoordTypeError
 from .group_base import GroupBase
 from .metadata import OBJECT_LIST, expect, object_message, received_object, tensor_dict_in
 
@@ -121,15 +121,23 @@ class GroupMessaging(GroupBase):
         in a collective of the group instead with DesyncError (see
         docs/coordinator.md)."""
         check = self._queue_checks.get(operation)
-        if self.rank_in_group == 0:
-            self.mq_broadcaster.enqueue(obj, stall_check=check)
-        else:
-            try:
+        try:
+            if self.rank_in_group == 0:
+                self.mq_broadcaster.enqueue(obj, stall_check=check)
+            else:
                 obj = self.mq_broadcaster.dequeue(stall_check=check)
-            except GroupcoordError as exc:
-                if exc.taken:  # read, and it did not decode here
-                    self._traffic.count_queue_call()
-                raise
+        except ClosedError as exc:
+            # A peer's group closed (a call of its failed) or was destroyed: its end
+            # of the queue shut down (_close_here), so this rank's closes too.
+            self._close_here(f"its {operation} found a peer's end of its queue shut ({exc})")
+            raise ClosedError(
+                f"{self.unique_name}: {operation} ended: {exc} (the group closed or was "
+                "destroyed on that rank, and is closed here too)"
+            ) from exc
+        except GroupcoordError as exc:
+            if exc.taken:  # read, and it did not decode here
+                self._traffic.count_queue_call()
+            raise
         # Counted on every rank: ranks whose counts differ at a collective had a
         # broadcast met by another call, and the group closes (shm_phases.Traffic).
         self._traffic.count_queue_call()

@@ -248,20 +248,16 @@ class Traffic:
     at every collective the ranks' counts must show every broadcast read and every
     message taken (``PhaseLines._check_agreement``; Gloo's ``debug_desync`` check
     reads the counts here too). A ``Comm`` counts its sends and receives here too,
-    as they complete, on whatever thread runs them (:meth:`in_flight` covers its
-    asynchronous ones until then)."""
+    as it posts them (``coordinator/comm/p2p_lanes.py``)."""
 
-    __slots__ = ("queue_calls", "messages", "thread", "bits", "posted", "_in_flight", "_lock")
+    __slots__ = ("queue_calls", "messages", "thread", "bits", "_lock")
 
     def __init__(self) -> None:
         self.queue_calls = 0
         self.messages = 0
         self.thread = 0  # the thread of the last of them
         self.bits = 0  # their low bits, as the stamps carry them
-        # _OTHER_THREAD while asynchronous calls counted here have not finished.
-        self.posted = 0
-        self._in_flight = 0
-        self._lock = threading.Lock()  # _in_flight: finished on other threads
+        self._lock = threading.Lock()  # count_message: a Comm's threads
 
     def count_queue_call(self) -> None:
         """A broadcast through the group's message queue, written or read here."""
@@ -272,39 +268,16 @@ class Traffic:
         """A point-to-point call sent a message to a peer of the group (``sent``), or
         took one from a peer (a receive that refuses what came has taken it; one
         that raised before anything came has not). Under the lock: a ``Comm``'s
-        sends and receives to a peer run on their own threads."""
+        threads may count at once."""
         with self._lock:
             self.messages += 1 if sent else -1
             self._update()
 
-    def in_flight(self) -> Callable[[object], None]:
-        """An asynchronous point-to-point call posted now. Until it finished (the
-        callable returned, which runs it down once, with anything as argument: a
-        work's ``_then``) it may come before or after this rank's next
-        collectives, as another thread's calls may, so the stamps do not compare
-        the traffic while the calls agree (a rank whose receive is in flight across
-        a collective is no error)."""
-        with self._lock:
-            self._in_flight += 1
-            self.posted = _OTHER_THREAD
-        done = False
-
-        def finished(_: object) -> None:
-            nonlocal done
-            with self._lock:
-                if not done:
-                    done = True
-                    self._in_flight -= 1
-                    if not self._in_flight:
-                        self.posted = 0
-
-        return finished
-
     def unordered(self) -> bool:
         """Whether this rank's traffic may fall on either side of a collective this
-        thread makes now: calls in flight, or the last one made on another thread
-        (the stamps' ``_OTHER_THREAD``)."""
-        return bool(self.posted) or (bool(self.bits) and self.thread != threading.get_ident())
+        thread makes now: the last one-way call was made on another thread (the
+        stamps' ``_OTHER_THREAD``)."""
+        return bool(self.bits) and self.thread != threading.get_ident()
 
     def _update(self) -> None:
         self.thread = threading.get_ident()
@@ -582,7 +555,7 @@ class PhaseLines:
         counters = self._counters
         counters[at] = code
         traffic = self.traffic
-        bits = traffic.bits | traffic.posted
+        bits = traffic.bits
         if bits and traffic.thread != threading.get_ident():
             bits |= _OTHER_THREAD
         counters[at + 1] = ((calls & _CALL_MASK) << _CALL_SHIFT) | bits | _other_groups | count

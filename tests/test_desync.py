@@ -618,7 +618,9 @@ def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bo
         set_config(disable_shm_all_reduce=True, debug_desync=True)
     comm = new_comm("gloo", "cpu", "oneway", timeout=10)
     x = torch.ones(64)
-    if rank == 0:
+    if call == "async send, pair's first":
+        pass  # posted with no ring open yet: it goes to its lane's thread
+    elif rank == 0:
         comm.send(x, 1)
     elif rank == 1:
         comm.recv(torch.empty(64), 0)
@@ -631,6 +633,7 @@ def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bo
     one_way = {
         "send": lambda: comm.send(x, 1),
         "async send": lambda: comm.send(x, 1, async_op=True).wait(),
+        "async send, pair's first": lambda: comm.send(x, 1, async_op=True),  # not waited for
         "batch": batch,
         "send_object_list": lambda: send_object_list(comm, [{"x": 1}], 1),
     }[call]
@@ -647,7 +650,8 @@ def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bo
 @pytest.mark.parametrize(
     ("call", "world", "gloo"),
     [("send", 2, False), ("async send", 2, False), ("batch", 3, False),
-     ("send_object_list", 2, False), ("send", 2, True), ("async send", 3, True)],
+     ("send_object_list", 2, False), ("send", 2, True), ("async send", 3, True),
+     ("async send, pair's first", 2, False), ("async send, pair's first", 2, True)],
 )  # fmt: skip
 def test_a_comm_send_met_by_a_same_shaped_collective_closes_the_comm(call, world, gloo):
     """A ``Comm``'s sends were not counted (docs/RELIABILITY.md row 87): where the
@@ -655,8 +659,10 @@ def test_a_comm_send_met_by_a_same_shaped_collective_closes_the_comm(call, world
     returned 3.0 and 5.0 where 1.0, 2.0 and 3.0 were due, with no error. Now the
     communicator counts its sends and receives as a group does, and the first
     collective after the unreceived send raises DesyncError on every rank and
-    closes the comm: no rank gets a wrong value. (An asynchronous send still in
-    flight is not compared: it may be received after the collective.)"""
+    closes the comm: no rank gets a wrong value. An asynchronous send still on its
+    lane's thread (the pair's first, before its ring is open) was left out of the
+    comparison until 2026-11-29, and a Comm sweep (seed 149 over Gloo) returned
+    wrong sums: now every send and receive counts when it is posted."""
     results = run_ranks(_comm_one_way_met_by_a_collective, world, call, gloo, timeout=60)
     _closed_by_the_one_way_call(
         results, "had not been received", "communicator 'oneway' is closed on every rank"
@@ -754,15 +760,14 @@ def test_a_comm_receive_that_raised_before_anything_came_is_not_counted():
     the traffic in balance, and rank 1's next receive returned that stale message
     (1.0) for rank 0's fresh one (3.0), no error (a random sweep of a Comm's
     sends, receives, batches and collectives, docs/RELIABILITY.md row 87). The
-    lanes count what was sent and taken, so the broadcast the receive joined
-    already closes the comm on both ranks."""
+    receive, stuck on a peer in a collective, joins it, and that closes the comm
+    on both ranks (row 90); a receive that raised before anything came gives its
+    count back."""
     results = run_ranks(_comm_receive_that_met_a_collective, 2, timeout=60)
     for rank, seen in enumerate(results):
         assert not [v for v in seen if isinstance(v, float)], (rank, seen)
-        assert seen[0].startswith("DesyncError") and "had not been received" in seen[0], (
-            rank,
-            seen,
-        )
+        assert seen[0].startswith("DesyncError"), (rank, seen)
+        assert "communicator 'stale' is closed on every rank" in seen[0], (rank, seen)
         assert all(v.startswith("ClosedError") for v in seen[1:]), (rank, seen)
 
 
@@ -943,6 +948,53 @@ def test_a_reader_waiting_on_a_writer_that_waits_for_it_in_a_collective_raises(c
         assert "closed on every rank" in got["raised"], (rank, got)
         assert "is unusable" in got["after"], (rank, got)
         assert got["late"] == "late", (rank, got)
+
+
+def _queue_end_left_by_a_gloo_timeout(rank: int, world: int, waiting: str) -> dict:
+    """Over Gloo (where no stall check ends a queue wait), one rank makes a
+    collective the other does not: the rank in the collective times out after 2 s
+    and stays alive; the other waits on the group's queue, as the reader of a
+    broadcast rank 0 never makes ("reader") or as rank 0 writing a third broadcast
+    into a full queue of two chunks rank 1 never reads ("writer")."""
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import GroupcoordError
+
+    set_config(mq_max_chunks=2)
+    group = _queue_group(rank, world, "qgloo", True, timeout_s=2.0)
+    in_collective = 0 if waiting == "reader" else 1
+    raised, started = "", time.monotonic()
+    try:
+        if rank == in_collective:
+            group.all_reduce(torch.ones(4))
+        elif waiting == "reader":
+            group.broadcast_object(None, src=0)
+        else:
+            for step in range(3):
+                group.broadcast_object(step, src=0)
+    except GroupcoordError as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - started
+    time.sleep(5.0 if rank == in_collective else 0.0)  # alive well past the other's end
+    group.destroy()
+    return {"raised": raised, "took": took}
+
+
+@pytest.mark.parametrize("waiting", ["reader", "writer"])
+def test_a_queue_wait_on_a_rank_whose_group_closed_ends_at_once(waiting):
+    """A rank whose group closed (here its Gloo collective timed out) shuts its end
+    of the group's queue, and a peer waiting on that end raises ClosedError naming
+    the group: until 2026-11-29 the peer waited as long as that rank lived (an
+    engine that catches the error: for ever), the queue's reads having no deadline."""
+    results = run_ranks(_queue_end_left_by_a_gloo_timeout, 2, waiting, timeout=90)
+    in_collective = 0 if waiting == "reader" else 1
+    for rank, got in enumerate(results):
+        if rank == in_collective:
+            assert got["raised"].startswith("GroupcoordTimeoutError: qgloo:0: all_reduce"), got
+            continue
+        assert got["raised"].startswith("ClosedError: qgloo:0: broadcast_object ended"), got
+        shut = "the writer shut the queue down" if waiting == "reader" else "rank 1 shut down"
+        assert shut in got["raised"], got
+        assert got["took"] < 6.0, got  # its peer's timeout (3 s here), not its exit (8 s)
 
 
 def _readers_in_a_collective(rank: int, world: int) -> dict:

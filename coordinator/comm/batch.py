@@ -97,6 +97,5 @@ class P2PBatch:
         assert comm._p2p is not None  # set at creation
         work = comm._new_work("batch", peers, timeout, async_op, hints)
         self._issued = True
-        comm._mark_in_flight(work, async_op)
         comm._p2p.run_batch(work, [(op.kind, op.tensor, op.peer) for op in ops], async_op)
         return work

@@ -375,23 +375,12 @@ class CommCore:
         """A send or receive, on its peer's lane (over the pair's channel or Gloo)."""
         assert self._p2p is not None  # set at creation
         work = self._new_work(kind, [peer], timeout, async_op, hints)
-        self._mark_in_flight(work, async_op)
         try:
             self._p2p.run(work, kind, tensor, peer, async_op)
         except BaseException as exc:
             self._ended_part_way(kind, exc)
             raise
         return work
-
-    def _mark_in_flight(self, work: Work, async_op: bool) -> None:
-        """The point-to-point lanes count every message sent and taken in the traffic
-        the comm's collectives compare (``shm_phases.Traffic``): every message sent
-        in the comm is received before its next collective, else a send that met a
-        collective on the other side would pair the ranks' next same-shaped calls
-        shifted. An asynchronous ``work`` posted now is left out of the comparison
-        until it finished (it may come before or after a collective there)."""
-        if async_op:
-            work._then = self._traffic.in_flight()
 
     def _lean(self, op: str, call: Callable[[SmallCalls], object], *tensors: Any) -> Work | None:
         """A small synchronous call on the shared-memory back end's lean path

@@ -152,6 +152,16 @@ class P2PLanes:
         return lane
 
     def _call(self, kind: Kind, tensor: torch.Tensor, peer: int) -> LaneCall:
+        """The lane's call for one op, counted now in the traffic the comm's
+        collectives compare (``shm_phases.Traffic``: messages sent less taken), on
+        the caller's thread, in its order among the caller's calls, however late
+        the lane runs it. A message sent before a collective is one the peer must
+        have taken, or posted a receive for, before its own. Until 2026-11-29 an
+        op counted once done, and an asynchronous one still in flight made the
+        collective skip the comparison: a peer that made a collective where it
+        should have received then paired its next same-shaped collective with this
+        rank's (wrong sums, no error)."""
+        self._traffic.count_message(sent=kind == "send")
         if kind == "send":
             return functools.partial(self._send, tensor, peer)
         return functools.partial(self._recv, tensor, peer)
@@ -162,16 +172,16 @@ class P2PLanes:
             self._channels.send_tensor(dst, tensor, work.op, limit)
         else:
             self._gloo(work, lambda: c10d_calls.send(self._pg, tensor, dst), limit)
-        self._traffic.count_message(sent=True)
 
     def _recv(self, tensor: torch.Tensor, src: int, work: Work) -> None:
         try:
             self._take(tensor, src, work)
         except GroupcoordError as exc:
-            if exc.taken:  # refused what came (another size): taken all the same
-                self._traffic.count_message(sent=False)
+            # One that refused what came (another size) took it all the same; one
+            # that raised before anything came took nothing.
+            if not exc.taken:
+                self._traffic.count_message(sent=True)  # undoes its count
             raise
-        self._traffic.count_message(sent=False)
 
     def _take(self, tensor: torch.Tensor, src: int, work: Work) -> None:
         limit = Limit(work.timeout_s, work.deadline)
