@@ -69,6 +69,11 @@ class PeerDiedError(GroupcoordError, ConnectionError):
         self.operation = operation
         self.dead = sorted(dead)
         message = f"{what}: {operation} failed: peer rank(s) {self.dead} died"
+        if not self.dead:  # the transport lost a peer, and nothing names one
+            message = (
+                f"{what}: {operation} failed: a peer closed its connection, though none is "
+                "known dead (a call of its own may have failed first and closed its end)"
+            )
         if detail:
             message += f" ({detail})"
         super().__init__(message)

@@ -61,6 +61,20 @@ def test_closed_connection_without_pids_lists_every_possible_peer() -> None:
     assert "which of these ranks is unknown" in str(error)
 
 
+def test_a_closed_connection_every_rank_reached_names_no_rank_dead() -> None:
+    """Every rank posted its arrival and none is dead, yet the transport says a
+    peer closed its connection (its own call timed out first, say): the error
+    said "peer rank(s) [] died". It still closes the group (the pair is gone)."""
+    from coordinator.failures import classify
+
+    error = classify("tp:0", "all_reduce", 2.0, [], RuntimeError(GLOO_CLOSED))
+    assert isinstance(error, PeerDiedError) and error.dead == []
+    assert "[] died" not in str(error), str(error)
+    assert "tp:0: all_reduce failed: a peer closed its connection, though none is known dead" in (
+        str(error)
+    )
+
+
 def test_a_dead_peer_wins_over_the_timeout_text() -> None:
     gone = _pid_that_cannot_exist()
     error = translate_gloo_error(RuntimeError(GLOO_TIMEOUT), "tp", "recv", None, [5], {5: gone})
