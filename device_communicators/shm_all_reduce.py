@@ -43,7 +43,7 @@ from torch.distributed import ReduceOp
 
 from shm_broadcast.host_memory import empty_output
 
-from .errors import GroupcoordValueError
+from .errors import DesyncError, GroupcoordValueError
 from .peer_reads import (
     DIRECT_ALL_REDUCE_MIN_BYTES,
     GATHER_CHUNK_BYTES,
@@ -589,7 +589,10 @@ class ShmAllReduce(ShmBase):
         with self._desync_guard:
             self._first_arrive(lines, 2 * gen - 1, None)
         table = [slots.posted_run(s, r, 0, 2 * world) for r in range(world)]
-        check_all_to_all_counts(self.what, table)
+        try:
+            check_all_to_all_counts(self.what, table)
+        except DesyncError as exc:
+            raise self._counts_disagree(exc) from None
         sent = [row[:world] for row in table]  # sent[r][q]: elements r sends q
         starts = [sum(sent[r][:me]) * size for r in range(world)]  # bytes: my block of r's
         into = [sum(counts[world : world + r]) * size for r in range(world)]

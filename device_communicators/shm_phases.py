@@ -329,9 +329,17 @@ def closing_reason(
     rank, another, how many more broadcasts the first made through the group's
     message queue); ``sent``, each rank's point-to-point messages sent in the group
     less those it took, when they do not add up to 0; ``elsewhere``, where the
-    ranks' calls differ, the ranks whose processes have other groups;
-    ``stood_in``, the ranks that joined the call from a one-way call they were
-    stuck in (``queue_code``)."""
+    ranks' calls differ (None where they agree), the ranks whose processes have
+    other groups; ``stood_in``, the ranks that joined the call from a one-way
+    call they were stuck in (``queue_code``).
+
+    Calls that differ always close the group: no rank can tell one call made in
+    place of another (after which the ranks' next calls pair as meant) from a
+    call one rank skipped or made once more (after which every call pairs with
+    the peers' next one, and same-shaped ones return each other's data). Until
+    2026-11-29 only ranks with other groups closed it: a Comm of three ranks, one
+    of which skipped an all_reduce, raised DesyncError at the next two calls and
+    then returned wrong sums at the third (a sweep of world 3)."""
     reasons = []
     if stood_in:
         reasons.append(
@@ -356,10 +364,16 @@ def closing_reason(
             ": a one-way call met another call on the other side, or is to be read "
             "only after this call"
         )
-    if elsewhere:
+    if elsewhere is not None:
         reasons.append(
-            f"rank(s) {elsewhere} have other groups, where one may have made a call in "
-            "place of one of this group's (or the other way round)"
+            "the ranks' calls differ, and a rank may have skipped a call or made one "
+            "more, not one in place of another"
+            + (
+                f" (rank(s) {elsewhere} have other groups, where one may have made a call "
+                "in place of one of this group's, or the other way round)"
+                if elsewhere
+                else ""
+            )
         )
     if not reasons:
         return None
@@ -659,6 +673,12 @@ class PhaseLines:
             queue = (other, me, ahead) if ahead > 0 else (me, other, -ahead)
         sent = {self.ranks[r]: _signed(b, _MESSAGES_MASK) for r, b in sorted(balances.items())}
         others = [self.ranks[r] for r in sorted(elsewhere)] if differs >= 0 else None
+        if differs >= 0 and all(
+            not (counters[at] ^ code) & ~READ_DIRECTLY
+            and not (counters[at + 1] ^ word) & ~_TRAFFIC_FIELDS
+            for at in peers
+        ):
+            others = None  # one call made two ways (slots, direct reads): in step
         stood_in = [
             self.ranks[r]
             for r in range(self.world_size)

@@ -45,6 +45,7 @@ from .shm_phases import (
     PhaseLines,
     Traffic,
     call_code,
+    closing_reason,
     describe_call,
     elsewhere_code,
     queue_code,
@@ -444,6 +445,17 @@ class ShmBase(AllReduceBackend):
             self._lines.leave()
         if self._on_leave is not None:
             self._on_leave(reason)
+
+    def _counts_disagree(self, exc: DesyncError) -> DesyncError:
+        """The error for counts the ranks exchanged in a call they agree on, which do
+        not fit together (every rank saw the same table, so every rank raises here):
+        the path closes on every rank, as for calls that differ
+        (``closing_reason``), since one rank may have skipped a call of the same kind
+        and met the next; the owner's clean-up runs as for a desync."""
+        message = f"{exc}; {closing_reason(self.what, None, None, [])}"
+        note = self._desync_hook(message) if self._desync_hook is not None else ""
+        self._close_in_step(message)
+        return DesyncError(message + note)
 
     def _close_in_step(self, reason: str) -> None:
         """Every rank closes this path at the same call, for the same ``reason`` (the

@@ -81,6 +81,8 @@ class _Owner(Protocol):
 
     def _ended_part_way(self, exc: BaseException) -> None: ...
 
+    def _counts_disagree(self, exc: DesyncError) -> DesyncError: ...
+
 
 class _Plan:
     """What one kind of call (operation, dtype, shape, dim) needs, for both slot sets."""
@@ -392,10 +394,12 @@ class SmallCalls:
                 return VaryingParts(True, torch.cat(plan.reads[s], plan.dim), lengths)
         inner = plan.inner  # the same on every rank (the stamps' layouts agree)
         if any(n % inner for n in counts):  # layouts whose 16-bit checksums collided
-            raise DesyncError(
-                f"{owner.what}: the ranks' parts hold {counts} elements, which parts of "
-                f"this rank's layout (shape {tuple(tensor.shape)}, joined along dim "
-                f"{plan.dim}) cannot: the other dims differ by rank"
+            raise owner._counts_disagree(
+                DesyncError(
+                    f"{owner.what}: the ranks' parts hold {counts} elements, which parts of "
+                    f"this rank's layout (shape {tuple(tensor.shape)}, joined along dim "
+                    f"{plan.dim}) cannot: the other dims differ by rank"
+                )
             )
         lengths = [n // inner for n in counts]
         if any(n * size > limit for n in counts):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -363,36 +365,50 @@ def _shared_memory_path(rank: int, world_size: int) -> str:
     parts = [torch.full((n,), float(rank + 1)) for n in cut]
     comm.reduce_scatter_v(got, parts, async_op=rank == 0).wait()
     assert got.tolist() == [world_size * (world_size + 1) / 2] * cut[rank]
-    # The path is the shared-memory back end: its desync check names both sides,
-    # which Gloo would not (it would return a wrong sum or hang).
-    mine = torch.ones(4096 if rank == 0 else 8192)
-    with pytest.raises(DesyncError) as caught:
-        comm.all_reduce(mine)
-    assert "float32[4096]" in str(caught.value) and "float32[8192]" in str(caught.value)
-    # So do ranks that cut a reduce_scatter_v's rows differently (same element count).
-    cut = [1] * (world_size - 1) + [9 - world_size]
-    ins = [torch.ones(n) for n in (cut if rank == 0 else cut[::-1])]
-    with pytest.raises(DesyncError, match=r"float32\[8\], SUM, sizes #.*sizes #"):
-        comm.reduce_scatter_v(torch.empty(ins[rank].numel()), ins)
-    # An operator the comm emulates (AVG: a sum, then a division) is fingerprinted as
-    # itself: against a SUM it raises instead of returning an average on one rank.
-    mine_op = ReduceOp.AVG if rank == 0 else ReduceOp.SUM
-    for call in (
-        lambda: comm.all_reduce(torch.ones(4), mine_op),
-        lambda: comm.reduce(torch.ones(300_000), 0, mine_op),
-        lambda: comm.reduce_scatter_single(torch.empty(4), torch.ones(4 * world_size), mine_op),
-    ):
-        with pytest.raises(DesyncError) as caught:
-            call()
-        assert "], AVG" in str(caught.value) and "], SUM" in str(caught.value)
     # Bitwise operators and complex sums take the path too, checked alike.
     bits = torch.tensor([6, 3], dtype=torch.int32) << rank
     comm.all_reduce(bits, ReduceOp.BOR)
     want = [functools.reduce(operator.or_, (v << r for r in range(world_size))) for v in (6, 3)]
     assert bits.tolist() == want
+
+    # The path is the shared-memory back end: its desync check names both sides,
+    # which Gloo would not (it would return a wrong sum or hang). A mismatch closes
+    # its comm on every rank, so each below has a comm of its own.
+    def mismatched(call: Callable[[Any], Any], name: str) -> str:
+        other = new_comm("gloo", "cpu", name, timeout=20)
+        try:
+            with pytest.raises(DesyncError) as caught:
+                call(other)
+            with pytest.raises(ClosedError, match="closed by a desync on every rank"):
+                other.barrier()
+            return str(caught.value)
+        finally:
+            other.abort()
+
+    mine = torch.ones(4096 if rank == 0 else 8192)
+    raised = mismatched(lambda c: c.all_reduce(mine), "shm-path-size")
+    assert "float32[4096]" in raised and "float32[8192]" in raised
+    # So do ranks that cut a reduce_scatter_v's rows differently (same element count).
+    cut = [1] * (world_size - 1) + [9 - world_size]
+    ins = [torch.ones(n) for n in (cut if rank == 0 else cut[::-1])]
+    raised = mismatched(
+        lambda c: c.reduce_scatter_v(torch.empty(ins[rank].numel()), ins), "shm-path-cut"
+    )
+    assert re.search(r"float32\[8\], SUM, sizes #.*sizes #", raised), raised
+    # An operator the comm emulates (AVG: a sum, then a division) is fingerprinted as
+    # itself: against a SUM it raises instead of returning an average on one rank.
+    mine_op = ReduceOp.AVG if rank == 0 else ReduceOp.SUM
+    for i, call in enumerate(
+        (
+            lambda c: c.all_reduce(torch.ones(4), mine_op),
+            lambda c: c.reduce(torch.ones(300_000), 0, mine_op),
+            lambda c: c.reduce_scatter_single(torch.empty(4), torch.ones(4 * world_size), mine_op),
+        )
+    ):
+        raised = mismatched(call, f"shm-path-op{i}")
+        assert "], AVG" in raised and "], SUM" in raised
     z = torch.ones(4, dtype=torch.complex64) if rank == 0 else torch.ones(8)
-    with pytest.raises(DesyncError, match=r"complex64\[4\]"):
-        comm.all_reduce(z)
+    assert "complex64[4]" in mismatched(lambda c: c.all_reduce(z), "shm-path-complex")
     # One stack: the comm runs on the device communicator a GroupCoordinator uses on
     # CPU, and finalize() releases it (through the lane, once no call is inside).
     from device_communicators import CpuCommunicator
@@ -529,49 +545,58 @@ def test_all_to_all_v_through_the_smallest_slots(world: int, cap: int) -> None:
     assert run_ranks(_all_to_all_v_in_tiny_slots, world, cap, timeout=120) == [[]] * world
 
 
-def _splits_disagree(rank: int, world: int, shm: bool) -> tuple[list[str], list[float]]:
-    from shm_broadcast.config import set_config
+def _each_closes(calls: list[Callable[[Any], Any]], name: str) -> tuple[list[str], list[str]]:
+    """Each of ``calls`` (ranks that disagree) on a comm of its own: the
+    ``DesyncError`` each raised, and what a barrier after it raised (a mismatch
+    closes its comm on every rank)."""
     from shm_broadcast.errors import DesyncError
 
+    messages, after = [], []
+    for i, call in enumerate(calls):
+        comm = new_comm("gloo", "cpu", f"{name}{i}", timeout=30)
+        try:
+            with pytest.raises(DesyncError) as caught:
+                call(comm)
+            messages.append(str(caught.value))
+            with pytest.raises(ClosedError) as closed:
+                comm.barrier()
+            after.append(str(closed.value))
+        finally:
+            comm.abort()
+    return messages, after
+
+
+def _splits_disagree(rank: int, world: int, shm: bool) -> tuple[list[str], list[str]]:
+    from shm_broadcast.config import set_config
+
     set_config(disable_shm_all_reduce=not shm)
-    comm = new_comm("gloo", "cpu", "splits", timeout=30)
     inp, out = torch.ones(2, 3), torch.empty(2, 3)
     # Rank 1 sends both rows to itself; rank 0 expects one of them. On Gloo the
     # sizes did not match what the receiver posted, and Gloo aborted the process.
     sends = [1, 1] if rank == 0 else [0, 2]
-    messages = []
-    for async_op in (False, True):
-        with pytest.raises(DesyncError) as caught:
-            comm.all_to_all_v_single(out, inp, [1, 1], sends, async_op=async_op).wait()
-        messages.append(str(caught.value))
+    calls: list[Callable[[Any], Any]] = [
+        lambda c: c.all_to_all_v_single(out, inp, [1, 1], sends).wait(),
+        lambda c: c.all_to_all_v_single(out, inp, [1, 1], sends, async_op=True).wait(),
+    ]
     # The list form, parts of different sizes per peer.
     outs = [torch.empty(1), torch.empty(1)]
     ins = [torch.ones(1), torch.ones(1)] if rank == 0 else [torch.ones(0), torch.ones(2)]
-    with pytest.raises(DesyncError) as caught:
-        comm.all_to_all(outs, ins)
-    messages.append(str(caught.value))
+    calls.append(lambda c: c.all_to_all(outs, ins))
     # Different calls whose sizes are data: an all_gather_v against an all_to_all_v.
-    with pytest.raises(DesyncError) as caught:
-        if rank == 0:
-            comm.all_gather_v([torch.empty(2, 3) for _ in range(world)], inp)
-        else:
-            comm.all_to_all_v_single(out, inp, [1, 1], [1, 1])
-    messages.append(str(caught.value))
+    calls.append(
+        lambda c: (
+            c.all_gather_v([torch.empty(2, 3) for _ in range(world)], inp)
+            if rank == 0
+            else c.all_to_all_v_single(out, inp, [1, 1], [1, 1])
+        )
+    )
     # Splits that agree, dtypes that do not: on shared memory rank 0 returned rank 1's
     # float64 bytes read as float32s.
     dtype = torch.float32 if rank == 0 else torch.float64
-    inp, out = torch.ones(2, 3, dtype=dtype), torch.empty(2, 3, dtype=dtype)
-    for call in (
-        lambda: comm.all_to_all_v_single(out, inp, [1, 1], [1, 1]),
-        lambda: comm.all_to_all(list(out.unbind(0)), list(inp.unbind(0))),
-    ):
-        with pytest.raises(DesyncError) as caught:
-            call()
-        messages.append(str(caught.value))
-    t = torch.full((4,), float(rank))
-    comm.all_reduce(t, ReduceOp.SUM, timeout=30)  # still in step, still usable
-    comm.finalize()
-    return messages, t.tolist()
+    inp2, out2 = torch.ones(2, 3, dtype=dtype), torch.empty(2, 3, dtype=dtype)
+    calls.append(lambda c: c.all_to_all_v_single(out2, inp2, [1, 1], [1, 1]))
+    calls.append(lambda c: c.all_to_all(list(out2.unbind(0)), list(inp2.unbind(0))))
+    return _each_closes(calls, "splits")
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
@@ -586,7 +611,7 @@ def test_all_to_all_v_with_splits_that_disagree_raises_on_every_rank(shm: bool) 
         for message in messages[4:]:
             assert "all_to_all_v(float32[" in message, message
             assert "all_to_all_v(float64[" in message, message
-        assert after == [1.0] * 4
+        assert all("closed by a desync on every rank" in a for a in after), after
 
 
 def _gather_v_counts_disagree(rank: int, world: int, shm: bool) -> list[str]:
@@ -594,7 +619,7 @@ def _gather_v_counts_disagree(rank: int, world: int, shm: bool) -> list[str]:
 
     set_config(disable_shm_all_reduce=not shm)
     comm = new_comm("gloo", "cpu", "gatherv", timeout=30)
-    seen = []
+    wrong_calls: list[Callable[[Any], Any]] = []
     # Parts of 2, 3, 4 ... elements; big ones (past a 256 KiB slot) too; and
     # dtypes whose items are 1 or 16 bytes (the padded parts are gathered as bytes).
     for base, dtype in ((2, torch.float32), (70_000, torch.float32), (3, torch.bool),
@@ -612,29 +637,23 @@ def _gather_v_counts_disagree(rank: int, world: int, shm: bool) -> list[str]:
         for wrong in (-1, world + 2):
             outs = [torch.empty(base + r + (wrong if r == 0 and rank != 0 else 0), dtype=dtype)
                     for r in range(world)]  # fmt: skip
-            try:
-                comm.all_gather_v(outs, parts[rank])
-            except DesyncError as exc:
-                seen.append(str(exc))
-            else:
-                raise AssertionError("output_lists that disagree were accepted")
+            wrong_calls.append(functools.partial(_gather_v_into, outs, parts[rank]))
     # Equal parts past a slot (gathered as they are, no padding on shared memory).
     parts = [torch.full((70_000,), float(r)) for r in range(world)]
-    for wrong in (0, -1):
-        outs = [torch.empty(70_000 + (wrong if r == 0 and rank != 0 else 0)) for r in range(world)]
-        try:
-            comm.all_gather_v(outs, parts[rank])
-        except DesyncError as exc:
-            assert wrong, exc
-            seen.append(str(exc))
-        else:
-            assert not wrong, "output_lists that disagree were accepted"
-            assert all(torch.equal(o, p) for o, p in zip(outs, parts))
-    t = torch.full((4,), 1.0)
-    comm.all_reduce(t, ReduceOp.SUM)  # still in step, still usable
-    assert t.tolist() == [float(world)] * 4
+    outs = [torch.empty(70_000) for r in range(world)]
+    comm.all_gather_v(outs, parts[rank])
+    assert all(torch.equal(o, p) for o, p in zip(outs, parts))
+    outs = [torch.empty(70_000 - (r == 0 and rank != 0)) for r in range(world)]
+    wrong_calls.append(functools.partial(_gather_v_into, outs, parts[rank]))
     comm.finalize()
+    # Each disagreement closes its comm on every rank: one of its own for each.
+    seen, after = _each_closes(wrong_calls, "gatherv-wrong")
+    assert all("closed by a desync on every rank" in a for a in after), after
     return seen
+
+
+def _gather_v_into(outs: list[torch.Tensor], part: torch.Tensor, comm: Comm) -> None:
+    comm.all_gather_v(outs, part)
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "gloo"])
@@ -644,7 +663,8 @@ def test_all_gather_v_whose_output_lists_disagree_raises_on_every_rank(
 ) -> None:
     """The counts each rank's output_list expects travel with the call (a checksum in
     the shared-memory stamp, the counts themselves in Gloo's agreement): ranks whose
-    output_lists differ all raise ``DesyncError`` naming them, and stay in step."""
+    output_lists differ all raise ``DesyncError`` naming them, and the comm closes on
+    every rank (one may have skipped a call and met the next)."""
     results = run_ranks(_gather_v_counts_disagree, world, shm, timeout=90)
     want = [
         [base + wrong] + [base + r for r in range(1, world)]

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from coordinator.launch import init_gloo, run_ranks
-from device_communicators.errors import DesyncError, GroupcoordTypeError, GroupcoordValueError
+from device_communicators.errors import (
+    ClosedError,
+    DesyncError,
+    GroupcoordTypeError,
+    GroupcoordValueError,
+)
 
 
 def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -25,12 +30,30 @@ def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
 def desync_message(
     call: Any, *args: Any, what: str = "calls that differ by rank were accepted", **kwargs: Any
 ) -> str:
-    """``call(*args, **kwargs)``, which must raise ``DesyncError``: its message."""
+    """``call(*args, **kwargs)``, which must raise ``DesyncError``: its message. A
+    method of a ``CpuCommunicator`` is made on a communicator of its own over the
+    same group (the mismatch closes that one on every rank); anything else as it is."""
+    from device_communicators import CpuCommunicator
+
+    owner = getattr(call, "__self__", None)
+    if not isinstance(owner, CpuCommunicator):
+        try:
+            call(*args, **kwargs)
+        except DesyncError as exc:
+            return str(exc)
+        raise AssertionError(what)
+    fresh = CpuCommunicator(owner.cpu_group, unique_name=f"{owner.unique_name}-desync")
     try:
-        call(*args, **kwargs)
-    except DesyncError as exc:
-        return str(exc)
-    raise AssertionError(what)
+        try:
+            getattr(fresh, call.__name__)(*args, **kwargs)
+        except DesyncError as exc:
+            if fresh.shm_all_reduce.disabled_reason is None:  # (Gloo's checks close nothing)
+                with pytest.raises(ClosedError, match="is closed on every rank"):
+                    fresh.all_reduce(torch.ones(1))
+            return str(exc)
+        raise AssertionError(what)
+    finally:
+        fresh.destroy()
 
 
 def make_comm(rank: int, world: int, name: str = "test", shm: bool = True):
@@ -302,7 +325,10 @@ def _mismatched_shapes(rank: int, world: int) -> str:
             message = str(exc)
         else:
             raise AssertionError("mismatched shapes were accepted")
-        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+        # The ranks' calls differ: the path closes on every rank (one may have
+        # skipped a call and met the next).
+        with pytest.raises(ClosedError, match="is closed on every rank"):
+            comm.all_reduce(torch.ones(2))
         return message
     finally:
         comm.destroy()
@@ -818,7 +844,8 @@ def test_all_gatherv_of_a_list_whose_sizes_differ_raises_on_every_rank_in_step(
 def _with_comm_and_group(rank: int, world: int, name: str, body: Any, mismatch: Any) -> list[str]:
     """``body(comm, group)`` on a CpuCommunicator and a GroupCoordinator of the same
     ranks; then ``mismatch(run)`` for each one's method (ranks that disagree), which
-    must raise ``DesyncError`` on every rank: their messages. The group goes on."""
+    must raise ``DesyncError`` on every rank: their messages. Each then refuses
+    every call (the ranks may be a whole call apart)."""
     from coordinator.group_coordinator import GroupCoordinator
 
     comm = make_comm(rank, world, name)
@@ -835,7 +862,8 @@ def _with_comm_and_group(rank: int, world: int, name: str, body: Any, mismatch: 
         body(comm, group)
         for which in (comm, group):
             seen.append(desync_message(mismatch, which))
-        assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(world)))
+            with pytest.raises(ClosedError, match="is closed on every rank"):
+                which.all_reduce(torch.ones(2))
         return seen
     finally:
         group.destroy()

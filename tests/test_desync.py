@@ -1,6 +1,7 @@
 """Desync detection on the shared-memory collectives (always on): ranks that make
 different calls as the same call get a DesyncError on every rank, naming both
-sides, before any result is returned; the group stays usable."""
+sides, before any result is returned; the group then closes on every rank (one
+rank may have skipped a call, and the calls after it would pair a call apart)."""
 
 from __future__ import annotations
 
@@ -221,8 +222,10 @@ def _mismatch(rank: int, world: int, case: str, gloo_debug: bool = False) -> dic
         except DesyncError as exc:
             raised = str(exc)
         took = time.monotonic() - start
-        # The group is usable afterwards: a matching call gives the right answer.
-        after = group.all_reduce(torch.full((100,), float(rank))).tolist()
+        # The group is closed afterwards on every rank: one rank may have skipped a
+        # call rather than made one in place of another, and the calls after it
+        # would then pair a call apart (same-shaped ones silently).
+        after = _refused(lambda: group.all_reduce(torch.full((100,), float(rank))))
         return {"raised": raised, "took": took, "after": after, "is_value_error": True}
     finally:
         group.destroy()
@@ -238,7 +241,8 @@ def test_ranks_that_disagree_all_raise_naming_both_sides(case, world):
         assert got["took"] < 1.0, got["took"]
         assert rank0_side in got["raised"] and other_side in got["raised"], got["raised"]
         assert "dsy" in got["raised"] and "call #" in got["raised"]
-        assert got["after"] == [float(sum(range(world)))] * 100
+        assert "dsy:0 is closed on every rank" in got["raised"], got["raised"]
+        assert "dsy:0 is unusable after an earlier failure" in got["after"], got["after"]
 
 
 def test_desync_error_is_a_value_error():
@@ -256,7 +260,8 @@ def test_debug_desync_catches_the_same_on_the_gloo_path(case, world):
         assert got["raised"], f"rank {rank} returned a result for a mismatched call"
         assert rank0_side in got["raised"] and other_side in got["raised"], got["raised"]
         assert "dsy" in got["raised"] and "call #" in got["raised"]
-        assert got["after"] == [float(sum(range(world)))] * 100
+        assert "dsy:0 is closed on every rank" in got["raised"], got["raised"]
+        assert "dsy:0 is unusable after an earlier failure" in got["after"], got["after"]
 
 
 CALLS_PAST_WRAP = (1 << 19) + 3  # the call number's stamp holds 19 bits
@@ -302,6 +307,13 @@ def _split_mismatch(rank: int, world: int) -> dict:
     group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="dsy-split")
     try:
         rows = torch.arange(8 * 4, dtype=torch.float32).view(8, 4)
+        # Equal parts given explicitly meet a plain reduce_scatter (the same cut).
+        equal = [8 // world] * world
+        if rank == 0:
+            part = group.reduce_scatterv(rows, dim=0, sizes=equal)
+        else:
+            part = group.reduce_scatter(rows, dim=0)
+        want = (rows * world).chunk(world)[rank]
         # The same call, but rank 0 cuts the rows unlike the others.
         ones = [1] * (world - 1)
         sizes = ones + [9 - world] if rank == 0 else [9 - world] + ones
@@ -310,13 +322,6 @@ def _split_mismatch(rank: int, world: int) -> dict:
             raised = ""
         except DesyncError as exc:
             raised = str(exc)
-        # Equal parts given explicitly meet a plain reduce_scatter (the same cut).
-        equal = [8 // world] * world
-        if rank == 0:
-            part = group.reduce_scatterv(rows, dim=0, sizes=equal)
-        else:
-            part = group.reduce_scatter(rows, dim=0)
-        want = (rows * world).chunk(world)[rank]
         return {"raised": raised, "equal_ok": torch.equal(part, want)}
     finally:
         group.destroy()
@@ -399,11 +404,11 @@ def _comm_mismatch(rank: int, world: int, case: str) -> dict:
             raised = ""
         except DesyncError as exc:
             raised = str(exc)
-        after = torch.full((100,), float(rank))
-        comm.all_reduce(after)  # still in step, still usable
-        return {"raised": raised, "after": after.tolist()}
+        # Closed on every rank: a skipped call would leave the next ones a call apart.
+        after = _refused(lambda: comm.all_reduce(torch.full((100,), float(rank))))
+        return {"raised": raised, "after": after}
     finally:
-        comm.finalize()
+        comm.abort()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -417,7 +422,8 @@ def test_debug_desync_checks_a_comm_over_gloo(case, world):
         assert got["raised"], f"rank {rank} returned a result for a mismatched call"
         assert rank0_side in got["raised"] and other_side in got["raised"], got["raised"]
         assert "cdsy" in got["raised"] and "call #" in got["raised"], got["raised"]
-        assert got["after"] == [float(sum(range(world)))] * 100
+        assert "communicator 'cdsy' is closed on every rank" in got["raised"], got["raised"]
+        assert "closed by a desync on every rank" in got["after"], got["after"]
 
 
 def _refused(call: Callable[[], Any]) -> str:
@@ -625,6 +631,8 @@ def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bo
     elif rank == 1:
         comm.recv(torch.empty(64), 0)
 
+    posted: list[Any] = []  # works of asynchronous sends not waited for
+
     def batch() -> None:
         sends = comm.batch_op_create()
         sends.send(x, 1)
@@ -633,7 +641,8 @@ def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bo
     one_way = {
         "send": lambda: comm.send(x, 1),
         "async send": lambda: comm.send(x, 1, async_op=True).wait(),
-        "async send, pair's first": lambda: comm.send(x, 1, async_op=True),  # not waited for
+        # Not waited for here: its lane's thread opens the pair's ring meanwhile.
+        "async send, pair's first": lambda: posted.append(comm.send(x, 1, async_op=True)),
         "batch": batch,
         "send_object_list": lambda: send_object_list(comm, [{"x": 1}], 1),
     }[call]
@@ -643,6 +652,8 @@ def _comm_one_way_met_by_a_collective(rank: int, world: int, call: str, gloo: bo
         return total
 
     seen = _one_way_steps(rank, one_way, reduce)
+    for work in posted:  # done before the abort: a ring still being made would be left
+        work.wait()
     comm.abort()
     return seen
 

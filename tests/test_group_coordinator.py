@@ -683,26 +683,28 @@ def test_object_calls_of_other_kinds_raise_naming_both(mq: bool) -> None:
 
 def _object_against_collective(rank: int, world_size: int) -> list[tuple[str, float]]:
     init_gloo(rank, world_size)
-    g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name="objcol")
     others = [
-        lambda: g.all_reduce(torch.ones(4)),
+        lambda g: g.all_reduce(torch.ones(4)),
         # The length's size and int64's dtype: matched the length silently before.
-        lambda: g.broadcast(torch.zeros(1, dtype=torch.int64), src=0),
+        lambda g: g.broadcast(torch.zeros(1, dtype=torch.int64), src=0),
     ]
     seen = []
-    try:
-        for other in others:
+    for i, other in enumerate(others):  # a group each: the mismatch closes it
+        g = GroupCoordinator([[0, 1]], rank, "gloo", True, group_name=f"objcol{i}")
+        try:
+            assert g.broadcast_object("fine" if rank == 0 else None, src=0) == "fine"
             start = time.monotonic()
             with pytest.raises(DesyncError) as info:
                 if rank == 0:
-                    other()
+                    other(g)
                 else:
                     g.broadcast_object(None, src=0)
             seen.append((str(info.value), time.monotonic() - start))
-            assert g.broadcast_object("fine" if rank == 0 else None, src=0) == "fine"
-        return seen
-    finally:
-        g.destroy()
+            with pytest.raises(ClosedError, match="is unusable after an earlier failure"):
+                g.broadcast_object("closed" if rank == 0 else None, src=0)
+        finally:
+            g.destroy()
+    return seen
 
 
 def test_an_object_broadcast_against_a_collective_raises_at_once() -> None:

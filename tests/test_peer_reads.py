@@ -135,32 +135,33 @@ def test_every_rank_reads_through_the_slots_when_one_rank_cannot_read_directly()
 
 
 def _different_sizes(rank: int, world: int) -> list[str]:
-    from device_communicators.errors import DesyncError
+    from device_communicators.errors import ClosedError, DesyncError
     from device_communicators.shm_all_reduce import ShmAllReduce
 
     init_gloo(rank, world)
     import torch.distributed as dist
 
-    shm = ShmAllReduce(dist.group.WORLD, unique_name="pr")
-    try:
-        with pytest.raises(DesyncError) as gather:
-            shm.all_gather(torch.ones(20000 + 10000 * rank))
-        # Usable afterwards: the next call, made alike, is exact.
-        got = shm.all_gather(torch.full((20000,), float(rank)))
-        assert all(torch.equal(got[r], torch.full((20000,), float(r))) for r in range(world))
+    messages = []
+    calls = (
+        lambda shm: shm.all_gather(torch.ones(20000 + 10000 * rank)),
         # An all-reduce read directly (rank 0, 4 MiB) against a one-shot one through
         # the slots (rank 1, 256 KiB).
-        with pytest.raises(DesyncError) as reduce:
-            shm.all_reduce(torch.ones(1 << 20 if rank == 0 else 1 << 16))
-        for numel in (1 << 20, 1 << 16):  # both paths still in step afterwards
-            got = shm.all_reduce(torch.full((numel,), float(rank + 1)))
-            assert torch.equal(got, torch.full((numel,), float(world * (world + 1) // 2)))
-        return [str(gather.value), str(reduce.value)]
-    finally:
-        shm.close()
+        lambda shm: shm.all_reduce(torch.ones(1 << 20 if rank == 0 else 1 << 16)),
+    )
+    for i, call in enumerate(calls):  # a path each: a mismatch closes it on every rank
+        shm = ShmAllReduce(dist.group.WORLD, unique_name=f"pr{i}")
+        try:
+            with pytest.raises(DesyncError) as caught:
+                call(shm)
+            messages.append(str(caught.value))
+            with pytest.raises(ClosedError, match="is closed on every rank"):
+                shm.all_gather(torch.full((20000,), float(rank)))
+        finally:
+            shm.close()
+    return messages
 
 
-def test_ranks_that_call_different_sizes_raise_before_any_read_and_stay_in_step() -> None:
+def test_ranks_that_call_different_sizes_raise_before_any_read_and_close_the_path() -> None:
     results = run_ranks(_different_sizes, 2, timeout=60)
     for gather, reduce in results:
         assert "all_gather(float32[20000])" in gather and "all_gather(float32[30000])" in gather

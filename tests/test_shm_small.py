@@ -8,14 +8,17 @@ from typing import Any
 import pytest
 import torch
 
-from coordinator.errors import DesyncError
+from coordinator.errors import ClosedError, DesyncError
 from coordinator.launch import init_gloo, run_ranks
 
 
 def _group(rank: int, world: int, name: str) -> Any:
+    import torch.distributed as dist
+
     from coordinator.group_coordinator import GroupCoordinator
 
-    init_gloo(rank, world)
+    if not dist.is_initialized():
+        init_gloo(rank, world)
     return GroupCoordinator([list(range(world))], rank, "gloo", True, group_name=name)
 
 
@@ -170,21 +173,27 @@ def _mixed_paths(rank: int, world: int) -> list[str]:
         assert torch.equal(got, torch.cat([torch.arange(8.0) + 100 * r for r in range(world)]))
         full = sum(torch.arange(8.0) + 100 * r for r in range(world))
         assert torch.equal(summed, full.chunk(world)[rank])
-        # A lean rank that disagrees with a general one is told so, naming both sides.
-        errors = []
-        mine = torch.ones(1024 if rank == 0 else 65537)  # 4 KiB lean, over 256 KiB general
-        with pytest.raises(DesyncError) as caught:
-            group.all_gather(mine, 0)
-        errors.append(str(caught.value))
-        with pytest.raises(DesyncError) as caught:
-            # world x 40000 floats: 312 KiB, over the lean path's 256 KiB at world 2.
-            group.reduce_scatter(torch.ones(world * (256 if rank == 0 else 40000)), 0)
-        errors.append(str(caught.value))
-        # Still usable.
-        assert torch.equal(group.all_reduce(torch.ones(3)), torch.full((3,), float(world)))
-        return errors
     finally:
         group.destroy()
+    # A lean rank that disagrees with a general one is told so, naming both sides;
+    # the group then closes on every rank (a group for each mismatch).
+    errors = []
+    mine = torch.ones(1024 if rank == 0 else 65537)  # 4 KiB lean, over 256 KiB general
+    # world x 40000 floats: 312 KiB, over the lean path's 256 KiB at world 2.
+    rows = torch.ones(world * (256 if rank == 0 else 40000))
+    for i, call in enumerate(
+        (lambda g: g.all_gather(mine, 0), lambda g: g.reduce_scatter(rows, 0))
+    ):
+        group = _group(rank, world, f"lean-mixed{i}")
+        try:
+            with pytest.raises(DesyncError) as caught:
+                call(group)
+            errors.append(str(caught.value))
+            with pytest.raises(ClosedError, match="is closed on every rank"):
+                group.all_reduce(torch.ones(3))
+        finally:
+            group.destroy()
+    return errors
 
 
 def test_lean_and_general_ranks_meet_and_disagreements_name_both_sides() -> None:
@@ -298,12 +307,13 @@ def _lean_broadcasts(rank: int, world: int) -> bool:
             group.broadcast(small, True)
         with pytest.raises(TypeError, match="input_"):
             group.broadcast(small.tolist(), 0)  # type: ignore[arg-type]
-        # Ranks that name different roots are told so, naming both, and stay usable.
+        # Ranks that name different roots are told so, naming both; the group closes.
         with pytest.raises(DesyncError) as caught:
             group.broadcast(torch.ones(8), rank % 2)
         for side in ("broadcast(float32[8], src=0)", "broadcast(float32[8], src=1)"):
             assert side in str(caught.value)
-        assert torch.equal(group.broadcast(small, 0), _rank_tensor(0, (100,), torch.int64))
+        with pytest.raises(ClosedError, match="is closed on every rank"):
+            group.broadcast(small, 0)
         return True
     finally:
         group.destroy()

@@ -241,7 +241,11 @@ class CommCore:
         return op
 
     def _agree(
-        self, call: Call, td: datetime.timedelta, counts: Sequence[int] = ()
+        self,
+        call: Call,
+        td: datetime.timedelta,
+        counts: Sequence[int] = (),
+        check: Callable[[list[list[int]]], None] | None = None,
     ) -> list[list[int]]:
         """Check that every rank makes ``call`` over Gloo, and return every rank's
         ``counts`` (``2 * size`` at most), before anything moves: ranks whose calls
@@ -251,8 +255,10 @@ class CommCore:
         all-gather of a fixed-width record (the call's code, its element count, the
         comm's traffic, the counts). With ``counts`` (the calls whose sizes are data:
         ``all_gather_v``, the ``_v`` all-to-alls) the element counts may differ by
-        rank. Messages sent in the comm and not yet received close it on every rank,
-        as on the shared-memory path (``PhaseLines._check_agreement``)."""
+        rank; ``check(table)`` raises ``DesyncError`` where they do not fit together.
+        A difference in the calls or the counts closes the comm on every rank, as do
+        messages sent in it and not yet received, as on the shared-memory path
+        (``PhaseLines._check_agreement``, ``closing_reason``)."""
         operation, dtype, reduce_op, root, count = call
         code = call_code(operation, dtype, reduce_op, root)
         traffic = self._traffic
@@ -275,13 +281,24 @@ class CommCore:
             None,
         )
         in_flight = sum(row[2] for row in rows)
-        closing = None
+        sent = None
         if in_flight and not any(row[3] for row in rows) and not sent_after_its_stamp(0, in_flight):
             # Whether the calls agree or not (see PhaseLines._check_agreement).
             sent = {rank: row[2] for rank, row in enumerate(rows)}
-            closing = closing_reason(f"communicator {self._name!r}", None, sent)
-        if other is None and closing is None:
-            return [row[4 : 4 + len(counts)] for row in rows]
+        agreed = [row[4 : 4 + len(counts)] for row in rows]
+        if other is None and sent is None:
+            if check is None:
+                return agreed
+            try:
+                check(agreed)
+            except DesyncError as exc:
+                self._broken = "closed by a desync on every rank"
+                closing = closing_reason(f"communicator {self._name!r}", None, None, [])
+                raise DesyncError(f"{exc}; {closing}") from None
+            return agreed
+        closing = closing_reason(
+            f"communicator {self._name!r}", None, sent, None if other is None else []
+        )
         called = f"{describe_call(code, count)} as call #{seq} checked over Gloo"
         message = (
             f"communicator {self._name!r}: every rank called {called}"

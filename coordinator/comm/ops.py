@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -228,14 +229,8 @@ class CommOps(Reductions):
 
         def launch(td: datetime.timedelta) -> list[Any]:
             call = ("all_gather", input.dtype, None, 0, input.numel())
-            rows = self._agree(call, td, [input.numel(), *counts])
+            rows = self._agree(call, td, [input.numel(), *counts], self._check_gather_v)
             lengths = [row[0] for row in rows]
-            for r, row in enumerate(rows):  # every rank saw the same table: all raise
-                if row[1:] != lengths:
-                    raise DesyncError(
-                        f"communicator {self._name!r}: all_gather_v: rank {r}'s output_list "
-                        f"holds {row[1:]} elements by rank, the ranks' parts have {lengths}"
-                    )
             longest = max(lengths)
             padded, stacked = self._padded_parts(input, longest)
             staged[:] = [stacked, longest]
@@ -320,6 +315,18 @@ class CommOps(Reductions):
             for out, part, n in zip(outputs, parts, lengths):
                 out.view(-1).copy_(part[:n])
 
+    def _check_gather_v(self, rows: list[list[int]]) -> None:
+        """Every rank's output_list holds the parts the ranks bring (``rows``: each
+        rank's part, then what its output_list expects by rank; the same table on
+        every rank, so every rank raises)."""
+        lengths = [row[0] for row in rows]
+        for r, row in enumerate(rows):
+            if row[1:] != lengths:
+                raise DesyncError(
+                    f"communicator {self._name!r}: all_gather_v: rank {r}'s output_list "
+                    f"holds {row[1:]} elements by rank, the ranks' parts have {lengths}"
+                )
+
     @staticmethod
     def _check_counts(counts: list[int], lengths: list[int]) -> None:
         check_lengths("output_list holds {} elements by rank", counts, lengths)
@@ -345,8 +352,8 @@ class CommOps(Reductions):
                 row = input.shape[1:].numel()
                 counts = [n * row for n in (*input_splits, *output_splits)]
                 call = ("all_to_all_v", input.dtype, None, 0, sum(counts))
-                table = self._agree(call, td, counts)
-                check_all_to_all_counts(f"communicator {self._name!r}", table)
+                what = f"communicator {self._name!r}"
+                self._agree(call, td, counts, functools.partial(check_all_to_all_counts, what))
             return [c10d_calls.all_to_all(self._pg, output, input, output_splits, input_splits, td)]
 
         call = None if output_splits else ("all_to_all", input.dtype, None, 0, input.numel())
