@@ -286,30 +286,27 @@ class CommCore:
             # Whether the calls agree or not (see PhaseLines._check_agreement).
             sent = {rank: row[2] for rank, row in enumerate(rows)}
         agreed = [row[4 : 4 + len(counts)] for row in rows]
-        if other is None and sent is None:
-            if check is None:
-                return agreed
+        called = f"{describe_call(code, count)} as call #{seq} checked over Gloo"
+        message = None
+        if other is not None:
+            message = (
+                f"communicator {self._name!r}: rank {self._rank} called {called}, "
+                f"rank {other} called {describe_call(rows[other][0], rows[other][1])}"
+            )
+        elif sent is not None:
+            message = f"communicator {self._name!r}: every rank called {called}"
+        elif check is not None:
             try:
                 check(agreed)
             except DesyncError as exc:
-                self._broken = "closed by a desync on every rank"
-                closing = closing_reason(f"communicator {self._name!r}", None, None, [])
-                raise DesyncError(f"{exc}; {closing}") from None
+                message = str(exc)
+        if message is None:
             return agreed
-        closing = closing_reason(
-            f"communicator {self._name!r}", None, sent, None if other is None else []
-        )
-        called = f"{describe_call(code, count)} as call #{seq} checked over Gloo"
-        message = (
-            f"communicator {self._name!r}: every rank called {called}"
-            if other is None
-            else f"communicator {self._name!r}: rank {self._rank} called {called}, "
-            f"rank {other} called {describe_call(rows[other][0], rows[other][1])}"
-        )
-        if closing is not None:
-            self._broken = "closed by a desync on every rank"
-            message = f"{message}; {closing}"
-        raise DesyncError(message)
+        # Calls or counts that differ, or messages unreceived: closed on every rank.
+        differ: list[int] | None = None if other is None and sent is not None else []
+        closing = closing_reason(f"communicator {self._name!r}", None, sent, differ)
+        self._broken = "closed by a desync on every rank"
+        raise DesyncError(f"{message}; {closing}")
 
     def _run(
         self,
