@@ -2,7 +2,8 @@
 
 Every segment groupcoord creates is named ``groupcoord_<pid>_<tag>_<token>`` in
 the configured shm directory (``/dev/shm`` on Linux). The creator unlinks it on
-``unlink()``, on error and at interpreter exit; :func:`cleanup_stale_segments`
+``unlink()``, on error and at interpreter exit (after which no thread of the
+process may create one: it would outlive the clean-up); :func:`cleanup_stale_segments`
 removes those whose creator pid is gone (a SIGKILLed writer, say), and
 :func:`sweep_stale_segments` runs it before the first segment a process creates.
 
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .config import get_config
-from .errors import GroupcoordValueError, ShmSpaceError
+from .errors import ClosedError, GroupcoordValueError, ShmSpaceError
 from .liveness import pid_namespace, process_alive
 
 logger = logging.getLogger("groupcoord.shm_broadcast")
@@ -40,6 +41,8 @@ _NAME_RE = re.compile(r"^groupcoord_(\d+)_[A-Za-z0-9]+_[0-9a-f]+(?:n(\d+))?$")
 
 _owned_lock = threading.Lock()
 _owned: dict[str, int] = {}  # segment name -> creating pid
+# The process whose exit cleanup (_cleanup_at_exit) has run: it creates no more.
+_exited_pid: int | None = None
 _swept_pid: int | None = None  # the process that last ran sweep_stale_segments
 
 
@@ -117,10 +120,14 @@ class ShmSegment:
         check_shm_free_space(nbytes, allocation_name="shared-memory segment")
         name = f"{SEGMENT_PREFIX}{os.getpid()}_{tag}_{secrets.token_hex(6)}n{pid_namespace()}"
         path = shm_path(name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        with _owned_lock:
-            _owned[name] = os.getpid()
         _hook_exit()
+        with _owned_lock:  # the name is made and owned in one step the exit cleanup sees whole
+            if _exited_pid == os.getpid():
+                # A thread still running after the exit cleanup (a daemon, between
+                # atexit and the interpreter's end) would leave this one behind.
+                raise ClosedError(f"this process is exiting: no new {tag} segment")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            _owned[name] = os.getpid()
         try:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
@@ -252,7 +259,16 @@ def list_segments() -> list[str]:
     return sorted(e for e in entries if _NAME_RE.match(e))
 
 
-atexit.register(cleanup_owned_segments)
+def _cleanup_at_exit() -> None:
+    """This process's exit: unlink what it owns, and refuse to create segments from
+    here on (a thread that goes on running would otherwise leave them behind)."""
+    global _exited_pid
+    with _owned_lock:
+        _exited_pid = os.getpid()
+    cleanup_owned_segments()
+
+
+atexit.register(_cleanup_at_exit)
 _exit_hook_pid: int | None = None
 
 
@@ -263,4 +279,4 @@ def _hook_exit() -> None:
     global _exit_hook_pid
     if _exit_hook_pid != os.getpid():
         _exit_hook_pid = os.getpid()
-        multiprocessing.util.Finalize(None, cleanup_owned_segments, exitpriority=0)
+        multiprocessing.util.Finalize(None, _cleanup_at_exit, exitpriority=0)

@@ -130,3 +130,54 @@ def test_check_shm_free_space_names_the_allocation_and_the_shortfall() -> None:
         check_shm_free_space(10**18, allocation_name="KV arena")
     with pytest.raises(OSError):  # ShmSpaceError is an OSError, as vLLM's callers expect
         check_shm_free_space(10**18, "/dev/shm")
+
+
+_CREATING_THREAD = """
+import atexit, threading, time
+# Registered before groupcoord's, so it runs after its clean-up (atexit runs the
+# last registered first): an exit handler of a library imported earlier.
+atexit.register(time.sleep, 0.05)
+from shm_broadcast.segments import ShmSegment
+
+def create_forever():
+    kept = []
+    while True:
+        kept.append(ShmSegment.create(4096, tag="late"))
+        if len(kept) > 20:
+            old = kept.pop(0)
+            old.close()
+            old.unlink()
+
+threading.Thread(target=create_forever, daemon=True).start()
+time.sleep(0.05)
+print("exiting", flush=True)
+"""
+
+
+def _late_segments(pid: int) -> list[str]:
+    return [n for n in list_segments() if n.startswith(f"groupcoord_{pid}_late_")]
+
+
+def test_a_thread_creating_segments_as_its_process_exits_leaves_none() -> None:
+    # A daemon thread goes on running after the exit clean-up (through the exit
+    # handlers after it, until the interpreter ends): a segment it made then was
+    # left in /dev/shm. It is refused instead. Before the fix every such exit left
+    # segments behind.
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for _ in range(5):
+        child = subprocess.run(
+            [sys.executable, "-c", _CREATING_THREAD],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert child.returncode == 0 and "exiting" in child.stdout, child.stderr
+        # The child's pid is gone now; its segments carry it in their names.
+        left = [n for n in list_segments() if "_late_" in n]
+        for name in left:
+            os.unlink(shm_path(name))
+        assert left == [], child.stderr
