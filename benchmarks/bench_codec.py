@@ -1,6 +1,9 @@
 """What one message costs the codec, in one process: encode, write into a chunk,
 read and decode, against pickle (protocol 5, out-of-band buffers: what vLLM's
-queue does with an object) on the same object in the same run.
+queue does with an object) on the same object in the same run; and one whole
+``MessageQueue.enqueue`` and ``dequeue`` of it (the writer and one local reader
+in this process, timed apart), what the codec's steps cost inside the queue's
+calls.
 
 The payloads are the queue's (``bench_mq.py``): a small dict, an engine's
 per-step scheduler output (a dataclass of 10 fields plus 4 small tensors,
@@ -47,6 +50,8 @@ COLUMNS = [
     "pickle_loads_us",
     "pickle_us",
     "ratio_vs_pickle",
+    "enqueue_us",
+    "dequeue_us",
 ]
 ROUNDS = 7
 
@@ -100,9 +105,50 @@ def measure(calls: int) -> list[dict[str, Any]]:
     view = memoryview(chunk)
     address = ctypes.addressof(ctypes.c_char.from_buffer(chunk))
     rows = []
-    for name, obj in _payloads().items():
-        rows.append(_measure_one(name, obj, calls, codec, view, address))
+    writer, reader = _local_queue()
+    try:
+        for name, obj in _payloads().items():
+            row = _measure_one(name, obj, calls, codec, view, address)
+            row["enqueue_us"], row["dequeue_us"] = _queue_calls_us(writer, reader, obj, calls)
+            rows.append(row)
+    finally:
+        reader.close()
+        writer.close()
     return rows
+
+
+def _local_queue() -> tuple[Any, Any]:
+    """A queue's writer and its one local reader, both ends in this process."""
+    from shm_broadcast import MessageQueue
+
+    writer = MessageQueue(1, 1)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready()
+    reader.wait_until_ready()
+    return writer, reader
+
+
+def _queue_calls_us(writer: Any, reader: Any, obj: Any, calls: int) -> tuple[float, float]:
+    """Best-round microseconds of one ``enqueue`` and of one ``dequeue`` of ``obj``
+    (every codec and ring step of the real calls), timed apart in batches of 8 (no
+    wait: the ring has 10 chunks)."""
+    batch = 8
+    best = [float("inf"), float("inf")]
+    for round_ in range(ROUNDS + 1):  # the first warms up
+        spent = [0.0, 0.0]
+        for _ in range(max(calls // batch, 1)):
+            start = time.perf_counter()
+            for _ in range(batch):
+                writer.enqueue(obj)
+            middle = time.perf_counter()
+            for _ in range(batch):
+                reader.dequeue()
+            spent[0] += middle - start
+            spent[1] += time.perf_counter() - middle
+        if round_:
+            n = max(calls // batch, 1) * batch
+            best = [min(b, s / n) for b, s in zip(best, spent)]
+    return best[0] * 1e6, best[1] * 1e6
 
 
 def _measure_one(
@@ -197,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, COLUMNS)
     print(
         "\nus per message, best of 7 rounds; ours = encode + write into a chunk + read and "
-        "decode; pickle = dumps + loads (protocol 5, out-of-band buffers); ratio_vs_pickle = pickle / ours."
+        "decode; pickle = dumps + loads (protocol 5, out-of-band buffers); ratio_vs_pickle = pickle / ours;\n"
+        "enqueue / dequeue = one whole MessageQueue call (writer and its one local reader in this "
+        "process, timed apart: the ceiling of a queue's rate is 1 / the larger)."
     )
     data = {"benchmark": "codec", "command": command, "environment": environment(), "rows": rows}
     print(f"JSON: {write_json(args.json, data)}")

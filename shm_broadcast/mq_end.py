@@ -123,6 +123,9 @@ class QueueEnd:
         # taken twice: an RLock for its owner check (see _take_turn).
         self._call_lock = threading.RLock()
         self._in_call = False  # set first in a call's try block, cleared in its finally
+        # The running enqueue's or dequeue's deadline and stall check, for its waits
+        # (the writer's _wait_free, a reader's _wait_ready).
+        self._waiting: tuple[Any, ...] = ()
         self._shut_because: str | None = None  # why the end shut itself down, if it did
         self._notice: str | None = None  # the operation of an unbounded wait, for its log
         self._key = key
@@ -149,7 +152,8 @@ class QueueEnd:
     def _take_turn(self, operation: str, deadline: float, timeout_s: float) -> None:
         """Take ``_call_lock`` for an enqueue/dequeue/acquire, whose try block then sets
         ``_in_call``: at once, or once another thread's call ends, at most to this
-        call's deadline. An exception a signal handler raises can land just after
+        call's deadline (``enqueue`` and ``dequeue`` first try to take it at once
+        themselves, when this thread does not hold it, and call this when that fails). An exception a signal handler raises can land just after
         the lock was taken, before the call's try block: the lock is then this
         thread's with no call of it running, and is taken back here (every later
         call waited for it to its deadline, or for ever). A call made while one of
@@ -356,6 +360,10 @@ class QueueEnd:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+# deadline_of(None): what the hot paths take without the call.
+NO_DEADLINE = (math.inf, math.inf)
 
 
 def deadline_of(timeout: float | datetime.timedelta | None) -> tuple[float, float]:

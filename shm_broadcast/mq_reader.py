@@ -22,7 +22,7 @@ from .errors import (
     PeerDiedError,
     ProtocolError,
 )
-from .mq_end import READY, QueueEnd, deadline_of
+from .mq_end import NO_DEADLINE, READY, QueueEnd, deadline_of
 from .mq_handle import remove_ipc_file
 from .ring import pid_namespace, process_alive
 from .segments import unlink_segment
@@ -92,14 +92,20 @@ class ReaderEnd(QueueEnd):
         waits; it may raise to end the wait (a group's, when the writer waits for
         this rank in a collective: ``ShmBase.check_queue_wait``).
         """
-        self._check_open()
-        timeout_s, deadline = deadline_of(timeout)
-        self._take_turn("dequeue", deadline, timeout_s)
+        if self._closed:
+            self._check_open()
+        timeout_s, deadline = NO_DEADLINE if timeout is None else deadline_of(timeout)
+        lock = self._call_lock
+        # Taken at once (the common case) unless this thread holds it or another does.
+        if lock._is_owned() or not lock.acquire(False):  # type: ignore[attr-defined]
+            self._take_turn("dequeue", deadline, timeout_s)
         self._notice = None if indefinite or timeout is not None else "dequeue"
         try:
             self._in_call = True
             if self.role == "local reader":
-                return self._dequeue_local(deadline, timeout_s, into, stall_check)
+                assert self._cursor is not None
+                self._waiting = (deadline, timeout_s, stall_check)
+                return self._cursor.read(self._local_index, self._wait_ready, into)
             if self.role == "remote reader":
                 return self._dequeue_remote(deadline, timeout_s)
             raise GroupcoordValueError(f"{self.what}: dequeue on the writer (rank {self.rank})")
@@ -124,19 +130,10 @@ class ReaderEnd(QueueEnd):
             dropped += 1
         return dropped
 
-    def _dequeue_local(
-        self,
-        deadline: float,
-        timeout_s: float,
-        into: memoryview | None = None,
-        stall_check: StallCheck | None = None,
-    ) -> Any:
-        assert self._cursor is not None
-        return self._cursor.read(
-            self._local_index,
-            lambda idx: self._reader_wait_chunk(idx, deadline, timeout_s, stall_check=stall_check),
-            into,
-        )
+    def _wait_ready(self, idx: int) -> None:
+        """``dequeue``'s wait for chunk ``idx`` (its state in ``_waiting``)."""
+        deadline, timeout_s, stall_check = self._waiting
+        self._reader_wait_chunk(idx, deadline, timeout_s, stall_check=stall_check)
 
     def _reader_wait_chunk(
         self,

@@ -17,10 +17,13 @@ import zmq
 from .array_frames import lone_tensor_meta
 from .codec import EncodedMessage, frames_as_buffers
 from .errors import ClosedError, GroupcoordTimeoutError, GroupcoordValueError, PeerDiedError
-from .mq_end import READY, QueueEnd, deadline_of
+from .mq_end import NO_DEADLINE, READY, QueueEnd, deadline_of
 from .mq_handle import Handle
 from .ring import READER_DETACHED, process_alive
 from .waiting import StallCheck, wait_until
+
+# What most messages are, and no tensor: enqueue asks no more (100 ns a message).
+_PLAIN = frozenset({dict, list, tuple, str, bytes, int, float, bool, type(None)})
 
 
 class WriterEnd(QueueEnd):
@@ -106,13 +109,16 @@ class WriterEnd(QueueEnd):
         if self._closed:
             self._check_open()
         cursor = self._cursor
-        timeout_s, deadline = deadline_of(timeout)
-        self._take_turn("enqueue", deadline, timeout_s)  # the codec too: one call at a time
+        timeout_s, deadline = NO_DEADLINE if timeout is None else deadline_of(timeout)
+        lock = self._call_lock  # the codec's turn too: one call at a time
+        # Taken at once (the common case) unless this thread holds it or another does.
+        if lock._is_owned() or not lock.acquire(False):  # type: ignore[attr-defined]
+            self._take_turn("enqueue", deadline, timeout_s)
         try:
             self._in_call = True
             # A lone plain CPU tensor to local readers only: its bytes, no codec.
             meta = None
-            if cursor is not None and self._tcp_writer is None:
+            if cursor is not None and self._tcp_writer is None and type(obj) not in _PLAIN:
                 meta = lone_tensor_meta(obj)
             # Encoding refuses bad objects before anything is sent.
             msg = (
@@ -123,13 +129,8 @@ class WriterEnd(QueueEnd):
             self._notice = None if timeout is not None else "enqueue"
             body: list[Any] | None = None
             if cursor is not None:
-                start = cursor.chunks
-
-                def wait_free(idx: int) -> None:
-                    # Nothing of obj is written while the cursor has not moved.
-                    check = stall_check if cursor.chunks == start else None
-                    self._writer_wait_chunk(idx, deadline, timeout_s, stall_check=check)
-
+                self._waiting = (cursor.chunks, deadline, timeout_s, stall_check)
+                wait_free = self._wait_free
                 if meta is not None:
                     if cursor.write_tensor(obj, meta, wait_free):
                         return
@@ -147,6 +148,15 @@ class WriterEnd(QueueEnd):
             self._in_call = False  # before any Python call: see _take_turn
             self._call_lock.release()
             self._end_call()
+
+    def _wait_free(self, idx: int) -> None:
+        """``enqueue``'s wait for chunk ``idx`` (its state in ``_waiting``): the stall
+        check applies while nothing of the message is written (the cursor has not
+        moved)."""
+        start, deadline, timeout_s, stall_check = self._waiting
+        assert self._cursor is not None
+        check = stall_check if self._cursor.chunks == start else None
+        self._writer_wait_chunk(idx, deadline, timeout_s, stall_check=check)
 
     @contextlib.contextmanager
     def acquire_write(

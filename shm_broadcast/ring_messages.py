@@ -185,10 +185,6 @@ class RingCursor:
 
     # ---- writer ---------------------------------------------------------------
 
-    def _free(self, idx: int, wait_free: WaitFor) -> None:
-        if not self.ring.chunk_free(idx):
-            wait_free(idx)
-
     def _rewind_if_empty(self, nbytes: int) -> None:
         """Writer, before a message of ``nbytes`` (``REWIND_MIN_BYTES`` or more):
         past ``REWIND_SPAN_BYTES`` since chunk 0, when every reader has read
@@ -243,9 +239,11 @@ class RingCursor:
         if nbytes >= REWIND_MIN_BYTES:
             self._rewind_if_empty(nbytes)
         idx = self.idx
-        self._free(idx, wait_free)
-        buf = self.ring.begin_write(idx)
-        at = self.ring.chunk_at[idx]
+        ring = self.ring
+        if not ring.chunk_free(idx):
+            wait_free(idx)
+        buf = ring.begin_write(idx)
+        at = ring.chunk_at[idx]
         buf[at] = kind
         return buf, at, idx
 
@@ -269,12 +267,14 @@ class RingCursor:
         if count <= ring.max_chunks:
             # It fits the ring: every chunk it needs is free before any is written.
             for idx in self._ahead(count):
-                self._free(idx, wait_free)
+                if not ring.chunk_free(idx):
+                    wait_free(idx)
         first = True
         try:
             while segments:
                 idx = self.idx
-                self._free(idx, wait_free)
+                if not ring.chunk_free(idx):
+                    wait_free(idx)
                 buf = ring.begin_write(idx)
                 at = ring.chunk_at[idx]
                 pos = at + MSG_OFFSET

@@ -227,6 +227,21 @@ def test_the_codec_benchmark_counts_each_payloads_own_read(monkeypatch, capsys) 
     assert "valgrind" in capsys.readouterr().out
 
 
+def test_the_codec_benchmark_times_whole_queue_calls_each_read() -> None:
+    from benchmarks import bench_codec
+
+    writer, reader = bench_codec._local_queue()
+    try:
+        enqueue_us, dequeue_us = bench_codec._queue_calls_us(writer, reader, {"a": 1}, 16)
+        assert 0 < enqueue_us < 10_000 and 0 < dequeue_us < 10_000
+        # Every timed message was read: the next one read is the next one sent.
+        writer.enqueue("last", timeout=5)
+        assert reader.dequeue(timeout=5) == "last"
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_the_collectives_instruction_count_runs_both_ranks_phases_in_step(
     tmp_path, monkeypatch, capsys
 ) -> None:
