@@ -153,8 +153,9 @@ class QueueEnd:
         """Take ``_call_lock`` for an enqueue/dequeue/acquire, whose try block then sets
         ``_in_call``: at once, or once another thread's call ends, at most to this
         call's deadline (``enqueue`` and ``dequeue`` first try to take it at once
-        themselves, when this thread does not hold it, and call this when that fails). An exception a signal handler raises can land just after
-        the lock was taken, before the call's try block: the lock is then this
+        themselves, when this thread does not hold it, and call this when that
+        fails). An exception a signal handler raises can land just after the
+        lock was taken, before the call's try block: the lock is then this
         thread's with no call of it running, and is taken back here (every later
         call waited for it to its deadline, or for ever). A call made while one of
         this thread's runs (from that signal handler, or a callback of the call) is

@@ -150,7 +150,9 @@ class ReaderEnd(QueueEnd):
         def quick() -> None:
             self._check_open()
             if ring.shutdown_flag:
-                raise ClosedError(f"{self.what}: the writer shut the queue down")
+                raise ClosedError(
+                    f"{self.what}: the writer shut the queue down (rank {self.writer_rank})"
+                )
 
         def slow() -> None:
             self._check_writer_alive(operation)

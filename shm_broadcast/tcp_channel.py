@@ -473,7 +473,9 @@ class TcpReader:
                 return kind, body
             if kind == KIND_SHUTDOWN:
                 self.in_step = False
-                raise ClosedError(f"{self.what}: the writer shut the queue down")
+                raise ClosedError(
+                    f"{self.what}: the writer shut the queue down (rank {self.writer_rank})"
+                )
             if kind == KIND_READY:
                 self.in_step = False
                 return kind, body

@@ -419,7 +419,8 @@ def _comm_sweep(rank: int, world: int, seed: int, gloo_debug: bool) -> dict[str,
         unpaired |= entry["changed"] != entry["call"] and not kinds <= COLLECTIVES
         try:
             right = _comm_step(comm, rank, step, call["kind"], call["n"])
-        except ClosedError:
+        except ClosedError:  # raised by this call too: a peer's or an earlier failure closed it
+            counts["raised"] += 1
             counts["end"] = "closed"
             break
         except GroupcoordError:
