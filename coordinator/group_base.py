@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup
 
 from device_communicators import checks
 from device_communicators.base_device_communicator import DeviceCommunicatorBase
-from device_communicators.shm_phases import QUEUE_CALLS, Traffic, groups_alive
+from device_communicators.shm_phases import QUEUE_CALLS, Traffic, closing_reason, groups_alive
 from device_communicators.shm_reduce import settle_torch_pool
 from device_communicators.shm_small import SmallCalls
 from shm_broadcast.config import (
@@ -591,11 +591,25 @@ class GroupBase:
         except BaseException as exc:
             error = self._failure_of(operation, exc)
             self._ended_with(operation, error)
+            if isinstance(error, DesyncError) and self._failure is None:
+                error = self._closed_by(error)
             if error is exc:
                 raise
             raise error from exc
         self._collective_seq += 1
         return out
+
+    def _closed_by(self, error: DesyncError) -> DesyncError:
+        """A collective's own check found the ranks' calls or counts differ (every rank
+        raises alike: they compare one gathered table), where its path closed nothing:
+        a Gloo part-length exchange, an EP manager's ``debug_desync`` check. The group
+        closes on this rank, as the shared-memory path's checks close it (row 95 of
+        docs/RELIABILITY.md): a rank may have skipped a call, and same-shaped calls
+        would then pair a call apart. The error it raises says so."""
+        reason = closing_reason(self.unique_name, None, None, elsewhere=[])
+        assert reason is not None  # (calls that differ always give one)
+        self._close_here(reason)
+        return DesyncError(f"{error}; {reason}")
 
     def _p2p(self, operation: str, peer: int, fn: Any, *args: Any) -> Any:
         """Run one point-to-point transfer with in-group ``peer``; failures name the peer."""

@@ -264,6 +264,34 @@ def test_debug_desync_catches_the_same_on_the_gloo_path(case, world):
         assert "dsy:0 is unusable after an earlier failure" in got["after"], got["after"]
 
 
+def _gloo_parts_that_do_not_join(rank: int, world: int) -> tuple[str, str]:
+    from coordinator.group_coordinator import GroupCoordinator
+    from shm_broadcast.config import set_config
+    from shm_broadcast.errors import DesyncError
+
+    set_config(disable_shm_all_reduce=True)  # Gloo, debug_desync off
+    init_gloo(rank, world)
+    group = GroupCoordinator([list(range(world))], rank, "gloo", True, group_name="dsy")
+    try:
+        with pytest.raises(DesyncError) as raised:  # the part-length exchange's check
+            group.all_gatherv(torch.ones(rank + 1, 3 + rank), dim=0)
+        return str(raised.value), _refused(lambda: group.all_reduce(torch.ones(4)))
+    finally:
+        group.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gloo_groups_parts_that_cannot_join_close_it_on_every_rank(world):
+    # Until 2026-11-30 the group went on after this check (and an EP manager's
+    # debug_desync check) on the Gloo path, where the shared-memory path's checks
+    # close it (row 95): a rank may have skipped a call, and the same-shaped calls
+    # after it would pair a call apart.
+    for rank, (raised, after) in enumerate(run_ranks(_gloo_parts_that_do_not_join, world)):
+        assert f"this rank: torch.float32, shape ({rank + 1}, {3 + rank})" in raised, raised
+        assert "cannot concatenate" in raised and "dsy:0 is closed on every rank" in raised
+        assert "dsy:0 is unusable after an earlier failure" in after, after
+
+
 CALLS_PAST_WRAP = (1 << 19) + 3  # the call number's stamp holds 19 bits
 
 
