@@ -599,6 +599,10 @@ def test_shm_ring_buffer_with_vllms_constructor_handle_and_views() -> None:
                 flags[0] = 1
             with other.get_metadata(2) as flags:
                 assert bytes(flags) == b"\x01\x00\x00"
+            # Each chunk's flags on a cache line of its own: a reader's release of one
+            # chunk and the writer's publish of the next store to different lines.
+            starts = [ring.address + at for at in ring.written_at]
+            assert all(at % 64 == 0 for at in starts), starts
         finally:
             other.close()
         with pytest.raises(GroupcoordValueError, match="not the"):
