@@ -371,6 +371,6 @@ def deadline_of(timeout: float | datetime.timedelta | None) -> tuple[float, floa
     """(seconds, monotonic deadline) of a queue wait; None waits without a deadline
     (liveness checks still end it when a peer dies)."""
     if timeout is None:
-        return math.inf, math.inf
+        return NO_DEADLINE
     timeout_s = resolve_timeout(timeout)
     return timeout_s, time.monotonic() + timeout_s
